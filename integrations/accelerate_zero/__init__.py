@@ -1,0 +1,1 @@
+"""Accelerate front-end for zero_strategy (in progress: see the project issues)."""

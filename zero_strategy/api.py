@@ -1,0 +1,80 @@
+"""The public functions of the core. Front-ends (Lightning, Accelerate) use only these."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from zero_strategy.config import ZeroConfig
+from zero_strategy.engine import ZeroEngine, get_engine, live_engines, swap_module_class
+from zero_strategy.optimizer import bind_optimizer, build_optimizer
+
+__all__ = ["backward", "clip_grad_norm_", "full_grad", "initialize", "memory_stats"]
+
+ConfigLike = ZeroConfig | Mapping[str, Any] | str | None
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    *,
+    config: ConfigLike = None,
+    process_group: Any = None,
+    **overrides: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Shard ``optimizer`` (and, with stage 2, gradients) of ``model`` across the ranks of
+    ``process_group`` (default: the default group; none needed for a single process).
+
+    ``config`` is a :class:`ZeroConfig`, a dict (DeepSpeed key names), or a YAML/JSON path;
+    ``overrides`` are ZeroConfig fields given explicitly (they win over the file; a conflicting
+    value in the file raises). Returns the same ``model`` and ``optimizer`` objects, changed in
+    place: call ``model(...)``, ``loss.backward()``, ``optimizer.step()`` and
+    ``optimizer.zero_grad()`` as usual.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, "_zero_engine", None) is not None:
+        raise RuntimeError("initialize(): this model is already managed by zero_strategy; initialize each model once")
+    cfg = ZeroConfig.coerce(config)
+    if overrides:
+        from zero_strategy.config import resolve_overrides
+
+        cfg = resolve_overrides(cfg, source="initialize() keyword arguments", **overrides)
+    opt = build_optimizer(optimizer, model)
+    engine = ZeroEngine(model, cfg, process_group)
+    swap_module_class(model, engine)
+    engine.optimizer = bind_optimizer(opt, engine)  # type: ignore[attr-defined]
+    return model, engine.optimizer  # type: ignore[attr-defined]
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip by the global gradient norm over all ranks' shards; same as ``optimizer.clip_grad_norm_``."""
+    return get_engine(model).clip_grad_norm_(max_norm, norm_type)
+
+
+def _engine_for(model: nn.Module | None, call: str) -> ZeroEngine:
+    if model is not None:
+        return get_engine(model)
+    engines = live_engines()
+    if len(engines) != 1:
+        raise RuntimeError(
+            f"{call}: {len(engines)} zero_strategy engines are live; pass model= to say which one"
+        )
+    return engines[0]
+
+
+def backward(loss: torch.Tensor, *, model: nn.Module | None = None, **kwargs: Any) -> None:
+    """``loss.backward()`` with the engine's fp16 loss scale applied (plain backward otherwise)."""
+    _engine_for(model, "zero_strategy.backward()").scale_loss(loss).backward(**kwargs)
+
+
+def full_grad(model: nn.Module, param: torch.Tensor) -> torch.Tensor | None:
+    """The full, averaged gradient of ``param`` (None if no rank had one). Collective."""
+    return get_engine(model).full_grad(param)
+
+
+def memory_stats(model: nn.Module) -> dict[str, int]:
+    """Bytes this rank holds for the model, by kind (see ``ZeroEngine.memory_stats``)."""
+    return get_engine(model).memory_stats()

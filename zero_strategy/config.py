@@ -1,0 +1,769 @@
+"""Configuration for the ZeRO engine: typed, frozen, validated on construction.
+
+``ZeroConfig`` is built from keyword arguments, from a DeepSpeed-style mapping or
+file (``zero_optimization``, ``bf16``, ``fp16``, ... as DeepSpeed and Hugging Face
+write them), or from the flat form that ``ZeroConfig.to_dict`` produces.  Every
+user error raises ``ValueError``/``TypeError`` naming the key, the bad value and
+how to fix it.  DeepSpeed keys that this engine accepts but does not act on are
+reported once per read with a ``UserWarning``; any other unknown key is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+__all__ = [
+    "LossScaleConfig",
+    "OffloadConfig",
+    "PrecisionConfig",
+    "ZeroConfig",
+    "resolve_overrides",
+    "unsupported_features",
+]
+
+# --------------------------------------------------------------------------- value parsing
+
+_Rule = Callable[[Any, str], Any]  # (raw value, "where" label for errors) -> coerced value
+
+
+def _in(source: str | None) -> str:
+    return f" (in {source})" if source else ""
+
+
+def _is_auto(value: Any) -> bool:
+    """Hugging Face writes ``"auto"`` for values it fills in itself: read it as "not set"."""
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _parse_number(value: Any, where: str) -> numbers.Real:
+    if isinstance(value, bool):
+        raise TypeError(f"{where}: expected a number, got the bool {value!r}")
+    if isinstance(value, numbers.Real):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        for parse in (int, float):  # "1e9" is a string in YAML 1.1; int() first keeps big ints exact
+            try:
+                return parse(text)
+            except ValueError:
+                pass
+        raise ValueError(f"{where}: could not parse {value!r} as a number")
+    raise TypeError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+
+
+def _to_int(value: Any, where: str, *, minimum: int | None = 0) -> int:
+    number = _parse_number(value, where)
+    if not isinstance(number, numbers.Integral):
+        as_float = float(number)
+        if not (math.isfinite(as_float) and as_float.is_integer()):
+            raise ValueError(f"{where}: expected a whole number, got {value!r}")
+        number = as_float
+    result = int(number)
+    if minimum is not None and result < minimum:
+        bound = "> 0" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{where}: must be {bound}, got {result}")
+    return result
+
+
+def _to_float(
+    value: Any, where: str, *, gt: float | None = None, ge: float | None = None, le: float | None = None
+) -> float:
+    result = float(_parse_number(value, where))
+    if not math.isfinite(result):
+        raise ValueError(f"{where}: must be a finite number, got {value!r}")
+    checks = (
+        (">", gt, gt is None or result > gt),
+        (">=", ge, ge is None or result >= ge),
+        ("<=", le, le is None or result <= le),
+    )
+    for op, bound, ok in checks:
+        if not ok:
+            raise ValueError(f"{where}: must be {op} {bound}, got {result}")
+    return result
+
+
+def _to_bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    hint = "; write true or false without quotes" if isinstance(value, str) else ""
+    raise TypeError(f"{where}: expected true or false, got {type(value).__name__} {value!r}{hint}")
+
+
+def _to_choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    options = ", ".join(repr(c) for c in choices)
+    raise ValueError(f"{where}: {value!r} is not one of {options}")
+
+
+def _int_rule(minimum: int | None) -> Callable[[Any, str], int]:
+    return lambda value, where: _to_int(value, where, minimum=minimum)
+
+
+def _optional(rule: _Rule) -> _Rule:
+    return lambda value, where: None if value is None else rule(value, where)
+
+# --------------------------------------------------------------------------- dtypes
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_REDUCE_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+# Training precision names, including Lightning's. ``None`` means plain fp32 training.
+_PARAM_DTYPES: dict[str, torch.dtype | None] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16-mixed": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "16-mixed": torch.float16, "16": torch.float16,
+    "fp32": None, "float32": None, "32-true": None, "32": None,
+}  # fmt: skip
+_PARAM_DTYPE_HINT = "use 'bf16', 'fp16' or 'fp32' (Lightning's 'bf16-mixed', '16-mixed' and '32-true' also work)"
+
+
+def _to_param_dtype(value: Any, where: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        if value is None or value == torch.float32:
+            return None
+        if value in _DTYPE_NAMES:
+            return value
+        raise ValueError(f"{where}: {value} is not a supported training dtype; {_PARAM_DTYPE_HINT}")
+    if isinstance(value, int) and not isinstance(value, bool) and value in (16, 32):
+        value = str(value)
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in _PARAM_DTYPES:
+            return _PARAM_DTYPES[key]
+        if key.endswith("-true"):
+            raise ValueError(
+                f"{where}: {value!r} (pure low-precision weights without fp32 master copies) is not "
+                "supported; use 'bf16-mixed' or '16-mixed'"
+            )
+        raise ValueError(f"{where}: unknown precision {value!r}; {_PARAM_DTYPE_HINT}")
+    raise TypeError(f"{where}: expected a precision name or torch.dtype, got {type(value).__name__} {value!r}")
+
+
+def _to_reduce_dtype(value: Any, where: str) -> torch.dtype:
+    if isinstance(value, torch.dtype) and value in _DTYPE_NAMES:
+        return value
+    if isinstance(value, str) and value.strip().lower() in _REDUCE_DTYPES:
+        return _REDUCE_DTYPES[value.strip().lower()]
+    raise ValueError(f"{where}: {value!r} is not a supported reduction dtype; use 'fp32', 'bf16' or 'fp16'")
+
+
+def _precision_name(param_dtype: torch.dtype | None) -> str:
+    return "fp32" if param_dtype is None else _DTYPE_NAMES[param_dtype]
+
+
+# --------------------------------------------------------------------------- mapping helpers
+
+
+def _check_keys(
+    block: Any,
+    path: str,
+    source: str | None,
+    valid: Iterable[str],
+    ignored: Iterable[str] = (),
+    moved: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Raise on keys that are neither valid nor ignored; return the dotted paths of ignored keys."""
+    if not isinstance(block, Mapping):
+        label = path or "config"
+        raise TypeError(f"{label}: expected a mapping, got {type(block).__name__} {block!r}{_in(source)}")
+    valid, ignored = frozenset(valid), frozenset(ignored)
+    for key in block:
+        if key in valid or key in ignored:
+            continue
+        full = f"{path}.{key}" if path else str(key)
+        where = f" in {source}" if source else ""
+        candidates = sorted(valid | ignored)
+        close = difflib.get_close_matches(str(key), candidates, n=1)
+        if moved and key in moved:
+            hint = f"did you mean '{moved[key]}'? (it belongs inside that block)"
+        elif close:
+            hint = f"did you mean '{close[0]}'?"
+        else:
+            scope = f"under '{path}'" if path else "at the top level"
+            hint = f"valid keys {scope} are: {', '.join(candidates)}"
+        raise ValueError(f"unknown key '{full}'{where}; {hint}")
+    return [f"{path}.{key}" if path else key for key in block if key in ignored]
+
+
+def _apply(rule: _Rule, value: Any, where: str, source: str | None) -> Any:
+    try:
+        return rule(value, where)
+    except (ValueError, TypeError) as exc:
+        if not source:
+            raise
+        raise type(exc)(f"{exc}{_in(source)}") from None
+
+
+def _read_block(
+    block: Any, path: str, source: str | None, rules: Mapping[str, _Rule]
+) -> dict[str, Any]:
+    """Validate a flat block whose keys are exactly the field names in ``rules``; skip "auto"."""
+    _check_keys(block, path, source, rules)
+    return {
+        key: _apply(rules[key], raw, f"{path}.{key}", source) for key, raw in block.items() if not _is_auto(raw)
+    }
+
+
+def _coerce_fields(obj: Any, rules: Mapping[str, _Rule], prefix: str) -> None:
+    for name, rule in rules.items():
+        object.__setattr__(obj, name, rule(getattr(obj, name), f"{prefix}.{name}"))
+
+
+# --------------------------------------------------------------------------- sub-configs
+
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _to_offload_device(value: Any, where: str) -> str:
+    return "none" if value is None else _to_choice(value, where, _OFFLOAD_DEVICES)
+
+
+def _to_path(value: Any, where: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"{where}: expected a path string, got {type(value).__name__} {value!r}")
+
+
+_OFFLOAD_RULES: dict[str, _Rule] = {
+    "device": _to_offload_device,
+    "nvme_path": _to_path,
+    "pin_memory": _to_bool,
+    "buffer_count": _int_rule(1),
+    "buffer_size": _int_rule(1),
+    "max_in_cpu": _int_rule(0),
+    "fast_init": _to_bool,
+    "pipeline_read": _to_bool,
+    "pipeline_write": _to_bool,
+    "ratio": lambda value, where: _to_float(value, where, ge=0.0, le=1.0),
+}
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where optimizer state or parameters live between uses (DeepSpeed's offload blocks).
+
+    ``nvme_path`` is not required here for ``device="nvme"``: DeepSpeed files may omit
+    it, and the engine checks it when it builds the offload.
+    """
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    fast_init: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self, _OFFLOAD_RULES, "OffloadConfig")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+_PRECISION_RULES: dict[str, _Rule] = {
+    "param_dtype": _to_param_dtype,
+    "reduce_dtype": _to_reduce_dtype,
+}
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Training precision: ``param_dtype`` None is fp32 training; bf16/fp16 keep fp32 master weights.
+
+    Accepts names ("bf16", "fp16", "half", "fp32", Lightning's "bf16-mixed", "16-mixed",
+    "32-true") as well as ``torch.dtype`` values; they are stored as ``torch.dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self, _PRECISION_RULES, "PrecisionConfig")
+
+    @property
+    def mixed(self) -> bool:
+        return self.param_dtype is not None
+
+
+
+_LOSS_SCALE_RULES: dict[str, _Rule] = {
+    "initial_scale_power": _int_rule(0),
+    "loss_scale": lambda value, where: _to_float(value, where, ge=0.0),
+    "loss_scale_window": _int_rule(1),
+    "hysteresis": _int_rule(1),
+    "min_loss_scale": lambda value, where: _to_float(value, where, gt=0.0),
+    "consecutive_hysteresis": _to_bool,
+}
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """fp16 loss scaling. ``loss_scale`` 0 means dynamic scaling; a positive value is a static scale."""
+
+    initial_scale_power: int = 16
+    loss_scale: float = 0.0
+    loss_scale_window: int = 1000
+    # DeepSpeed's default hysteresis is 2 (tolerate one overflow before halving). Ours is 1:
+    # halve the scale on every overflow, as torch.amp.GradScaler does. An explicit
+    # ``hysteresis`` in a DeepSpeed file is honoured.
+    hysteresis: int = 1
+    min_loss_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self, _LOSS_SCALE_RULES, "LossScaleConfig")
+
+    @property
+    def dynamic(self) -> bool:
+        return self.loss_scale == 0.0
+
+
+def _nested_reader(
+    cls: type, rules: Mapping[str, _Rule], shorthand: str = "", scalars: tuple[type, ...] = ()
+) -> Callable[..., Any]:
+    """Reader for a sub-config field: an instance, None (defaults), a mapping, or a scalar of type
+    ``scalars`` that sets field ``shorthand`` (``offload_optimizer="cpu"``, ``precision="bf16"``)."""
+
+    def read(value: Any, where: str, source: str | None = None) -> Any:
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls()
+        if isinstance(value, Mapping):
+            return cls(**_read_block(value, where, source, rules))
+        if not isinstance(value, scalars) or isinstance(value, bool):
+            raise TypeError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}{_in(source)}")
+        return cls(**{shorthand: _apply(rules[shorthand], value, where, source)})
+
+    return read
+
+
+# --------------------------------------------------------------------------- ZeroConfig
+
+
+def _to_stage(value: Any, where: str) -> int:
+    stage = _to_int(value, where, minimum=None)
+    if stage == 0:
+        raise ValueError(
+            f"{where}: stage 0 is plain data parallelism; use torch DDP "
+            "(DistributedDataParallel) for it, or choose stage 1, 2 or 3"
+        )
+    if stage not in (1, 2, 3):
+        raise ValueError(f"{where}: {stage} is not a ZeRO stage; use 1, 2 or 3")
+    return stage
+
+
+_ZERO_RULES: dict[str, _Rule] = {
+    "stage": _to_stage,
+    "reduce_bucket_size": _int_rule(1),
+    "allgather_bucket_size": _int_rule(1),
+    "overlap_comm": _to_bool,
+    "contiguous_gradients": _to_bool,
+    "reduce_scatter": _to_bool,
+    "allgather_partitions": _to_bool,
+    "stage3_max_live_parameters": _int_rule(0),
+    "stage3_max_reuse_distance": _int_rule(0),
+    "stage3_prefetch_bucket_size": _int_rule(0),
+    "stage3_param_persistence_threshold": _int_rule(0),
+    "stage3_gather_16bit_weights_on_model_save": _to_bool,
+    "sub_group_size": _int_rule(1),
+    "gradient_clipping": _optional(lambda value, where: _to_float(value, where, gt=0.0)),
+    "gradient_accumulation_steps": _optional(_int_rule(1)),
+    "comm_timeout": lambda value, where: _to_float(value, where, gt=0.0),
+    "prefetch": _int_rule(0),
+    "check_unit_order": _to_bool,
+    "collective_impl": lambda value, where: _to_choice(value, where, ("auto", "native", "p2p")),
+}
+_NESTED: dict[str, Callable[[Any, str, str | None], Any]] = {
+    "offload_optimizer": _nested_reader(OffloadConfig, _OFFLOAD_RULES, "device", (str,)),
+    "offload_param": _nested_reader(OffloadConfig, _OFFLOAD_RULES, "device", (str,)),
+    "precision": _nested_reader(PrecisionConfig, _PRECISION_RULES, "param_dtype", (str, torch.dtype, int)),
+    "loss_scale": _nested_reader(LossScaleConfig, _LOSS_SCALE_RULES),
+}
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Settings of the ZeRO engine. Field names follow DeepSpeed's ``zero_optimization`` keys.
+
+    Nested fields accept mappings (and ``precision`` a name such as ``"bf16"``); numbers
+    accept integral floats and numeric strings such as ``"1e9"``.
+
+    ``_explicit`` records the fields a file or mapping set (``from_dict`` fills it). When it
+    is empty, as for plain keyword construction, whether a field was set is unknown and
+    ``explicitly_set`` falls back to "differs from the default". For ``precision``, "set"
+    means the training dtype was chosen (bf16/fp16 enabled); ``reduce_dtype`` alone does
+    not count.
+    """
+
+    stage: int = 2
+    reduce_bucket_size: int = 8_000_000  # elements
+    allgather_bucket_size: int = 8_000_000  # elements
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    allgather_partitions: bool = True
+    offload_optimizer: OffloadConfig = OffloadConfig()
+    offload_param: OffloadConfig = OffloadConfig()
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    sub_group_size: int = 1_000_000_000
+    precision: PrecisionConfig = PrecisionConfig()
+    loss_scale: LossScaleConfig = LossScaleConfig()
+    gradient_clipping: float | None = None
+    gradient_accumulation_steps: int | None = None
+    # zero_strategy's own knobs
+    comm_timeout: float = 300.0  # seconds
+    prefetch: int = 1  # units gathered ahead of use
+    check_unit_order: bool = True
+    collective_impl: str = "auto"
+    _explicit: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self, _ZERO_RULES, "ZeroConfig")
+        for name, reader in _NESTED.items():
+            object.__setattr__(self, name, reader(getattr(self, name), f"ZeroConfig.{name}", None))
+        explicit = frozenset(self._explicit)
+        unknown = sorted(explicit - set(_FIELD_NAMES))
+        if unknown:
+            raise ValueError(f"ZeroConfig._explicit: unknown field names {unknown}; use names of ZeroConfig fields")
+        object.__setattr__(self, "_explicit", explicit)
+
+    # -- queries ----------------------------------------------------------------------
+
+    def explicitly_set(self, name: str) -> bool:
+        """Whether ``name`` was set by the user (see the class docstring for the rule)."""
+        _check_field_name(name, ValueError, "ZeroConfig.explicitly_set()")
+        if self._explicit:
+            return name in self._explicit
+        if name == "precision":
+            return self.precision.param_dtype is not None
+        return getattr(self, name) != _DEFAULTS[name]
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        """A copy with ``changes`` applied; the changed fields count as explicitly set."""
+        for name in changes:
+            _check_field_name(name, TypeError, "ZeroConfig.replace()")
+        base = self._explicit or {n for n in _FIELD_NAMES if self.explicitly_set(n)}
+        return dataclasses.replace(self, _explicit=frozenset(base) | frozenset(changes), **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A flat, JSON-serialisable dict of the fields; ``from_dict`` reads it back."""
+        out: dict[str, Any] = {}
+        for name in _FIELD_NAMES:
+            value = getattr(self, name)
+            if dataclasses.is_dataclass(value):
+                value = {k: _DTYPE_NAMES.get(v, v) for k, v in dataclasses.asdict(value).items()}
+            out[name] = value
+        return out
+
+    # -- readers ----------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "<dict>") -> ZeroConfig:
+        """Read a DeepSpeed-style mapping, or the flat form written by ``to_dict``."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"ZeroConfig.from_dict: expected a mapping, got {type(d).__name__} (from {source})")
+        keys = set(d)
+        if keys and keys <= set(_FIELD_NAMES) and not keys <= _DS_TOP_KEYS:
+            return _read_native(d, source)
+        return _DeepSpeedReader(source).read(d)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ZeroConfig:
+        """Read a ``.yaml``/``.yml`` or ``.json`` file (DeepSpeed-style or flat)."""
+        file = Path(path)
+        source = os.fspath(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"zero_strategy config file not found: {source}")
+        suffix = file.suffix.lower()
+        text = file.read_text(encoding="utf-8")
+        try:
+            if suffix in (".yaml", ".yml"):
+                data = yaml.safe_load(text)
+            elif suffix == ".json":
+                data = json.loads(text)
+            else:
+                raise ValueError(
+                    f"{source}: unsupported config file type {suffix or '(none)'!r}; use .yaml, .yml or .json"
+                )
+        except (yaml.YAMLError, json.JSONDecodeError) as exc:
+            raise ValueError(f"could not parse {source}: {exc}") from None
+        if not isinstance(data, Mapping):
+            got = "an empty file" if data is None else f"a {type(data).__name__}"
+            raise ValueError(f"{source}: the top level must be a mapping of config keys, got {got}")
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def coerce(cls, obj: Any) -> ZeroConfig:
+        """A ZeroConfig from a ZeroConfig, a mapping, a file path, or None (defaults)."""
+        if isinstance(obj, ZeroConfig):
+            return obj
+        if obj is None:
+            return cls()
+        if isinstance(obj, Mapping):
+            return cls.from_dict(obj)
+        if isinstance(obj, (str, os.PathLike)):
+            return cls.from_file(obj)
+        raise TypeError(
+            f"cannot build a ZeroConfig from {type(obj).__name__} {obj!r}; pass a ZeroConfig, a mapping, "
+            "a path to a .yaml/.json file, or None for the defaults"
+        )
+
+
+_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ZeroConfig) if f.name != "_explicit")
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+
+
+def _check_field_name(name: str, error: type[Exception], caller: str) -> None:
+    if name in _FIELD_NAMES:
+        return
+    close = difflib.get_close_matches(name, _FIELD_NAMES, n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"ZeroConfig fields are: {', '.join(_FIELD_NAMES)}"
+    raise error(f"{caller}: unknown setting {name!r}; {hint}")
+
+
+def _read_field(name: str, raw: Any, where: str, source: str) -> Any:
+    if name in _NESTED:
+        return _NESTED[name](raw, where, source)
+    return _apply(_ZERO_RULES[name], raw, where, source)
+
+
+def _read_native(d: Mapping[str, Any], source: str) -> ZeroConfig:
+    values = {key: _read_field(key, raw, key, source) for key, raw in d.items() if not _is_auto(raw)}
+    return ZeroConfig(**values, _explicit=frozenset(values))
+
+
+# --------------------------------------------------------------------------- DeepSpeed reader
+
+# DeepSpeed zero_optimization key -> ZeroConfig field.
+_ZERO_BLOCK_KEYS: dict[str, str] = {
+    **{name: name for name in (
+        "stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
+        "reduce_bucket_size", "contiguous_gradients", "offload_param", "offload_optimizer",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save", "sub_group_size",
+    )},
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+}  # fmt: skip
+_ZERO_BLOCK_IGNORED = (
+    "round_robin_gradients", "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
+    "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather",
+    "memory_efficient_linear", "stage3_module_granularity_threshold", "use_multi_rank_bucket_allreduce",
+    "log_trace_cache_warnings", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory",
+    "legacy_stage1", "pipeline_loading_checkpoint", "override_module_apply", "use_all_reduce_for_fetch_params",
+)  # fmt: skip
+_BF16_KEYS = ("enabled",)
+_BF16_IGNORED = ("immediate_grad_update", "check_grad_overflow")
+_FP16_KEYS = ("enabled", *_LOSS_SCALE_RULES)
+_FP16_IGNORED = ("auto_cast", "fp16_master_weights_and_grads")
+_OWN_BLOCK_KEYS = ("comm_timeout", "prefetch", "check_unit_order", "collective_impl", "reduce_dtype")
+# Top-level keys owned by the training loop or front-end: accepted, ignored, reported.
+_FRONTEND_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print", "wall_clock_breakdown",
+    "dump_state", "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "amp", "activation_checkpointing",
+    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comms_logger", "data_types", "memory_breakdown",
+    "checkpoint", "aio", "compression_training", "data_efficiency", "elasticity", "autotuning",
+    "seq_parallel_communication_data_type",
+)  # fmt: skip
+_TOP_KEYS = (
+    "zero_optimization", "bf16", "fp16", "communication_data_type",
+    "gradient_clipping", "gradient_accumulation_steps", "zero_strategy",
+)  # fmt: skip
+_DS_TOP_KEYS = frozenset(_TOP_KEYS) | frozenset(_FRONTEND_KEYS)
+
+
+def _ds_clip(value: Any, where: str) -> float | None:
+    """DeepSpeed's gradient_clipping: 0 is its default, "off", and is read as "not set"."""
+    clip = _to_float(value, where, ge=0.0)
+    return None if clip == 0.0 else clip
+
+
+class _DeepSpeedReader:
+    """One pass over a DeepSpeed-style mapping, collecting ZeroConfig fields and ignored keys."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.values: dict[str, Any] = {}
+        self.where: dict[str, str] = {}
+        self.ignored: list[str] = []
+
+    def put(self, name: str, value: Any, where: str) -> None:
+        if name in self.values and self.values[name] != value:
+            raise ValueError(
+                f"{where}={value!r} conflicts with {self.where[name]}={self.values[name]!r} in {self.source}; "
+                "set only one of them"
+            )
+        self.values[name], self.where[name] = value, where
+
+    def leaf(self, block: Mapping[str, Any], key: str, path: str, rule: _Rule) -> Any:
+        """The coerced value of ``block[key]``, or None when it is missing or "auto"."""
+        raw = block.get(key)
+        if raw is None or _is_auto(raw):
+            return None
+        return _apply(rule, raw, f"{path}.{key}" if path else key, self.source)
+
+    def block(self, d: Mapping[str, Any], key: str, valid: Iterable[str], ignored: Iterable[str] = ()) -> Mapping:
+        raw = d.get(key)
+        if raw is None or _is_auto(raw):
+            return {}
+        self.ignored += _check_keys(raw, key, self.source, valid, ignored)
+        return raw
+
+    def read(self, d: Mapping[str, Any]) -> ZeroConfig:
+        moved = {key: f"zero_optimization.{key}" for key in _ZERO_BLOCK_KEYS}
+        frontend = _check_keys(d, "", self.source, _DS_TOP_KEYS, _FRONTEND_KEYS, moved=moved)
+        self._zero_block(self.block(d, "zero_optimization", _ZERO_BLOCK_KEYS, _ZERO_BLOCK_IGNORED))
+        own = self.block(d, "zero_strategy", _OWN_BLOCK_KEYS)
+        for key in _OWN_BLOCK_KEYS:
+            if key != "reduce_dtype":
+                self.put_leaf(own, key, "zero_strategy", _ZERO_RULES[key])
+        self.put_leaf(d, "gradient_accumulation_steps", "", _ZERO_RULES["gradient_accumulation_steps"])
+        self.put_leaf(d, "gradient_clipping", "", _ds_clip)
+        precision = self._precision(d, own)  # may set loss_scale
+        explicit = set(self.values)
+        if precision is not None:
+            self.values["precision"] = precision
+            if precision.mixed:
+                explicit.add("precision")
+        cfg = ZeroConfig(**self.values, _explicit=frozenset(explicit))
+        self._warn(frontend)
+        return cfg
+
+    def put_leaf(self, block: Mapping[str, Any], key: str, path: str, rule: _Rule) -> None:
+        """Set field ``key`` from ``block[key]`` unless it is missing or "auto"."""
+        value = self.leaf(block, key, path, rule)
+        if value is not None:
+            self.put(key, value, f"{path}.{key}" if path else key)
+
+    def _zero_block(self, block: Mapping[str, Any]) -> None:
+        for key, raw in block.items():
+            name = _ZERO_BLOCK_KEYS.get(key)
+            if name is None or raw is None or _is_auto(raw):
+                continue
+            where = f"zero_optimization.{key}"
+            self.put(name, _read_field(name, raw, where, self.source), where)
+
+    def _precision(self, d: Mapping[str, Any], own: Mapping[str, Any]) -> PrecisionConfig | None:
+        bf16 = self.block(d, "bf16", _BF16_KEYS, _BF16_IGNORED)
+        fp16 = self.block(d, "fp16", _FP16_KEYS, _FP16_IGNORED)
+        bf16_on = self.leaf(bf16, "enabled", "bf16", _to_bool) is True
+        fp16_on = self.leaf(fp16, "enabled", "fp16", _to_bool) is True
+        if bf16_on and fp16_on:
+            raise ValueError(f"bf16.enabled and fp16.enabled are both true in {self.source}; enable at most one")
+        scale = {key: self.leaf(fp16, key, "fp16", rule) for key, rule in _LOSS_SCALE_RULES.items()}
+        scale = {key: value for key, value in scale.items() if value is not None}
+        if scale:
+            self.put("loss_scale", LossScaleConfig(**scale), "fp16")
+        reduce = {}
+        for block, key, path in ((d, "communication_data_type", ""), (own, "reduce_dtype", "zero_strategy")):
+            value = self.leaf(block, key, path, _to_reduce_dtype)
+            if value is not None:
+                reduce[f"{path}.{key}" if path else key] = value
+        if len(set(reduce.values())) > 1:
+            (first, a), (second, b) = reduce.items()
+            raise ValueError(
+                f"{first}={_DTYPE_NAMES[a]} conflicts with {second}={_DTYPE_NAMES[b]} in {self.source}; "
+                "set only one of them"
+            )
+        if not (bf16_on or fp16_on or reduce):
+            return None
+        param = torch.bfloat16 if bf16_on else torch.float16 if fp16_on else None
+        return PrecisionConfig(param_dtype=param, reduce_dtype=next(iter(reduce.values()), torch.float32))
+
+    def _warn(self, frontend: list[str]) -> None:
+        reasons = (
+            (self.ignored, f"zero_strategy does not implement these DeepSpeed options and ignores them "
+                           f"(in {self.source})"),
+            (frontend, f"zero_strategy ignores these top-level DeepSpeed keys in {self.source} because the "
+                       "training loop / front-end owns them"),
+        )  # fmt: skip
+        for keys, reason in reasons:
+            if keys:
+                warnings.warn(f"{reason}: {', '.join(keys)}", UserWarning, stacklevel=4)
+
+
+# --------------------------------------------------------------------------- engine-facing helpers
+
+
+def unsupported_features(cfg: ZeroConfig) -> list[str]:
+    """Human-readable names of requested features the engine does not implement yet."""
+    if not isinstance(cfg, ZeroConfig):
+        raise TypeError(f"unsupported_features: expected a ZeroConfig, got {type(cfg).__name__}")
+    found = []
+    for name in ("offload_optimizer", "offload_param"):
+        offload: OffloadConfig = getattr(cfg, name)
+        if offload.enabled:
+            found.append(f"{name} (device={offload.device!r})")
+    return found
+
+
+def _show(name: str, value: Any) -> str:
+    if name == "precision":
+        return value if isinstance(value, str) else _precision_name(value)
+    return repr(value)
+
+
+def resolve_overrides(cfg: ZeroConfig, *, source: str, **explicit: Any) -> ZeroConfig:
+    """Apply settings given outside the config (e.g. by a front-end), refusing silent conflicts.
+
+    Each keyword is a ZeroConfig field name; None means "not given". A value that differs
+    from one the config set explicitly raises ValueError naming both places; otherwise the
+    value is applied. ``precision`` takes a name or dtype ("bf16-mixed", torch.float16, ...)
+    and changes only the training dtype, keeping the config's reduce dtype. Callers pass
+    None for settings the user left at their own defaults (e.g. Lightning's "32-true").
+    """
+    if not isinstance(cfg, ZeroConfig):
+        raise TypeError(f"resolve_overrides: expected a ZeroConfig, got {type(cfg).__name__}")
+    changes: dict[str, Any] = {}
+    for name, value in explicit.items():
+        _check_field_name(name, TypeError, "resolve_overrides()")
+        if value is None:
+            continue
+        try:
+            if name != "precision":
+                applied = getattr(dataclasses.replace(cfg, **{name: value}), name)
+                old, new = getattr(cfg, name), applied
+            elif isinstance(value, (PrecisionConfig, Mapping)):
+                raise TypeError("precision: pass a name such as 'bf16-mixed' or a torch.dtype, not a config")
+            else:
+                old, new = cfg.precision.param_dtype, _to_param_dtype(value, "precision")
+                applied = dataclasses.replace(cfg.precision, param_dtype=new)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{exc} (from {source})") from None
+        if old != new and cfg.explicitly_set(name):
+            raise ValueError(
+                f"{name}={_show(name, old)} from the config conflicts with {name}={_show(name, value)} "
+                f"from {source}; set it in one place only"
+            )
+        changes[name] = applied
+    return cfg.replace(**changes) if changes else cfg

@@ -1,0 +1,446 @@
+"""The engine behind ``zero_strategy.initialize``: one per model.
+
+It owns the communication context, the shard groups (parameters, master pieces, gradient
+shards), the gradient reducer and the precision policy, and drives them from module hooks and
+optimizer step hooks. States are explicit and every transition checks where it starts from.
+
+What ``p.grad`` holds (``p`` a model parameter):
+
+- ZeRO-1: the full *local* gradient through backward and accumulation; at the optimizer step
+  it is reduced and freed, so after ``step()`` it is ``None``.
+- ZeRO-2: ``None`` after each backward (each bucket is reduce-scattered and freed as soon as
+  it is ready); inside ``no_sync()`` the full local gradient accumulates there instead.
+- Both: this rank's averaged gradient pieces are the ``.grad`` of the optimizer's master
+  pieces after ``clip_grad_norm_`` or during ``step()``. ``zero_strategy.full_grad(model, p)``
+  returns the full averaged gradient (a collective: call it on every rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from enum import Enum, auto
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from zero_strategy import collectives as C
+from zero_strategy.config import ZeroConfig, unsupported_features
+from zero_strategy.grads import GradReducer, ReduceAtStep, ReduceInBackward
+from zero_strategy.group import InPlaceMasters, SeparateMasters, ShardGroup, build_groups
+from zero_strategy.precision import LossScaler, MixedPrecision, select_precision
+
+__all__ = ["GradState", "TrainingState", "ZeroEngine", "ZeroModule", "get_engine", "live_engines"]
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD = auto()
+
+
+class GradState(Enum):
+    EMPTY = auto()  # no gradient since the last zero_grad
+    ACCUMULATING = auto()  # local gradients and/or partly reduced shards
+    FINAL = auto()  # reduced everywhere, flags agreed, master grads set
+
+
+_LIVE: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
+
+
+def live_engines() -> list["ZeroEngine"]:
+    return list(_LIVE)
+
+
+class ZeroEngine:
+    def __init__(self, module: nn.Module, config: ZeroConfig, process_group: Any = None) -> None:
+        missing = unsupported_features(config)
+        if missing:
+            raise NotImplementedError(
+                f"initialize(): {', '.join(missing)} is not yet supported by zero_strategy; "
+                "remove it from the config (offload is planned, see the project's issues)"
+            )
+        if config.stage not in (1, 2):
+            raise NotImplementedError(f"initialize(): ZeRO stage {config.stage} is not yet supported; use stage 1 or 2")
+        self.module = module
+        self.config = config
+        self.ctx = C.make_context(process_group, config.comm_timeout, config.collective_impl)
+        self.precision = select_precision(config.precision)
+        self.scaler = LossScaler(config.loss_scale, enabled=self.precision.uses_loss_scaling)
+        self.schedule = ReduceAtStep() if config.stage == 1 else ReduceInBackward()
+        self.training_state = TrainingState.IDLE
+        self.grad_state = GradState.EMPTY
+        self.step_count = 0
+        self._sync = True
+        self._sync_buffers_next = True
+        self._backward_callback_queued = False
+        self._clipped_with: float | None = None
+        self._skip_step = False
+        self._hooks: list[Any] = []
+
+        named = _unique_named_parameters(module)
+        self._names = {id(p): n for n, p in named}
+        _check_devices(named, self.ctx)
+        C.broadcast_coalesced(self.ctx, [p.detach() for _, p in named] + list(module.buffers()), what="initial module state")
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not trainable:
+            raise ValueError("initialize(): the model has no parameter with requires_grad=True; nothing to train")
+        policy = SeparateMasters() if isinstance(self.precision, MixedPrecision) else InPlaceMasters()
+        self.groups: list[ShardGroup] = build_groups(
+            list(reversed(trainable)),
+            bucket_numel=config.reduce_bucket_size,
+            world_size=self.ctx.world_size,
+            rank=self.ctx.rank,
+            master_dtype_for=self.precision.master_dtype_for,
+            reduce_dtype_for=self.precision.grad_reduce_dtype,
+            master_policy=policy,
+        )
+        self._master: dict[int, torch.Tensor] = {}
+        for g in self.groups:
+            for p, m in zip(g.params, g.masters):
+                self._master[id(p)] = m
+        with torch.no_grad():
+            for _, p in named:
+                target = self.precision.param_dtype_for(p)
+                if p.dtype != target:
+                    p.data = p.data.to(target)
+        self.reducer = GradReducer(
+            self.groups,
+            self.ctx,
+            max_in_flight=2 if config.overlap_comm else 1,
+            grad_factor=lambda: 1.0 / (self.ctx.world_size * self.scaler.scale),
+            describe_step=lambda: f"step {self.step_count}",
+        )
+        self._install_hooks()
+        _LIVE.add(self)
+
+    # -- queries -------------------------------------------------------------------------
+    def param_names(self) -> dict[int, str]:
+        return self._names
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        return self._master.get(id(p))
+
+    def shard_like(self, p: torch.Tensor, value: Any) -> Any:
+        """This rank's piece of a per-parameter tensor shaped like ``p`` (e.g. optimizer state
+        that exists before ``initialize``); other values are copied as they are."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.shape != p.shape:
+            return value.clone()
+        g, i = self.reducer.locate(p)
+        lo, hi = g.layout.local_range(i)
+        return value.detach().reshape(-1)[lo:hi].clone()
+
+    def _check_state(self, what: str, *allowed: Enum) -> None:
+        current = self.grad_state if isinstance(allowed[0], GradState) else self.training_state
+        if current not in allowed:
+            raise AssertionError(
+                f"rank {self.ctx.rank}: {what} needs state {' or '.join(a.name for a in allowed)}, "
+                f"but the engine is in {current.name} (step {self.step_count})"
+            )
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        m = self.module
+        self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+        self._hooks.append(m.register_forward_hook(self._post_forward))
+        if self.schedule.reduces_in_backward:
+            for g in self.groups:
+                for p in g.params:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._sync_buffers_next:
+            buffers = list(module.buffers())
+            if buffers:  # like DDP's broadcast_buffers: rank 0's buffers win
+                C.broadcast_coalesced(self.ctx, buffers, what=f"module buffers (step {self.step_count})")
+        if self.training_state is TrainingState.IDLE:
+            self.training_state = TrainingState.FORWARD
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        # As DDP: buffers are broadcast before a forward that follows a synced training forward.
+        self._sync_buffers_next = torch.is_grad_enabled() and self._sync
+        if self.training_state is TrainingState.FORWARD:
+            self.training_state = TrainingState.IDLE
+        if not torch.is_grad_enabled():
+            return output
+        if self.grad_state is not GradState.ACCUMULATING:
+            self.grad_state = GradState.ACCUMULATING
+        if self.schedule.reduces_in_backward:
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._on_output_grad)
+        return output
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._queue_end_of_backward()
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._backward_callback_queued:
+            self._backward_callback_queued = True
+            self.training_state = TrainingState.BACKWARD
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_grad_accumulated(self, p: nn.Parameter) -> None:
+        self._queue_end_of_backward()  # normally queued already by an output hook
+        self.grad_state = GradState.ACCUMULATING
+        self.reducer.on_grad_ready(p, sync=self._sync)
+
+    def _end_of_backward(self) -> None:
+        self._backward_callback_queued = False
+        self.training_state = TrainingState.IDLE
+        if self._sync:
+            self.reducer.end_of_backward()
+
+    # -- gradient accumulation ------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate full local gradients without communication (costs a full gradient's
+        memory at ZeRO-2); the first backward after the block reduces the sum."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def finalize_grads(self) -> None:
+        """Finish reduction on every rank and set the master pieces' gradients. Collective."""
+        if self.grad_state is GradState.FINAL:
+            return
+        self._check_state("finalize_grads", GradState.EMPTY, GradState.ACCUMULATING)
+        used = self.reducer.finalize()
+        k = 0
+        for g in self.groups:
+            views = g.master_grad_views()
+            for m, v in zip(g.masters, views):
+                m.grad = v if bool(used[k]) and g.grad_valid else None
+                k += 1
+        self._skip_step = False
+        if self.scaler.enabled:
+            local_bad = any(not bool(torch.isfinite(g.grad_shard).all()) for g in self.groups if g.grad_valid)
+            flag = torch.tensor([1 if local_bad else 0], dtype=torch.int32)
+            C.all_reduce(self.ctx, flag, op="max", what=f"overflow check (step {self.step_count})").wait()
+            self._skip_step = bool(flag.item())
+        self.grad_state = GradState.FINAL
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        return [m.grad for g in self.groups for m in g.masters if m.grad is not None]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _from_config: bool = False) -> torch.Tensor:
+        cfg_clip = self.config.gradient_clipping
+        if not _from_config and cfg_clip is not None and float(max_norm) != float(cfg_clip):
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}) conflicts with gradient_clipping={cfg_clip} from the "
+                "config; clip in one place only (remove gradient_clipping from the config, or call "
+                "clip_grad_norm_ with the same value)"
+            )
+        self.finalize_grads()
+        grads = self._master_grads()
+        norm_type = float(norm_type)
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        if norm_type == float("inf"):
+            local = max((g.abs().max().to(dtype) for g in grads if g.numel()), default=torch.zeros((), dtype=dtype))
+            total = local.reshape(1).clone()
+            C.all_reduce(self.ctx, total, op="max", what=f"gradient norm (step {self.step_count})").wait()
+            total = total[0]
+        else:
+            local = torch.zeros((), dtype=dtype)
+            for g in grads:
+                local += torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
+            total = local.reshape(1).clone()
+            C.all_reduce(self.ctx, total, op="sum", what=f"gradient norm (step {self.step_count})").wait()
+            total = total[0] ** (1.0 / norm_type)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0 and grads and bool(torch.isfinite(total)):
+            torch._foreach_mul_(grads, coef)
+        self._clipped_with = float(max_norm)
+        return total
+
+    # -- optimizer step ------------------------------------------------------------------
+    def before_optimizer_step(self) -> None:
+        self.finalize_grads()
+        if self.config.gradient_clipping is not None and self._clipped_with is None:
+            self.clip_grad_norm_(self.config.gradient_clipping, _from_config=True)
+        if self._skip_step:
+            for g in self.groups:
+                for m in g.masters:
+                    m.grad = None
+
+    def after_optimizer_step(self) -> None:
+        skipped = self._skip_step
+        self.scaler.update(skipped)
+        self._clipped_with = None
+        if not skipped:
+            self._gather_params()
+        self.step_count += 1
+
+    def _gather_params(self) -> None:
+        """All-gather every group's updated pieces into the full parameters."""
+        n = self.ctx.world_size
+        pending: list[tuple[ShardGroup, C.Handle, torch.Tensor]] = []
+
+        def complete(entry: tuple[ShardGroup, C.Handle, torch.Tensor]) -> None:
+            g, h, buf = entry
+            h.wait()
+            with torch.no_grad():
+                g.layout.unpack_full(buf, [p.detach().view(-1) for p in g.params])
+            self.ctx.pool.put(buf)
+
+        for g in self.groups:
+            lay = g.layout
+            dtype = g.params[0].dtype
+            buf = self.ctx.pool.get(n * lay.shard_numel, dtype, g.grad_shard.device)
+            row = buf.view(n, lay.shard_numel)[self.ctx.rank]
+            with torch.no_grad():
+                lay.pack_local([m.detach() for m in g.masters], row)
+            h = C.all_gather(self.ctx, buf, row, what=f"parameters of {g.name} (step {self.step_count})")
+            pending.append((g, h, buf))
+            if len(pending) > self.reducer.max_in_flight:
+                complete(pending.pop(0))
+        for entry in pending:
+            complete(entry)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.reducer.wait_all()
+        for g in self.groups:
+            for p in g.params:
+                p.grad = None
+            for m in g.masters:
+                m.grad = None
+            if not set_to_none:
+                g.grad_shard.zero_()
+        self.reducer.reset_window()
+        self.grad_state = GradState.EMPTY
+
+    # -- loss scaling ----------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler.enabled else loss
+
+    # -- inspection ----------------------------------------------------------------------
+    def full_grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The full averaged gradient of model parameter ``p`` (None if no rank had one).
+        Collective: every rank must call it for the same parameter."""
+        if not self.reducer.manages(p):
+            raise ValueError(
+                f"full_grad(): parameter of shape {tuple(p.shape)} is not a trainable parameter of this model"
+            )
+        self.finalize_grads()
+        g, i = self.reducer.locate(p)
+        lay, n = g.layout, self.ctx.world_size
+        c = lay.chunks[i]
+        flag = torch.tensor([0 if g.masters[i].grad is None else 1], dtype=torch.int32)
+        C.all_reduce(self.ctx, flag, op="max", what=f"full_grad flag of {self._names[id(p)]}").wait()
+        if not flag.item():
+            return None
+        buf = torch.zeros(n * c, dtype=g.master_dtype, device=g.grad_shard.device)
+        row = buf.view(n, c)[self.ctx.rank]
+        piece = lay.local_view(g.grad_shard, i)
+        row[: piece.numel()].copy_(piece)
+        C.all_gather(self.ctx, buf, row, what=f"full_grad of {self._names[id(p)]}").wait()
+        return buf[: p.numel()].view(p.shape).clone()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes held by this rank, by kind: full parameters, gradient shards, fp32 masters that
+        are not views of the parameters, optimizer state of the master pieces, any full
+        gradients still in ``p.grad``, and the communication scratch pool."""
+        seen: set[int] = set()
+
+        def nbytes(t: torch.Tensor | None) -> int:
+            if t is None:
+                return 0
+            key = t.untyped_storage().data_ptr()
+            if key in seen:
+                return 0
+            seen.add(key)
+            return t.untyped_storage().nbytes()
+
+        out = {"params": 0, "grad_shards": 0, "masters": 0, "optimizer_state": 0, "full_grads": 0}
+        for _, p in _unique_named_parameters(self.module):
+            out["params"] += nbytes(p)
+            out["full_grads"] += nbytes(p.grad)
+        for g in self.groups:
+            out["grad_shards"] += nbytes(g.grad_shard)
+            for m in g.masters:
+                out["masters"] += nbytes(m)
+        opt = getattr(self, "optimizer", None)
+        if opt is not None:
+            for st in opt.state.values():
+                for v in st.values():
+                    if isinstance(v, torch.Tensor):
+                        out["optimizer_state"] += nbytes(v)
+        out["model_state"] = sum(out.values())
+        out["comm_scratch"] = self.ctx.pool.nbytes()
+        return out
+
+    def close(self) -> None:
+        """Remove the engine's hooks (the model keeps its current parameters)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        _LIVE.discard(self)
+
+
+class ZeroModule:
+    """Mixin placed in front of the model's class by ``initialize`` (as FSDP2 does)."""
+
+    _zero_engine: ZeroEngine
+
+    @property
+    def zero_engine(self) -> ZeroEngine:
+        return self._zero_engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        eng = self._zero_engine
+        with eng.precision.forward_context(eng.ctx.device.type):
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self._zero_engine.no_sync():
+            yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        self._zero_engine.zero_grad(set_to_none=set_to_none)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self._zero_engine.memory_stats()
+
+
+_SWAPPED: dict[type, type] = {}
+
+
+def swap_module_class(module: nn.Module, engine: ZeroEngine) -> None:
+    cls = type(module)
+    if not issubclass(cls, ZeroModule):
+        if cls not in _SWAPPED:
+            _SWAPPED[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__})
+        module.__class__ = _SWAPPED[cls]
+    module._zero_engine = engine  # type: ignore[attr-defined]
+
+
+def get_engine(module: nn.Module) -> ZeroEngine:
+    eng = getattr(module, "_zero_engine", None)
+    if eng is None:
+        raise ValueError(
+            f"{type(module).__name__} is not managed by zero_strategy; call zero_strategy.initialize(model, optimizer) first"
+        )
+    return eng
+
+
+def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(module.named_parameters(remove_duplicate=True))
+
+
+def _check_devices(named: list[tuple[str, nn.Parameter]], ctx: C.CommContext) -> None:
+    for n, p in named:
+        if p.device.type == "meta":
+            raise ValueError(f"initialize(): parameter '{n}' is on the meta device (never materialised); build it on a real device")
+        if p.device.type != ctx.device.type:
+            raise ValueError(
+                f"initialize(): parameter '{n}' is on {p.device} but the process group communicates on "
+                f"{ctx.device.type}; move the model with model.to('{ctx.device}') before initialize()"
+            )

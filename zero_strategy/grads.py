@@ -1,0 +1,180 @@
+"""Gradient reduction: full local gradients in, averaged gradient shards out.
+
+The mechanism is one :class:`GradReducer`; *when* it reduces is a schedule chosen by type:
+
+- :class:`ReduceAtStep` (ZeRO-1): full gradients stay in ``p.grad`` through backward and
+  accumulation; everything is reduce-scattered once, when the optimizer step needs it. Each
+  bucket's full gradients are freed as soon as it has been reduced.
+- :class:`ReduceInBackward` (ZeRO-2): a post-accumulate-grad hook marks parameters ready; a
+  group is reduce-scattered as soon as it and every group before it are ready (always in
+  group order, so every rank issues the same collectives in the same order), and its full
+  gradients are freed at once. Inside ``no_sync`` nothing is reduced. At the end of backward
+  the remaining groups are reduced in order, with zeros for parameters that got no gradient.
+
+At the optimizer step, :meth:`GradReducer.finalize` waits for what is in flight and does one
+small all-reduce (MAX) of per-parameter flags: "has a gradient this rank has not reduced yet"
+(a late gradient, e.g. from a reentrant checkpoint that re-ran a parameter after its group
+was reduced) and "had any gradient in this accumulation window". Groups with a pending
+gradient anywhere are reduced again (with zeros elsewhere). A parameter that had no gradient
+on any rank ends with ``master.grad = None``, so the optimizer skips it as DDP does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from zero_strategy import collectives as C
+from zero_strategy.group import ShardGroup
+
+__all__ = ["GradReducer", "ReduceAtStep", "ReduceInBackward", "GradSchedule"]
+
+
+@dataclass(frozen=True)
+class ReduceAtStep:
+    reduces_in_backward = False
+
+
+@dataclass(frozen=True)
+class ReduceInBackward:
+    reduces_in_backward = True
+
+
+GradSchedule = ReduceAtStep | ReduceInBackward
+
+
+@dataclass
+class _InFlight:
+    group: ShardGroup
+    handle: C.Handle
+    inp: torch.Tensor
+    out: torch.Tensor
+
+
+class GradReducer:
+    def __init__(
+        self,
+        groups: Sequence[ShardGroup],
+        ctx: C.CommContext,
+        *,
+        max_in_flight: int,
+        grad_factor: Callable[[], float],
+        describe_step: Callable[[], str],
+    ) -> None:
+        self.groups = list(groups)
+        self.ctx = ctx
+        self.max_in_flight = max(1, max_in_flight)
+        self._grad_factor = grad_factor
+        self._describe_step = describe_step
+        self._where: dict[int, tuple[ShardGroup, int, int]] = {}  # id(param) -> (group, i, flat index)
+        flat = 0
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                self._where[id(p)] = (g, i, flat)
+                flat += 1
+        self.num_params = flat
+        self._used = torch.zeros(flat, dtype=torch.int32)
+        self._ready = [0] * len(self.groups)
+        self._launched = [False] * len(self.groups)
+        self._next = 0
+        self._in_flight: deque[_InFlight] = deque()
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def locate(self, p: torch.Tensor) -> tuple[ShardGroup, int]:
+        g, i, _ = self._where[id(p)]
+        return g, i
+
+    def manages(self, p: torch.Tensor) -> bool:
+        return id(p) in self._where
+
+    def on_grad_ready(self, p: nn.Parameter, *, sync: bool) -> None:
+        """Called from a post-accumulate-grad hook (ZeRO-2)."""
+        g, _, flat = self._where[id(p)]
+        self._used[flat] = 1
+        if not sync or self._launched[g.index]:
+            return  # accumulate locally, or a late gradient: finalize() reduces it
+        self._ready[g.index] += 1
+        while self._next < len(self.groups) and self._ready[self._next] >= len(self.groups[self._next].params):
+            self._launch(self.groups[self._next])
+            self._next += 1
+
+    def end_of_backward(self) -> None:
+        """Reduce the groups not launched yet, in order, then wait for all (ZeRO-2)."""
+        while self._next < len(self.groups):
+            self._launch(self.groups[self._next])
+            self._next += 1
+        self.wait_all()
+        self._ready = [0] * len(self.groups)
+        self._launched = [False] * len(self.groups)
+        self._next = 0
+
+    def wait_all(self) -> None:
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
+
+    # -- reduction -----------------------------------------------------------------------
+    def _launch(self, g: ShardGroup) -> None:
+        self._launched[g.index] = True
+        lay, n = g.layout, self.ctx.world_size
+        inp = self.ctx.pool.get(n * lay.shard_numel, g.reduce_dtype, g.grad_shard.device)
+        grads = []
+        for p in g.params:
+            if p.grad is not None:
+                self._used[self._where[id(p)][2]] = 1
+                grads.append(p.grad.reshape(-1))
+            else:
+                grads.append(None)
+        lay.pack_full(grads, inp)
+        for p in g.params:
+            p.grad = None  # the full gradient is not kept once it is in the bucket
+        out = self.ctx.pool.get(lay.shard_numel, g.reduce_dtype, g.grad_shard.device)
+        handle = C.reduce_scatter(self.ctx, out, inp, what=f"gradients of {g.name} ({self._describe_step()})")
+        self._in_flight.append(_InFlight(g, handle, inp, out))
+        if len(self._in_flight) > self.max_in_flight:
+            self._complete(self._in_flight.popleft())
+
+    def _complete(self, f: _InFlight) -> None:
+        f.handle.wait()
+        f.out.mul_(self._grad_factor())
+        g = f.group
+        if g.grad_valid:
+            g.grad_shard.add_(f.out)
+        else:
+            g.grad_shard.copy_(f.out)
+            g.grad_valid = True
+        self.ctx.pool.put(f.inp)
+        self.ctx.pool.put(f.out)
+
+    def finalize(self) -> torch.Tensor:
+        """Reduce whatever is still pending on any rank; return the per-parameter "used on
+        some rank" mask (bool, in group order)."""
+        self.wait_all()
+        flags = torch.zeros(2 * self.num_params, dtype=torch.int32)
+        for g in self.groups:
+            for p in g.params:
+                if p.grad is not None:
+                    flat = self._where[id(p)][2]
+                    flags[flat] = 1
+                    self._used[flat] = 1
+        flags[self.num_params :] = self._used
+        C.all_reduce(self.ctx, flags, op="max", what=f"gradient flags ({self._describe_step()})").wait()
+        pending = flags[: self.num_params].bool()
+        start = 0
+        for g in self.groups:
+            k = len(g.params)
+            if bool(pending[start : start + k].any()):
+                self._launch(g)
+            start += k
+        self.wait_all()
+        self._launched = [False] * len(self.groups)
+        return flags[self.num_params :].bool()
+
+    def reset_window(self) -> None:
+        """Forget gradients (``zero_grad``): the next reduction overwrites each shard."""
+        self._used.zero_()
+        for g in self.groups:
+            g.grad_valid = False

@@ -1,0 +1,130 @@
+"""Shard groups: the parameters that are reduced and gathered together, their fp32 master
+pieces and their gradient shard. No communication here (see ``grads.py`` and ``engine.py``).
+
+Where a master piece lives is a policy chosen by type:
+
+- :class:`InPlaceMasters`: the master piece *is* this rank's slice of the parameter's own
+  storage (same dtype, no offload). The optimizer updates the model in place; no extra bytes.
+- :class:`SeparateMasters`: the master piece is its own tensor in the master dtype (fp32 under
+  mixed precision). Offload backends will be further policies of this shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+from torch import nn
+
+from zero_strategy.layout import ShardLayout
+
+__all__ = ["InPlaceMasters", "MasterPolicy", "SeparateMasters", "ShardGroup", "build_groups"]
+
+
+class MasterPolicy(Protocol):
+    def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    @property
+    def aliases_params(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class InPlaceMasters:
+    @property
+    def aliases_params(self) -> bool:
+        return True
+
+    def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        if param.dtype != dtype:
+            raise AssertionError(f"InPlaceMasters needs the master dtype ({dtype}) to equal the parameter's ({param.dtype})")
+        return nn.Parameter(param.detach().view(-1)[lo:hi])
+
+
+@dataclass(frozen=True)
+class SeparateMasters:
+    device: torch.device | None = None  # None: the parameter's device
+
+    @property
+    def aliases_params(self) -> bool:
+        return False
+
+    def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        piece = param.detach().view(-1)[lo:hi].to(device=self.device or param.device, dtype=dtype, copy=True)
+        return nn.Parameter(piece)
+
+
+class ShardGroup:
+    """Parameters of one dtype that travel in one collective (a bucket, later a ZeRO-3 unit)."""
+
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[nn.Parameter],
+        fqns: Sequence[str],
+        layout: ShardLayout,
+        masters: Sequence[torch.Tensor],
+        reduce_dtype: torch.dtype,
+    ) -> None:
+        self.index = index
+        self.params = list(params)
+        self.fqns = list(fqns)
+        self.layout = layout
+        self.masters = list(masters)
+        self.reduce_dtype = reduce_dtype
+        self.master_dtype = self.masters[0].dtype
+        # This rank's reduced gradient pieces, side by side like the layout's flat row.
+        self.grad_shard = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=self.masters[0].device)
+        self.grad_valid = False  # False: the next reduction overwrites instead of adding
+
+    @property
+    def name(self) -> str:
+        first, last = self.fqns[0], self.fqns[-1]
+        return f"group {self.index} ({first}{' .. ' + last if last != first else ''})"
+
+    @property
+    def numel(self) -> int:
+        return sum(self.layout.numels)
+
+    def master_grad_views(self) -> list[torch.Tensor]:
+        return [self.layout.local_view(self.grad_shard, i) for i in range(len(self.params))]
+
+
+def build_groups(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    *,
+    bucket_numel: int,
+    world_size: int,
+    rank: int,
+    master_dtype_for,
+    reduce_dtype_for,
+    master_policy: MasterPolicy,
+) -> list[ShardGroup]:
+    """Cut ``named_params`` (in the order gradients are expected: reverse registration) into
+    groups of at most ``bucket_numel`` elements (a larger parameter gets a group of its own),
+    starting a new group whenever the dtype changes."""
+    groups: list[ShardGroup] = []
+    pending: list[tuple[str, nn.Parameter]] = []
+
+    def close() -> None:
+        if not pending:
+            return
+        layout = ShardLayout(tuple(p.numel() for _, p in pending), world_size, rank)
+        masters = []
+        for i, (_, p) in enumerate(pending):
+            lo, hi = layout.local_range(i)
+            masters.append(master_policy.make(p, lo, hi, master_dtype_for(p)))
+        groups.append(
+            ShardGroup(len(groups), [p for _, p in pending], [n for n, _ in pending], layout, masters, reduce_dtype_for(pending[0][1]))
+        )
+        pending.clear()
+
+    size = 0
+    for name, p in named_params:
+        if pending and (p.dtype != pending[0][1].dtype or size + p.numel() > bucket_numel):
+            close()
+            size = 0
+        pending.append((name, p))
+        size += p.numel()
+    close()
+    return groups

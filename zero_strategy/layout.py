@@ -1,0 +1,110 @@
+"""Shard layout: where each rank's piece of each parameter lives. No communication here.
+
+Every parameter is flattened and split like ``torch.chunk`` into ``world_size`` pieces of
+``chunk = ceil(numel / world_size)`` elements; the last pieces are padded (and may be empty).
+So a rank's piece of a parameter is exactly what a DTensor ``Shard(0)`` placement of the
+flattened parameter describes, which is what lets checkpoints reshard.
+
+For communication, a rank's pieces of the parameters of one group sit side by side in a flat
+buffer of ``shard_numel`` elements (each piece at ``offsets[i]``, ``chunks[i]`` long). A
+gathered or to-be-reduced buffer holds ``world_size`` such rows, rank-major.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import torch
+
+__all__ = ["ShardLayout"]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    numels: tuple[int, ...]
+    world_size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise AssertionError(f"rank {self.rank}: bad shard layout for world size {self.world_size}")
+
+    @cached_property
+    def chunks(self) -> tuple[int, ...]:
+        n = self.world_size
+        return tuple(-(-k // n) for k in self.numels)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, acc = [], 0
+        for c in self.chunks:
+            out.append(acc)
+            acc += c
+        return tuple(out)
+
+    @cached_property
+    def shard_numel(self) -> int:
+        return sum(self.chunks)
+
+    def local_range(self, i: int, rank: int | None = None) -> tuple[int, int]:
+        """Range of parameter ``i``'s flat elements that ``rank`` (default: this rank) owns."""
+        r = self.rank if rank is None else rank
+        c, n = self.chunks[i], self.numels[i]
+        lo = min(r * c, n)
+        return lo, min(lo + c, n)
+
+    def local_numel(self, i: int) -> int:
+        lo, hi = self.local_range(i)
+        return hi - lo
+
+    # -- packing -------------------------------------------------------------------------
+    def pack_full(self, flats: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
+        """Write full flat tensors (``None`` = zeros) into the rank-major ``out`` buffer
+        (``world_size * shard_numel``), padding with zeros."""
+        rows = out.view(self.world_size, self.shard_numel)
+        for i, flat in enumerate(flats):
+            off, c, n = self.offsets[i], self.chunks[i], self.numels[i]
+            dst = rows[:, off : off + c]
+            if flat is None:
+                dst.zero_()
+                continue
+            full_rows = n // c if c else 0
+            if full_rows:
+                dst[:full_rows].copy_(flat[: full_rows * c].view(full_rows, c))
+            rem = n - full_rows * c
+            if rem:
+                dst[full_rows, :rem].copy_(flat[full_rows * c :])
+                dst[full_rows, rem:].zero_()
+                full_rows += 1
+            if full_rows < self.world_size:
+                dst[full_rows:].zero_()
+
+    def unpack_full(self, gathered: torch.Tensor, flats: Sequence[torch.Tensor]) -> None:
+        """Inverse of :meth:`pack_full`: copy every rank's pieces back into full flat tensors."""
+        rows = gathered.view(self.world_size, self.shard_numel)
+        for i, flat in enumerate(flats):
+            off, c, n = self.offsets[i], self.chunks[i], self.numels[i]
+            src = rows[:, off : off + c]
+            full_rows = n // c if c else 0
+            if full_rows:
+                flat[: full_rows * c].view(full_rows, c).copy_(src[:full_rows])
+            rem = n - full_rows * c
+            if rem:
+                flat[full_rows * c :].copy_(src[full_rows, :rem])
+
+    def pack_local(self, pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+        """Write this rank's pieces (each ``local_numel(i)`` long) into a flat row of
+        ``shard_numel`` elements, zero-padding each to its chunk."""
+        for i, piece in enumerate(pieces):
+            off, c = self.offsets[i], self.chunks[i]
+            k = piece.numel()
+            out[off : off + k].copy_(piece)
+            if k < c:
+                out[off + k : off + c].zero_()
+
+    def local_view(self, row: torch.Tensor, i: int) -> torch.Tensor:
+        """This rank's piece of parameter ``i`` inside a flat row (without padding)."""
+        off = self.offsets[i]
+        return row[off : off + self.local_numel(i)]

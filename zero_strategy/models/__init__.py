@@ -1,0 +1,5 @@
+"""Small bundled models for examples, tests and benchmarks (torch only, no downloads)."""
+
+from zero_strategy.models.gpt import GPT, Block, GPTConfig, num_parameters, synthetic_batch
+
+__all__ = ["GPT", "Block", "GPTConfig", "num_parameters", "synthetic_batch"]

@@ -1,0 +1,120 @@
+"""Binding the user's optimizer instance to the engine.
+
+The instance the user built stays the same object (so an LR scheduler built on it keeps
+working, and ``isinstance`` checks still hold). Its ``param_groups`` keep their dicts and
+hyperparameters; only each trainable parameter in them is replaced by this rank's 1-D master
+piece of it. The instance's class is swapped for a subclass that adds ``clip_grad_norm_``
+and ``scale_loss`` and routes ``zero_grad`` through the engine, and two step hooks run the
+engine's work around the unchanged ``step()``:
+
+- before: finish gradient reduction, unscale and check for overflow (fp16), apply
+  ``gradient_clipping`` from the config unless the user clipped explicitly;
+- after: all-gather the updated parameters and update the loss scale.
+
+An overflowing step is skipped by leaving every master gradient ``None``, which every
+``torch.optim`` optimizer treats as "no update".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+
+if TYPE_CHECKING:
+    from zero_strategy.engine import ZeroEngine
+
+__all__ = ["ZeroOptimizer", "bind_optimizer", "build_optimizer"]
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class ZeroOptimizer:
+    """Mixin placed in front of the user's optimizer class by :func:`bind_optimizer`."""
+
+    _zero_engine: "ZeroEngine"
+
+    @property
+    def zero_engine(self) -> "ZeroEngine":
+        return self._zero_engine
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of all shards by their *global* norm; return that norm."""
+        return self._zero_engine.clip_grad_norm_(max_norm, norm_type)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Multiply ``loss`` by the current fp16 loss scale (identity otherwise)."""
+        return self._zero_engine.scale_loss(loss)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        self._zero_engine.zero_grad(set_to_none=set_to_none)
+
+
+_SWAPPED: dict[type, type] = {}
+
+
+def _swapped_class(cls: type) -> type:
+    if issubclass(cls, ZeroOptimizer):
+        return cls
+    if cls not in _SWAPPED:
+        _SWAPPED[cls] = type(f"Zero{cls.__name__}", (ZeroOptimizer, cls), {"__module__": cls.__module__})
+    return _SWAPPED[cls]
+
+
+def build_optimizer(optimizer: torch.optim.Optimizer | OptimizerFactory, module: torch.nn.Module) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        opt = optimizer(module.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"initialize(optimizer=...): the callable returned {type(opt).__name__}, not a "
+                "torch.optim.Optimizer; pass an optimizer instance or a function params -> optimizer"
+            )
+        return opt
+    raise TypeError(
+        f"initialize(optimizer=...): expected a torch.optim.Optimizer or a callable params -> optimizer, "
+        f"got {type(optimizer).__name__}"
+    )
+
+
+def bind_optimizer(optimizer: torch.optim.Optimizer, engine: "ZeroEngine") -> torch.optim.Optimizer:
+    if isinstance(optimizer, ZeroOptimizer):
+        raise RuntimeError("initialize(): this optimizer is already bound to a zero_strategy engine; build a new one")
+    model_names = engine.param_names()
+    seen: set[int] = set()
+    new_state: dict[torch.Tensor, dict[str, Any]] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        new_params = []
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError(f"initialize(): a parameter appears twice in optimizer.param_groups (group {gi})")
+            seen.add(id(p))
+            if id(p) not in model_names:
+                raise ValueError(
+                    f"initialize(): optimizer.param_groups[{gi}] holds a parameter of shape {tuple(p.shape)} "
+                    "that is not in the model; build the optimizer on model.parameters()"
+                )
+            master = engine.master_of(p)
+            if master is None:  # frozen: kept as is
+                new_params.append(p)
+                continue
+            new_params.append(master)
+            if p in optimizer.state:  # e.g. Adagrad fills its state at construction
+                new_state[master] = {k: engine.shard_like(p, v) for k, v in optimizer.state[p].items()}
+        group["params"] = new_params
+    optimizer.state.clear()
+    optimizer.state.update(new_state)
+    optimizer.__class__ = _swapped_class(type(optimizer))
+    optimizer._zero_engine = engine  # type: ignore[attr-defined]
+    optimizer.register_step_pre_hook(_before_step)
+    optimizer.register_step_post_hook(_after_step)
+    return optimizer
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    optimizer.zero_engine.before_optimizer_step()  # type: ignore[attr-defined]
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    optimizer.zero_engine.after_optimizer_step()  # type: ignore[attr-defined]

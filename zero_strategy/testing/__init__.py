@@ -1,0 +1,26 @@
+"""Test utilities: the multi-rank gloo launcher and worker-side subtest helpers.
+
+Importable without pytest; only the stdlib is needed in the parent process.
+"""
+
+from zero_strategy.testing.launcher import (
+    LaunchTimeout,
+    RankFailure,
+    TeardownAbort,
+    TeardownAbortWarning,
+    launch,
+    teardown_aborts,
+)
+from zero_strategy.testing.subtests import SubtestFailure, run_subtests, subtest_grid
+
+__all__ = [
+    "LaunchTimeout",
+    "RankFailure",
+    "SubtestFailure",
+    "TeardownAbort",
+    "TeardownAbortWarning",
+    "launch",
+    "run_subtests",
+    "subtest_grid",
+    "teardown_aborts",
+]

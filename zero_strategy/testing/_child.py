@@ -1,0 +1,127 @@
+"""One rank of :func:`zero_strategy.testing.launch`; run as ``python -m zero_strategy.testing._child``.
+
+argv: ``<launch_dir> <rank> <world_size>``. Protocol (see launcher.py):
+reads ``spec.pkl``, writes ``result_<rank>.pkl`` (atomically) on success or
+``error_<rank>.txt`` and exits 1 (without any barrier) on failure.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.util
+import os
+import pickle
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from zero_strategy.testing.launcher import ABORT_AFTER_RESULT_ENV, SPEC_FILE, error_path, result_path
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _load_module(source: str) -> ModuleType:
+    name = "_zero_launch_target_" + "".join(c if c.isalnum() else "_" for c in Path(source).stem)
+    spec = importlib.util.spec_from_file_location(name, source)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot build an import spec for {source}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so dataclasses / pickling by reference inside the module work
+    spec.loader.exec_module(module)
+    return module
+
+
+def _resolve(module: ModuleType, qualname: str, source: str) -> Any:
+    obj: Any = module
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise AttributeError(f"{qualname!r} not found in {source} (missing {part!r})") from exc
+    if not callable(obj):
+        raise TypeError(f"{qualname!r} in {source} is not callable: {obj!r}")
+    return obj
+
+
+def _run(launch_dir: str, rank: int, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    with open(Path(launch_dir, SPEC_FILE), "rb") as f:
+        spec: dict[str, Any] = pickle.load(f)
+    fn = _resolve(_load_module(spec["source"]), spec["qualname"], spec["source"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec["pg_timeout"]))
+    result = fn(rank, world_size, *spec["args"], **spec["kwargs"])
+    try:
+        payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(f"return value of {spec['qualname']} is not picklable: {exc}") from exc
+    _write_atomic(result_path(launch_dir, rank), payload)
+
+
+def _teardown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _report_failure(launch_dir: str, rank: int, exc: BaseException) -> None:
+    """Write the traceback to error_<rank>.txt (stderr gets a pointer, or the text as fallback)."""
+    text = traceback.format_exc()
+    try:
+        _write_atomic(error_path(launch_dir, rank), text.encode("utf-8", errors="replace"))
+        sys.stderr.write(f"rank {rank} failed: {type(exc).__name__}: {exc} (traceback in error_{rank}.txt)\n")
+    except BaseException:
+        sys.stderr.write(text)
+    _flush()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print(f"usage: python -m zero_strategy.testing._child LAUNCH_DIR RANK WORLD_SIZE; got {argv}",
+              file=sys.stderr)
+        return 2
+    launch_dir, rank, world_size = argv[0], int(argv[1]), int(argv[2])
+    faulthandler.enable(all_threads=True)  # segfault / abort -> Python stacks on stderr
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # launcher asks for stacks on timeout
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        _run(launch_dir, rank, world_size)
+    except BaseException as exc:
+        _report_failure(launch_dir, rank, exc)
+        os._exit(1)  # never wait on a barrier after a failure
+    if os.environ.get(ABORT_AFTER_RESULT_ENV) == str(rank):
+        _flush()
+        os.abort()
+    try:
+        _teardown()
+    except BaseException:
+        sys.stderr.write("process-group teardown failed after the result was written:\n")
+        sys.stderr.write(traceback.format_exc())
+        _flush()
+        os._exit(1)
+    _flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,192 @@
+"""DDP-parity harness for multi-rank tests: the oracle every mode is checked against.
+
+A *cell* is one configuration: stage, optimizer, accumulation mode, clipping, tied weights,
+frozen parameters, activation checkpointing, parameter groups, unused parameters, buffers,
+dtype. :func:`run_cell` trains the same model under the oracle and under the engine and
+returns the per-step losses and final parameters/buffers of both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+import zero_strategy as zs
+from zero_strategy.models.gpt import Block, GPTConfig
+
+VOCAB, SEQ, BATCH = 32, 8, 2
+
+
+@dataclass(frozen=True)
+class Cell:
+    stage: int = 2
+    optim: str = "adamw"
+    accum: str = "none"  # none | plain (2 micro-steps, reduce each) | no_sync (2 micro-steps)
+    clip: float | None = None
+    tied: bool = False
+    frozen: bool = False
+    ckpt: str = "none"  # none | reentrant | nonreentrant
+    groups: bool = False  # two param groups with different lr / weight decay
+    unused: str = "none"  # none | some_steps | some_ranks
+    buffers: bool = False
+    dtype: str = "float64"
+    steps: int = 10
+    bucket: int = 700  # elements: several groups even for the tiny model
+
+
+class Net(nn.Module):
+    """A tiny GPT with the knobs the grid needs."""
+
+    def __init__(self, c: Cell) -> None:
+        super().__init__()
+        cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layer=2, n_head=2, qkv_bias=False)
+        self.ckpt = c.ckpt
+        self.tok = nn.Embedding(VOCAB, 16)
+        self.pos = nn.Embedding(SEQ, 16)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(2))
+        self.norm = nn.BatchNorm1d(16) if c.buffers else nn.LayerNorm(16)
+        self.head = nn.Linear(16, VOCAB, bias=False)
+        self.extra = nn.Linear(16, 16) if c.unused != "none" else None
+        if c.tied:
+            self.head.weight = self.tok.weight
+        if c.frozen:
+            self.pos.weight.requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for blk in self.blocks:
+            if self.ckpt == "none":
+                x = blk(x)
+            else:
+                x = checkpoint(blk, x, use_reentrant=self.ckpt == "reentrant")
+        if use_extra and self.extra is not None:
+            x = x + self.extra(x)
+        if isinstance(self.norm, nn.BatchNorm1d):
+            x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        else:
+            x = self.norm(x)
+        return self.head(x)
+
+
+def make_optimizer(c: Cell, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters()]
+    if c.groups:
+        block_ids = {id(p) for p in model.blocks.parameters()}
+        groups = [
+            {"params": [p for p in params if id(p) in block_ids]},
+            {"params": [p for p in params if id(p) not in block_ids], "lr": 3e-3, "weight_decay": 0.0},
+        ]
+    else:
+        groups = [{"params": params}]
+    if c.optim == "adamw":
+        return torch.optim.AdamW(groups, lr=1e-2 if c.dtype == "float64" else 1e-3, weight_decay=0.1)
+    if c.optim == "adam":
+        return torch.optim.Adam(groups, lr=1e-2 if c.dtype == "float64" else 1e-3)
+    if c.optim == "sgd":
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    if c.optim == "adagrad":
+        return torch.optim.Adagrad(groups, lr=0.05)
+    raise ValueError(c.optim)
+
+
+def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    data = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def use_extra(c: Cell, step: int, rank: int) -> bool:
+    if c.unused == "some_steps":
+        return step % 3 == 1
+    if c.unused == "some_ranks":
+        return rank == 0 and step % 2 == 0
+    return False
+
+
+def oracle_kind(c: Cell, world: int) -> str:
+    # DDP rejects unused parameters under reentrant checkpointing; use the local oracle there.
+    # and DDP's static_graph (needed for reentrant checkpointing) does not support no_sync.
+    if c.ckpt == "reentrant" and (c.unused != "none" or c.tied or c.accum != "none"):
+        return "local"
+    return "ddp" if world > 1 else "local"
+
+
+def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    dtype = getattr(torch, c.dtype)
+    torch.manual_seed(0)
+    model = Net(c).to(dtype)
+    opt = make_optimizer(c, model)
+    n_micro = 1 if c.accum == "none" else 2
+    losses: list[float] = []
+    if mode == "ddp":
+        static = c.ckpt == "reentrant"
+        wrapped = DDP(model, find_unused_parameters=c.unused != "none" and not static, static_graph=static)
+    elif mode == "zero":
+        wrapped, opt = zs.initialize(model, opt, config=zs.ZeroConfig(stage=c.stage, reduce_bucket_size=c.bucket))
+    else:
+        wrapped = model
+    for step in range(c.steps):
+        for micro in range(n_micro):
+            if mode == "local":  # one process computes the mean over every rank's micro-batch
+                total = 0.0
+                for r in range(world):
+                    x, y = batch(step, micro, r)
+                    out = model(x, use_extra(c, step, r))
+                    loss = F.cross_entropy(out.view(-1, VOCAB), y.reshape(-1))
+                    (loss / (world * n_micro)).backward()
+                    if r == rank:
+                        total = loss.item()
+                losses.append(total)
+                continue
+            x, y = batch(step, micro, rank)
+            quiet = c.accum == "no_sync" and micro < n_micro - 1
+            ctx = wrapped.no_sync() if quiet else contextlib.nullcontext()
+            with ctx:
+                out = wrapped(x, use_extra(c, step, rank))
+                loss = F.cross_entropy(out.view(-1, VOCAB), y.reshape(-1))
+                (loss / n_micro).backward()
+            losses.append(loss.item())
+        if c.clip is not None:
+            if mode == "zero":
+                opt.clip_grad_norm_(c.clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.detach().clone().to(torch.float64) for k, v in model.state_dict().items()}
+    return losses, state
+
+
+def compare(c: Cell, rank: int, world: int) -> None:
+    oracle = oracle_kind(c, world)
+    ref_losses, ref_state = _train(c, oracle, rank, world)
+    losses, state = _train(c, "zero", rank, world)
+    if len(losses) != len(ref_losses):
+        raise AssertionError(f"{len(losses)} losses against {len(ref_losses)} from {oracle}")
+    loss_tol = 1e-9 if c.dtype == "float64" else 1e-5
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        if abs(a - b) > loss_tol * abs(b):
+            raise AssertionError(f"rank {rank}: loss {i} is {a!r}, {oracle} gives {b!r}")
+    if state.keys() != ref_state.keys():
+        raise AssertionError(f"state_dict keys differ: {sorted(state)} vs {sorted(ref_state)}")
+    for k, ref in ref_state.items():
+        got = state[k]
+        if c.dtype == "float64":
+            ok = torch.allclose(got, ref, rtol=1e-6, atol=1e-12)
+            err = (got - ref).abs().max().item()
+        else:
+            err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+            ok = err <= 1e-5
+        if not ok:
+            raise AssertionError(f"rank {rank}: {k} differs from {oracle} by {err:.3e}")
+
+
+def world_info() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
