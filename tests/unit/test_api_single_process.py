@@ -1,0 +1,128 @@
+"""The public API in one process (no process group: a world of one)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zero_strategy as zs
+from zero_strategy.models import GPT, GPTConfig, synthetic_batch
+
+CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layer=2, n_head=2, qkv_bias=False)
+
+
+def _loss(model, step: int) -> torch.Tensor:
+    x, y = synthetic_batch(CFG, 2, step)
+    return F.cross_entropy(model(x).view(-1, CFG.vocab_size), y.reshape(-1))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_same_objects_and_same_numbers_as_plain_training(stage: int) -> None:
+    torch.manual_seed(0)
+    ref = GPT(CFG).double()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    names = [n for n, _ in model.named_parameters()]
+    m2, o2 = zs.initialize(model, opt, config=zs.ZeroConfig(stage=stage, reduce_bucket_size=500))
+    assert m2 is model and o2 is opt
+    assert isinstance(model, GPT) and isinstance(opt, torch.optim.AdamW)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    for step in range(6):
+        _loss(ref, step).backward()
+        _loss(model, step).backward()
+        if stage == 2:
+            assert all(p.grad is None for p in model.parameters()), "ZeRO-2 frees full gradients after backward"
+        else:
+            assert all(p.grad is not None for p in model.parameters()), "ZeRO-1 keeps full local gradients"
+        n_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        n = opt.clip_grad_norm_(0.5)
+        assert torch.allclose(n, n_ref, rtol=1e-12)
+        ref_opt.step(), opt.step()
+        ref_sched.step(), sched.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 1e-2 * 0.5**3
+    for (k, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14), k
+
+
+def test_full_grad_and_module_level_clip() -> None:
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config={"zero_optimization": {"stage": 2}})
+    _loss(ref, 0).backward()
+    _loss(model, 0).backward()
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        g = zs.full_grad(model, p)
+        assert g is not None and g.shape == p.shape
+        assert torch.allclose(g, p_ref.grad, rtol=1e-5, atol=1e-7), name
+    total = zs.clip_grad_norm_(model, 1e9)
+    assert torch.allclose(total, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9), rtol=1e-5)
+
+
+def test_optimizer_factory_and_param_groups() -> None:
+    model = GPT(CFG)
+
+    def factory(params):
+        params = list(params)
+        return torch.optim.SGD([{"params": params[:3], "lr": 0.5}, {"params": params[3:]}], lr=0.1, momentum=0.9)
+
+    model, opt = zs.initialize(model, factory, config=zs.ZeroConfig(stage=1))
+    assert [g["lr"] for g in opt.param_groups] == [0.5, 0.1]
+    _loss(model, 0).backward()
+    opt.step()
+    assert all("momentum_buffer" in s for s in opt.state.values())
+
+
+def test_user_errors_are_clear() -> None:
+    model = GPT(CFG)
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="not in the model"):
+        zs.initialize(model, torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        zs.initialize(GPT(CFG), "adam")
+    with pytest.raises(NotImplementedError, match="offload_optimizer.*not yet supported"):
+        zs.initialize(GPT(CFG), lambda p: torch.optim.SGD(p, lr=0.1), config={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(NotImplementedError, match="stage 3"):
+        zs.initialize(GPT(CFG), lambda p: torch.optim.SGD(p, lr=0.1), config=zs.ZeroConfig(stage=3))
+    m, o = zs.initialize(GPT(CFG), lambda p: torch.optim.SGD(p, lr=0.1), gradient_clipping=1.0)
+    with pytest.raises(RuntimeError, match="already managed"):
+        zs.initialize(m, lambda p: torch.optim.SGD(p, lr=0.1))
+    _loss(m, 0).backward()
+    with pytest.raises(ValueError, match="conflicts with gradient_clipping=1.0"):
+        o.clip_grad_norm_(0.5)
+    assert float(o.clip_grad_norm_(1.0)) > 0  # the same value is fine, and applied once
+
+
+def test_config_clipping_applies_when_the_user_does_not_clip() -> None:
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config={"gradient_clipping": 0.01, "zero_optimization": {"stage": 2}})
+    _loss(ref, 0).backward()
+    _loss(model, 0).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    ref_opt.step()
+    opt.step()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_frozen_parameters_stay_untouched_and_unsharded() -> None:
+    model = GPT(CFG)
+    model.pos.weight.requires_grad_(False)
+    before = model.pos.weight.detach().clone()
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1), config=zs.ZeroConfig(stage=2))
+    assert any(p is model.pos.weight for p in opt.param_groups[0]["params"])  # kept as is: no grad, no update
+    _loss(model, 0).backward()
+    opt.step()
+    assert torch.equal(model.pos.weight, before)
+    assert model.pos.weight not in opt.state

@@ -1,0 +1,60 @@
+"""Shard layout math: pieces are torch.chunk pieces of the flattened parameter, padded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zero_strategy.layout import ShardLayout
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_pieces_are_torch_chunk_pieces(world: int) -> None:
+    numels = (1, 2, 3, 5, 7, 8, 12, 13)
+    for rank in range(world):
+        lay = ShardLayout(numels, world, rank)
+        for i, n in enumerate(numels):
+            flat = torch.arange(n, dtype=torch.float32)
+            chunks = torch.chunk(flat, world)
+            expected = chunks[rank] if rank < len(chunks) else flat[:0]
+            lo, hi = lay.local_range(i)
+            assert torch.equal(flat[lo:hi], expected), (world, rank, n)
+        assert lay.shard_numel == sum(-(-n // world) for n in numels)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_pack_unpack_round_trip_and_padding(world: int) -> None:
+    numels = (5, 4, 1, 9)
+    lay = ShardLayout(numels, world, 0)
+    flats = [torch.randn(n) for n in numels]
+    buf = torch.full((world * lay.shard_numel,), float("nan"))
+    lay.pack_full(flats, buf)
+    assert not torch.isnan(buf).any(), "padding must be written (zeros), never left uninitialised"
+    rows = buf.view(world, lay.shard_numel)
+    # every rank's row holds exactly that rank's pieces, zero-padded
+    for r in range(world):
+        lr = ShardLayout(numels, world, r)
+        for i, f in enumerate(flats):
+            lo, hi = lr.local_range(i)
+            piece = lr.local_view(rows[r], i)
+            assert torch.equal(piece, f[lo:hi])
+            pad = rows[r, lr.offsets[i] + piece.numel() : lr.offsets[i] + lr.chunks[i]]
+            assert torch.equal(pad, torch.zeros_like(pad))
+    out = [torch.empty(n) for n in numels]
+    lay.unpack_full(buf, out)
+    assert all(torch.equal(a, b) for a, b in zip(out, flats))
+
+
+def test_pack_none_is_zeros_and_pack_local() -> None:
+    lay = ShardLayout((3, 2), 2, 1)
+    buf = torch.ones(2 * lay.shard_numel)
+    lay.pack_full([None, torch.tensor([1.0, 2.0])], buf)
+    assert torch.equal(buf.view(2, -1)[:, :2], torch.zeros(2, 2))
+    row = torch.full((lay.shard_numel,), 7.0)
+    lay.pack_local([torch.tensor([4.0]), torch.tensor([5.0])], row)
+    assert row.tolist() == [4.0, 0.0, 5.0]
+
+
+def test_bad_layout_is_an_invariant_error() -> None:
+    with pytest.raises(AssertionError, match="rank 3"):
+        ShardLayout((4,), 2, 3)
