@@ -73,7 +73,7 @@ def _no_warnings():
 def test_defaults():
     cfg = ZeroConfig()
     assert cfg.stage == 2
-    assert cfg.reduce_bucket_size == cfg.allgather_bucket_size == 8_000_000
+    assert cfg.reduce_bucket_size == cfg.allgather_bucket_size == 4_000_000
     assert cfg.overlap_comm and cfg.contiguous_gradients and cfg.reduce_scatter and cfg.allgather_partitions
     assert cfg.offload_optimizer == OffloadConfig() and not cfg.offload_optimizer.enabled
     assert cfg.offload_param.device == "none" and not cfg.offload_param.enabled
@@ -249,7 +249,7 @@ def test_from_dict_deepspeed_style():
 
 
 def test_explicit_records_exactly_the_file_fields():
-    cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "reduce_bucket_size": 8_000_000}})
+    cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "reduce_bucket_size": 4_000_000}})
     assert cfg == ZeroConfig()  # same values as the defaults ...
     assert cfg.explicitly_set("stage") and cfg.explicitly_set("reduce_bucket_size")  # ... but set by the file
     assert not cfg.explicitly_set("overlap_comm") and not cfg.explicitly_set("precision")
@@ -299,7 +299,7 @@ def test_auto_means_not_set():
         "gradient_clipping": "auto", "gradient_accumulation_steps": "AUTO", "communication_data_type": "auto",
     }  # fmt: skip
     cfg = ZeroConfig.from_dict(d)
-    assert cfg.stage == 2 and cfg.reduce_bucket_size == 8_000_000
+    assert cfg.stage == 2 and cfg.reduce_bucket_size == 4_000_000
     assert cfg.offload_param == OffloadConfig()
     assert cfg.offload_optimizer == OffloadConfig(device="cpu")
     assert cfg.precision == PrecisionConfig() and cfg.gradient_clipping is None
@@ -428,7 +428,7 @@ def test_hf_json_file_loads_with_warning(tmp_path):
         assert key in text
     assert str(path) in text
     assert cfg.stage == 3 and cfg.precision.param_dtype == torch.bfloat16
-    assert cfg.reduce_bucket_size == 8_000_000 and cfg.stage3_prefetch_bucket_size == 50_000_000  # "auto"
+    assert cfg.reduce_bucket_size == 4_000_000 and cfg.stage3_prefetch_bucket_size == 50_000_000  # "auto"
     assert cfg.sub_group_size == 1_000_000_000 and cfg.stage3_gather_16bit_weights_on_model_save
     assert cfg.loss_scale.hysteresis == 2  # an explicit DeepSpeed value is honoured
     assert cfg.gradient_clipping is None and cfg.gradient_accumulation_steps is None
