@@ -1,19 +1,27 @@
 """zero-strategy: ZeRO (Zero Redundancy Optimizer) for PyTorch in one small core."""
 
-from zero_strategy.api import backward, clip_grad_norm_, full_grad, initialize, memory_stats
+from zero_strategy.api import backward, clip_grad_norm_, full_grad, gathered_parameters, initialize, memory_stats
 from zero_strategy.collectives import CollectiveError, comm_stats, reset_comm_stats
 from zero_strategy.config import ZeroConfig
+from zero_strategy.init import load_full_state_dict, sharded_init
+from zero_strategy.partition import zero_auto_partition
+from zero_strategy.unit import UnitDivergence
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CollectiveError",
+    "UnitDivergence",
     "ZeroConfig",
     "backward",
     "clip_grad_norm_",
     "comm_stats",
     "full_grad",
+    "gathered_parameters",
     "initialize",
+    "load_full_state_dict",
     "memory_stats",
     "reset_comm_stats",
+    "sharded_init",
+    "zero_auto_partition",
 ]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -10,8 +11,9 @@ from torch import nn
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import ZeroEngine, get_engine, live_engines, swap_module_class
 from zero_strategy.optimizer import bind_optimizer, build_optimizer
+from zero_strategy.partition import UnitPolicy
 
-__all__ = ["backward", "clip_grad_norm_", "full_grad", "initialize", "memory_stats"]
+__all__ = ["backward", "clip_grad_norm_", "full_grad", "gathered_parameters", "initialize", "memory_stats"]
 
 ConfigLike = ZeroConfig | Mapping[str, Any] | str | None
 
@@ -22,6 +24,7 @@ def initialize(
     *,
     config: ConfigLike = None,
     process_group: Any = None,
+    policy: UnitPolicy = None,
     **overrides: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Shard ``optimizer`` (and, with stage 2, gradients) of ``model`` across the ranks of
@@ -43,7 +46,7 @@ def initialize(
 
         cfg = resolve_overrides(cfg, source="initialize() keyword arguments", **overrides)
     opt = build_optimizer(optimizer, model)
-    engine = ZeroEngine(model, cfg, process_group)
+    engine = ZeroEngine(model, cfg, process_group, policy)
     swap_module_class(model, engine)
     engine.optimizer = bind_optimizer(opt, engine)  # type: ignore[attr-defined]
     return model, engine.optimizer  # type: ignore[attr-defined]
@@ -73,6 +76,26 @@ def backward(loss: torch.Tensor, *, model: nn.Module | None = None, **kwargs: An
 def full_grad(model: nn.Module, param: torch.Tensor) -> torch.Tensor | None:
     """The full, averaged gradient of ``param`` (None if no rank had one). Collective."""
     return get_engine(model).full_grad(param)
+
+
+@contextlib.contextmanager
+def gathered_parameters(model_or_params: Any, modifier_rank: int | None = None) -> Iterator[None]:
+    """Make full parameters available inside the block (ZeRO-3 gathers them; ZeRO-1/2 have
+    them already). ``model_or_params``: the model, or parameters of one model. With
+    ``modifier_rank``, that rank's changes made inside the block are written to every rank's
+    shards and masters on exit. Collective: every rank enters it with the same arguments."""
+    if isinstance(model_or_params, nn.Module):
+        engine, params = get_engine(model_or_params), None
+    else:
+        params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
+        owners = [e for e in live_engines() if any(e.reducer.manages(p) or id(p) in e.param_names() for p in params)]
+        if len(owners) != 1:
+            raise ValueError(
+                f"gathered_parameters(): the parameters belong to {len(owners)} zero_strategy models; pass the model itself"
+            )
+        engine = owners[0]
+    with engine.gathered_parameters(params, modifier_rank):
+        yield
 
 
 def memory_stats(model: nn.Module) -> dict[str, int]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from enum import Enum, auto
-from typing import Any, Iterator
+from enum import Enum
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -29,23 +29,18 @@ from torch.utils._pytree import tree_flatten
 
 from zero_strategy import collectives as C
 from zero_strategy.config import ZeroConfig, unsupported_features
-from zero_strategy.grads import GradReducer, ReduceAtStep, ReduceInBackward
-from zero_strategy.group import InPlaceMasters, SeparateMasters, ShardGroup, build_groups
+from zero_strategy.init import check_placeholder, forget_pieces, materialize_full, placeholder, sharded_init_piece
+from zero_strategy.grads import GradReducer, GradSchedule, ReduceAtStep, ReduceAtUnitEnd, ReduceInBackward
+from zero_strategy.group import InPlaceMasters, SeparateMasters, ShardGroup, build_groups, build_unit_groups
+from zero_strategy.partition import UnitPolicy, find_units
+from zero_strategy.unit import ReplicatedParams, ShardedParams
 from zero_strategy.precision import LossScaler, MixedPrecision, select_precision
+from zero_strategy.states import GradState, TrainingState
+from zero_strategy.zero3 import Zero3Hooks
 
 __all__ = ["GradState", "TrainingState", "ZeroEngine", "ZeroModule", "get_engine", "live_engines"]
 
 
-class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    BACKWARD = auto()
-
-
-class GradState(Enum):
-    EMPTY = auto()  # no gradient since the last zero_grad
-    ACCUMULATING = auto()  # local gradients and/or partly reduced shards
-    FINAL = auto()  # reduced everywhere, flags agreed, master grads set
 
 
 _LIVE: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
@@ -56,21 +51,19 @@ def live_engines() -> list["ZeroEngine"]:
 
 
 class ZeroEngine:
-    def __init__(self, module: nn.Module, config: ZeroConfig, process_group: Any = None) -> None:
+    def __init__(self, module: nn.Module, config: ZeroConfig, process_group: Any = None, policy: UnitPolicy = None) -> None:
         missing = unsupported_features(config)
         if missing:
             raise NotImplementedError(
                 f"initialize(): {', '.join(missing)} is not yet supported by zero_strategy; "
                 "remove it from the config (offload is planned, see the project's issues)"
             )
-        if config.stage not in (1, 2):
-            raise NotImplementedError(f"initialize(): ZeRO stage {config.stage} is not yet supported; use stage 1 or 2")
         self.module = module
         self.config = config
         self.ctx = C.make_context(process_group, config.comm_timeout, config.collective_impl)
         self.precision = select_precision(config.precision)
         self.scaler = LossScaler(config.loss_scale, enabled=self.precision.uses_loss_scaling)
-        self.schedule = ReduceAtStep() if config.stage == 1 else ReduceInBackward()
+        self.schedule: GradSchedule = ReduceAtStep() if config.stage == 1 else ReduceInBackward()
         self.training_state = TrainingState.IDLE
         self.grad_state = GradState.EMPTY
         self.step_count = 0
@@ -84,29 +77,50 @@ class ZeroEngine:
         named = _unique_named_parameters(module)
         self._names = {id(p): n for n, p in named}
         _check_devices(named, self.ctx)
-        C.broadcast_coalesced(self.ctx, [p.detach() for _, p in named] + list(module.buffers()), what="initial module state")
+        built_sharded = [p for _, p in named if sharded_init_piece(p) is not None]
+        for n, p in named:
+            if sharded_init_piece(p) is not None:
+                check_placeholder(p.data, n)
+        if config.stage != 3:  # ZeRO-1/2 keep full parameters: gather what sharded_init cut
+            for p in built_sharded:
+                materialize_full(p)
+        full_params = [p.detach() for _, p in named if sharded_init_piece(p) is None]
+        C.broadcast_coalesced(self.ctx, full_params + list(module.buffers()), what="initial module state")
         trainable = [(n, p) for n, p in named if p.requires_grad]
         if not trainable:
             raise ValueError("initialize(): the model has no parameter with requires_grad=True; nothing to train")
-        policy = SeparateMasters() if isinstance(self.precision, MixedPrecision) else InPlaceMasters()
-        self.groups: list[ShardGroup] = build_groups(
-            list(reversed(trainable)),
-            bucket_numel=config.reduce_bucket_size,
+        mixed = isinstance(self.precision, MixedPrecision)
+        make_kw = dict(
             world_size=self.ctx.world_size,
             rank=self.ctx.rank,
             master_dtype_for=self.precision.master_dtype_for,
             reduce_dtype_for=self.precision.grad_reduce_dtype,
-            master_policy=policy,
+            # ZeRO-3 fp32 masters become views of the unit rows once those exist (below)
+            master_policy=SeparateMasters() if mixed or config.stage == 3 else InPlaceMasters(),
         )
-        self._master: dict[int, torch.Tensor] = {}
-        for g in self.groups:
-            for p, m in zip(g.params, g.masters):
-                self._master[id(p)] = m
+        if config.stage == 3:
+            units, self.unit_rule = find_units(module, policy)
+            self.groups: list[ShardGroup] = build_unit_groups(module, units, trainable, **make_kw)
+        else:
+            self.unit_rule = "size buckets"
+            self.groups = build_groups(list(reversed(trainable)), bucket_numel=config.reduce_bucket_size, **make_kw)
         with torch.no_grad():
             for _, p in named:
                 target = self.precision.param_dtype_for(p)
                 if p.dtype != target:
-                    p.data = p.data.to(target)
+                    sharded_now = sharded_init_piece(p) is not None
+                    p.data = placeholder(p.shape, target, p.device) if sharded_now else p.data.to(target)
+        self.params: ReplicatedParams | ShardedParams
+        if config.stage == 3:
+            self.params = ShardedParams(self, masters_in_rows=not mixed)
+            self.schedule = ReduceAtUnitEnd()
+            forget_pieces(built_sharded)  # their pieces live in the unit rows now
+        else:
+            self.params = ReplicatedParams()
+        self._master: dict[int, torch.Tensor] = {}
+        for g in self.groups:
+            for p, m in zip(g.params, g.masters):
+                self._master[id(p)] = m
         self.reducer = GradReducer(
             self.groups,
             self.ctx,
@@ -114,6 +128,7 @@ class ZeroEngine:
             grad_factor=lambda: 1.0 / (self.ctx.world_size * self.scaler.scale),
             describe_step=lambda: f"step {self.step_count}",
         )
+        self.zero3 = Zero3Hooks(self, units) if config.stage == 3 else None
         self._install_hooks()
         _LIVE.add(self)
 
@@ -152,6 +167,8 @@ class ZeroEngine:
             for g in self.groups:
                 for p in g.params:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+        if self.zero3 is not None:
+            self._hooks.extend(self.zero3.install())
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if self._sync_buffers_next:
@@ -160,17 +177,21 @@ class ZeroEngine:
                 C.broadcast_coalesced(self.ctx, buffers, what=f"module buffers (step {self.step_count})")
         if self.training_state is TrainingState.IDLE:
             self.training_state = TrainingState.FORWARD
+        if self.zero3 is not None:
+            self.zero3.root_pre_forward()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         # As DDP: buffers are broadcast before a forward that follows a synced training forward.
         self._sync_buffers_next = torch.is_grad_enabled() and self._sync
         if self.training_state is TrainingState.FORWARD:
             self.training_state = TrainingState.IDLE
+        if self.zero3 is not None:
+            self.zero3.root_post_forward()
         if not torch.is_grad_enabled():
             return output
         if self.grad_state is not GradState.ACCUMULATING:
             self.grad_state = GradState.ACCUMULATING
-        if self.schedule.reduces_in_backward:
+        if self.schedule.reduces_in_backward or self.zero3 is not None:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._on_output_grad)
@@ -193,7 +214,9 @@ class ZeroEngine:
     def _end_of_backward(self) -> None:
         self._backward_callback_queued = False
         self.training_state = TrainingState.IDLE
-        if self._sync:
+        if self.zero3 is not None:
+            self.zero3.end_of_backward(sync=self._sync)
+        elif self._sync:
             self.reducer.end_of_backward()
 
     # -- gradient accumulation ------------------------------------------------------------
@@ -275,34 +298,8 @@ class ZeroEngine:
         self.scaler.update(skipped)
         self._clipped_with = None
         if not skipped:
-            self._gather_params()
+            self.params.after_step(self)
         self.step_count += 1
-
-    def _gather_params(self) -> None:
-        """All-gather every group's updated pieces into the full parameters."""
-        n = self.ctx.world_size
-        pending: list[tuple[ShardGroup, C.Handle, torch.Tensor]] = []
-
-        def complete(entry: tuple[ShardGroup, C.Handle, torch.Tensor]) -> None:
-            g, h, buf = entry
-            h.wait()
-            with torch.no_grad():
-                g.layout.unpack_full(buf, [p.detach().view(-1) for p in g.params])
-            self.ctx.pool.put(buf)
-
-        for g in self.groups:
-            lay = g.layout
-            dtype = g.params[0].dtype
-            buf = self.ctx.pool.get(n * lay.shard_numel, dtype, g.grad_shard.device)
-            row = buf.view(n, lay.shard_numel)[self.ctx.rank]
-            with torch.no_grad():
-                lay.pack_local([m.detach() for m in g.masters], row)
-            h = C.all_gather(self.ctx, buf, row, what=f"parameters of {g.name} (step {self.step_count})")
-            pending.append((g, h, buf))
-            if len(pending) > self.reducer.max_in_flight:
-                complete(pending.pop(0))
-        for entry in pending:
-            complete(entry)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.wait_all()
@@ -315,6 +312,49 @@ class ZeroEngine:
                 g.grad_shard.zero_()
         self.reducer.reset_window()
         self.grad_state = GradState.EMPTY
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params: Any = None, modifier_rank: int | None = None) -> Iterator[None]:
+        if modifier_rank is not None and not 0 <= modifier_rank < self.ctx.world_size:
+            raise ValueError(
+                f"gathered_parameters(modifier_rank={modifier_rank}): use a rank of the group, 0..{self.ctx.world_size - 1}, or None"
+            )
+        if params is None:
+            groups = self.groups
+        else:
+            plist = [params] if isinstance(params, torch.Tensor) else list(params)
+            groups = sorted({self.reducer.locate(p)[0].index for p in plist if self.reducer.manages(p)})
+            groups = [self.groups[i] for i in groups]
+        with self.params.gathered(self, groups, modifier_rank):
+            yield
+
+    def load_full_state_dict(self, get: Callable[[str], torch.Tensor], keys: list[str], *, strict: bool) -> None:
+        """Copy full tensors into this rank's parameters, rows and masters, one at a time."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        buffers = dict(self.module.named_buffers())
+        expected = set(params) | set(buffers)
+        missing, unexpected = sorted(expected - set(keys)), sorted(set(keys) - expected)
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"load_full_state_dict(): the weights do not match the model: missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; "
+                "load weights of the same architecture or pass strict=False"
+            )
+        with torch.no_grad():
+            for key in keys:
+                if key not in expected:
+                    continue
+                t = get(key)
+                target = params.get(key, buffers.get(key))
+                if tuple(t.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"load_full_state_dict(): '{key}' has shape {tuple(t.shape)} in the weights but "
+                        f"{tuple(target.shape)} in the model"
+                    )
+                if key in params and self.reducer.manages(target):
+                    self.params.load_full(self, target, t)
+                else:
+                    target.copy_(t)
 
     # -- loss scaling ----------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -344,9 +384,10 @@ class ZeroEngine:
         return buf[: p.numel()].view(p.shape).clone()
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes held by this rank, by kind: full parameters, gradient shards, fp32 masters that
-        are not views of the parameters, optimizer state of the master pieces, any full
-        gradients still in ``p.grad``, and the communication scratch pool."""
+        """Bytes held by this rank, by kind: full parameters (at ZeRO-3 only while gathered),
+        ZeRO-3 parameter rows, gradient shards, fp32 masters that are not views, optimizer
+        state of the master pieces, any full gradients still in ``p.grad``; then the
+        communication scratch pool and, at ZeRO-3, the gathered bytes now and at peak."""
         seen: set[int] = set()
 
         def nbytes(t: torch.Tensor | None) -> int:
@@ -358,10 +399,14 @@ class ZeroEngine:
             seen.add(key)
             return t.untyped_storage().nbytes()
 
-        out = {"params": 0, "grad_shards": 0, "masters": 0, "optimizer_state": 0, "full_grads": 0}
+        out = {"params": 0, "param_shards": 0, "grad_shards": 0, "masters": 0, "optimizer_state": 0, "full_grads": 0}
         for _, p in _unique_named_parameters(self.module):
             out["params"] += nbytes(p)
             out["full_grads"] += nbytes(p.grad)
+        sharded = isinstance(self.params, ShardedParams)
+        if sharded:
+            for u in self.params.units:
+                out["param_shards"] += nbytes(u.row)
         for g in self.groups:
             out["grad_shards"] += nbytes(g.grad_shard)
             for m in g.masters:
@@ -374,6 +419,9 @@ class ZeroEngine:
                         out["optimizer_state"] += nbytes(v)
         out["model_state"] = sum(out.values())
         out["comm_scratch"] = self.ctx.pool.nbytes()
+        if sharded:
+            out["gathered"] = self.params.meter.live
+            out["gathered_peak"] = self.params.meter.peak
         return out
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ from torch import nn
 from zero_strategy import collectives as C
 from zero_strategy.group import ShardGroup
 
-__all__ = ["GradReducer", "ReduceAtStep", "ReduceInBackward", "GradSchedule"]
+__all__ = ["GradReducer", "GradSchedule", "ReduceAtStep", "ReduceAtUnitEnd", "ReduceInBackward"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,15 @@ class ReduceInBackward:
     reduces_in_backward = True
 
 
-GradSchedule = ReduceAtStep | ReduceInBackward
+@dataclass(frozen=True)
+class ReduceAtUnitEnd:
+    """ZeRO-3: a unit's gradients are reduced when the next unit's backward starts (a point
+    every rank reaches in the same order), or at the end of backward."""
+
+    reduces_in_backward = False
+
+
+GradSchedule = ReduceAtStep | ReduceInBackward | ReduceAtUnitEnd
 
 
 @dataclass
@@ -91,6 +99,9 @@ class GradReducer:
     def manages(self, p: torch.Tensor) -> bool:
         return id(p) in self._where
 
+    def mark_used(self, p: torch.Tensor) -> None:
+        self._used[self._where[id(p)][2]] = 1
+
     def on_grad_ready(self, p: nn.Parameter, *, sync: bool) -> None:
         """Called from a post-accumulate-grad hook (ZeRO-2)."""
         g, _, flat = self._where[id(p)]
@@ -102,11 +113,16 @@ class GradReducer:
             self._launch(self.groups[self._next])
             self._next += 1
 
+    def launch(self, g: ShardGroup) -> None:
+        """Reduce ``g`` now unless it was reduced in this backward already (ZeRO-3)."""
+        if not self._launched[g.index]:
+            self._launch(g)
+
     def end_of_backward(self) -> None:
-        """Reduce the groups not launched yet, in order, then wait for all (ZeRO-2)."""
-        while self._next < len(self.groups):
-            self._launch(self.groups[self._next])
-            self._next += 1
+        """Reduce the groups not launched yet, in group order, then wait for all."""
+        for g in self.groups:
+            if not self._launched[g.index]:
+                self._launch(g)
         self.wait_all()
         self._ready = [0] * len(self.groups)
         self._launched = [False] * len(self.groups)

@@ -17,9 +17,10 @@ from typing import Protocol, Sequence
 import torch
 from torch import nn
 
+from zero_strategy.init import piece_of
 from zero_strategy.layout import ShardLayout
 
-__all__ = ["InPlaceMasters", "MasterPolicy", "SeparateMasters", "ShardGroup", "build_groups"]
+__all__ = ["InPlaceMasters", "MasterPolicy", "SeparateMasters", "ShardGroup", "build_groups", "build_unit_groups"]
 
 
 class MasterPolicy(Protocol):
@@ -50,7 +51,7 @@ class SeparateMasters:
         return False
 
     def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        piece = param.detach().view(-1)[lo:hi].to(device=self.device or param.device, dtype=dtype, copy=True)
+        piece = piece_of(param, lo, hi).to(device=self.device or param.device, dtype=dtype, copy=True)
         return nn.Parameter(piece)
 
 
@@ -65,8 +66,10 @@ class ShardGroup:
         layout: ShardLayout,
         masters: Sequence[torch.Tensor],
         reduce_dtype: torch.dtype,
+        label: str | None = None,
     ) -> None:
         self.index = index
+        self.label = label
         self.params = list(params)
         self.fqns = list(fqns)
         self.layout = layout
@@ -79,6 +82,8 @@ class ShardGroup:
 
     @property
     def name(self) -> str:
+        if self.label is not None:
+            return f"unit '{self.label}'"
         first, last = self.fqns[0], self.fqns[-1]
         return f"group {self.index} ({first}{' .. ' + last if last != first else ''})"
 
@@ -88,6 +93,60 @@ class ShardGroup:
 
     def master_grad_views(self) -> list[torch.Tensor]:
         return [self.layout.local_view(self.grad_shard, i) for i in range(len(self.params))]
+
+
+def _make_group(
+    index: int,
+    pending: Sequence[tuple[str, nn.Parameter]],
+    world_size: int,
+    rank: int,
+    master_dtype_for,
+    reduce_dtype_for,
+    master_policy: MasterPolicy,
+    label: str | None = None,
+) -> ShardGroup:
+    layout = ShardLayout(tuple(p.numel() for _, p in pending), world_size, rank)
+    masters = []
+    for i, (_, p) in enumerate(pending):
+        lo, hi = layout.local_range(i)
+        masters.append(master_policy.make(p, lo, hi, master_dtype_for(p)))
+    params, fqns = [p for _, p in pending], [n for n, _ in pending]
+    return ShardGroup(index, params, fqns, layout, masters, reduce_dtype_for(pending[0][1]), label)
+
+
+def build_unit_groups(
+    root: nn.Module,
+    units: Sequence[tuple[str, nn.Module]],
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    **make_kw,
+) -> list[ShardGroup]:
+    """One group per ZeRO-3 unit (in ``units`` order) plus a last group, the root unit, for the
+    trainable parameters outside every unit. A parameter reachable from two units, or from a
+    unit and outside it (tied weights), belongs to the root unit, which stays gathered for the
+    whole forward and backward."""
+    prefixes = [(f"{fqn}.", k) for k, (fqn, _) in enumerate(units)]
+    owners: dict[int, set[int | None]] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        owner = next((k for pre, k in prefixes if name.startswith(pre)), None)
+        owners.setdefault(id(p), set()).add(owner)
+    members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(units) + 1)]
+    for name, p in trainable:
+        o = owners[id(p)]
+        k = next(iter(o)) if len(o) == 1 else None
+        members[len(units) if k is None else k].append((name, p))
+    labels = [fqn for fqn, _ in units] + ["<root>"]
+    groups: list[ShardGroup] = []
+    for k, pending in enumerate(members):
+        if not pending:
+            continue
+        dtypes = {p.dtype for _, p in pending}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"initialize(): ZeRO-3 unit '{labels[k]}' mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                "cast the model to one dtype before initialize()"
+            )
+        groups.append(_make_group(len(groups), pending, label=labels[k], **make_kw))
+    return groups
 
 
 def build_groups(
@@ -107,17 +166,9 @@ def build_groups(
     pending: list[tuple[str, nn.Parameter]] = []
 
     def close() -> None:
-        if not pending:
-            return
-        layout = ShardLayout(tuple(p.numel() for _, p in pending), world_size, rank)
-        masters = []
-        for i, (_, p) in enumerate(pending):
-            lo, hi = layout.local_range(i)
-            masters.append(master_policy.make(p, lo, hi, master_dtype_for(p)))
-        groups.append(
-            ShardGroup(len(groups), [p for _, p in pending], [n for n, _ in pending], layout, masters, reduce_dtype_for(pending[0][1]))
-        )
-        pending.clear()
+        if pending:
+            groups.append(_make_group(len(groups), pending, world_size, rank, master_dtype_for, reduce_dtype_for, master_policy))
+            pending.clear()
 
     size = 0
     for name, p in named_params:

@@ -82,8 +82,9 @@ class ShardLayout:
                 dst[full_rows:].zero_()
 
     def unpack_full(self, gathered: torch.Tensor, flats: Sequence[torch.Tensor]) -> None:
-        """Inverse of :meth:`pack_full`: copy every rank's pieces back into full flat tensors."""
-        rows = gathered.view(self.world_size, self.shard_numel)
+        """Inverse of :meth:`pack_full`: copy every rank's pieces back into full flat tensors.
+        ``gathered`` is flat, or already 2-D (world_size rows, possibly with extra columns)."""
+        rows = gathered if gathered.dim() == 2 else gathered.view(self.world_size, self.shard_numel)
         for i, flat in enumerate(flats):
             off, c, n = self.offsets[i], self.chunks[i], self.numels[i]
             src = rows[:, off : off + c]

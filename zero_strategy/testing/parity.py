@@ -39,6 +39,11 @@ class Cell:
     dtype: str = "float64"
     steps: int = 10
     bucket: int = 700  # elements: several groups even for the tiny model
+    # ZeRO-3 knobs
+    policy: str = "default"  # default | blocks (explicit {Block}: `extra` becomes a unit too)
+    tied_units: bool = False  # a weight shared by two blocks (two units)
+    reuse: bool = False  # blocks[0] runs twice per forward
+    prefetch: int = 1
 
 
 class Net(nn.Module):
@@ -53,21 +58,26 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(2))
         self.norm = nn.BatchNorm1d(16) if c.buffers else nn.LayerNorm(16)
         self.head = nn.Linear(16, VOCAB, bias=False)
-        self.extra = nn.Linear(16, 16) if c.unused != "none" else None
+        # a block that runs only on some steps or ranks; its own unit under policy "blocks"
+        self.extra = None if c.unused == "none" else Block(cfg)
+        self.reuse = c.reuse
         if c.tied:
             self.head.weight = self.tok.weight
+        if c.tied_units:
+            self.blocks[1].mlp.fc.weight = self.blocks[0].mlp.fc.weight
         if c.frozen:
             self.pos.weight.requires_grad_(False)
 
     def forward(self, idx: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        for blk in self.blocks:
+        blocks = [self.blocks[0], *self.blocks] if self.reuse else list(self.blocks)
+        for blk in blocks:
             if self.ckpt == "none":
                 x = blk(x)
             else:
                 x = checkpoint(blk, x, use_reentrant=self.ckpt == "reentrant")
         if use_extra and self.extra is not None:
-            x = x + self.extra(x)
+            x = self.extra(x)
         if isinstance(self.norm, nn.BatchNorm1d):
             x = self.norm(x.transpose(1, 2)).transpose(1, 2)
         else:
@@ -113,7 +123,7 @@ def use_extra(c: Cell, step: int, rank: int) -> bool:
 def oracle_kind(c: Cell, world: int) -> str:
     # DDP rejects unused parameters under reentrant checkpointing; use the local oracle there.
     # and DDP's static_graph (needed for reentrant checkpointing) does not support no_sync.
-    if c.ckpt == "reentrant" and (c.unused != "none" or c.tied or c.accum != "none"):
+    if c.ckpt == "reentrant" and (c.unused != "none" or c.tied or c.tied_units or c.reuse or c.accum != "none"):
         return "local"
     return "ddp" if world > 1 else "local"
 
@@ -129,7 +139,9 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], dict
         static = c.ckpt == "reentrant"
         wrapped = DDP(model, find_unused_parameters=c.unused != "none" and not static, static_graph=static)
     elif mode == "zero":
-        wrapped, opt = zs.initialize(model, opt, config=zs.ZeroConfig(stage=c.stage, reduce_bucket_size=c.bucket))
+        policy = {Block} if c.policy == "blocks" else None
+        cfg = zs.ZeroConfig(stage=c.stage, reduce_bucket_size=c.bucket, prefetch=c.prefetch)
+        wrapped, opt = zs.initialize(model, opt, config=cfg, policy=policy)
     else:
         wrapped = model
     for step in range(c.steps):
@@ -160,7 +172,8 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], dict
                 torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
         opt.step()
         opt.zero_grad()
-    state = {k: v.detach().clone().to(torch.float64) for k, v in model.state_dict().items()}
+    with zs.gathered_parameters(model) if mode == "zero" else contextlib.nullcontext():
+        state = {k: v.detach().clone().to(torch.float64) for k, v in model.state_dict().items()}
     return losses, state
 
 

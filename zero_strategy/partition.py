@@ -1,0 +1,115 @@
+"""Which modules form ZeRO-3 units (one all-gather for all of a unit's parameters).
+
+Resolution, first match wins:
+
+1. an explicit ``policy`` given to ``initialize``: a set/list/tuple of module classes, or a
+   callable ``(module, fqn) -> bool``;
+2. classes decorated with :func:`zero_auto_partition`;
+3. a Hugging Face model's ``_no_split_modules`` (class names), the convention Accelerate and
+   FSDP auto-wrapping use;
+4. the default: the children of the *outermost* ``nn.ModuleList``/``nn.Sequential`` whose
+   children are all of one class (a transformer's block list). Nested lists, such as the
+   experts inside an MoE block, stay inside their block's unit: the default never makes a
+   unit of a module it cannot see run unconditionally.
+
+A module chosen as a unit owns every parameter below it that no inner unit owns; parameters
+outside every unit form the root unit. Units never nest in the default policy; with an
+explicit policy an inner match inside an outer match is ignored (the outer unit owns it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from torch import nn
+
+__all__ = ["UnitPolicy", "find_units", "is_zero_unit_class", "zero_auto_partition"]
+
+_MARK = "_zero_auto_partition"
+
+UnitPolicy = Callable[[nn.Module, str], bool] | Iterable[type] | None
+
+
+def zero_auto_partition(cls: type) -> type:
+    """Class decorator: every instance of ``cls`` is gathered and released as one ZeRO-3 unit.
+
+    The class is returned unchanged apart from one class attribute, so pickling,
+    ``isinstance`` and ``torch.compile`` see the same class."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"@zero_auto_partition decorates nn.Module subclasses, got {cls!r}")
+    setattr(cls, _MARK, True)
+    return cls
+
+
+def is_zero_unit_class(cls: type) -> bool:
+    return bool(getattr(cls, _MARK, False))
+
+
+def _policy_fn(root: nn.Module, policy: UnitPolicy) -> tuple[Callable[[nn.Module, str], bool], str]:
+    if policy is not None:
+        if callable(policy) and not isinstance(policy, type):
+            return policy, "the policy callable"
+        try:
+            classes = tuple(policy)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"initialize(policy=...): expected a set of nn.Module classes or a callable (module, name) -> bool, got {policy!r}"
+            ) from None
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
+            raise TypeError(f"initialize(policy=...): {bad!r} are not nn.Module classes")
+        return (lambda m, _n: isinstance(m, classes)), f"policy classes {[c.__name__ for c in classes]}"
+    if any(is_zero_unit_class(type(m)) for m in root.modules()):
+        return (lambda m, _n: is_zero_unit_class(type(m))), "@zero_auto_partition"
+    names = set(getattr(root, "_no_split_modules", None) or ())
+    if names:
+        return (lambda m, _n: type(m).__name__ in names), f"_no_split_modules {sorted(names)}"
+    blocks = _outermost_block_list(root)
+    ids = {id(m) for m in blocks}
+    return (lambda m, _n: id(m) in ids), "the default (repeated blocks)"
+
+
+def _outermost_block_list(root: nn.Module) -> list[nn.Module]:
+    frontier: list[nn.Module] = [root]
+    while frontier:
+        found: list[nn.Module] = []
+        nxt: list[nn.Module] = []
+        for m in frontier:
+            for child in m.children():
+                kids = list(child.children())
+                if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2 and len({type(k) for k in kids}) == 1:
+                    if any(True for _ in kids[0].parameters()):
+                        found.extend(kids)
+                        continue
+                nxt.append(child)
+        if found:
+            return found
+        frontier = nxt
+    return []
+
+
+def find_units(root: nn.Module, policy: UnitPolicy = None) -> tuple[list[tuple[str, nn.Module]], str]:
+    """The unit modules (name, module) in registration order, outermost matches only, and a
+    description of the rule that chose them."""
+    match, how = _policy_fn(root, policy)
+    units: list[tuple[str, nn.Module]] = []
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        for name, child in m.named_children():
+            fqn = f"{prefix}.{name}" if prefix else name
+            if match(child, fqn) and any(True for _ in child.parameters()):
+                units.append((fqn, child))
+            else:
+                visit(child, fqn)
+
+    if match(root, ""):
+        raise ValueError(
+            f"initialize(policy=...): the root module {type(root).__name__} itself matched {how}; "
+            "name the blocks inside it instead"
+        )
+    visit(root, "")
+    return units, how
+
+
+def describe(units: list[tuple[str, nn.Module]]) -> dict[str, Any]:
+    return {"count": len(units), "classes": sorted({type(m).__name__ for _, m in units})}

@@ -1,0 +1,171 @@
+"""ZeRO-3 module hooks: gather a unit before its forward, free it after, gather it again for
+its backward, reduce its gradients and free it again.
+
+Order of collectives. Every rank must issue the same gathers and reductions in the same
+order. Gathers happen at module boundaries (forward pre-hooks, and backward pre-hooks made
+of tensor hooks on each unit's outputs); a unit's gradients are reduced when the *next*
+unit's backward starts, or at the end of backward. Both are structural points that every
+rank reaches in the same order as long as every rank runs the same units, which the tag in
+every gather checks (see ``unit.py``).
+
+Prefetch. The forward order of units is recorded in the first training step and checked to
+be the same on every rank. Afterwards each forward pre-hook issues the gather of the next
+``prefetch`` units before waiting for its own, and each backward pre-hook does the same in
+reverse order. If a step takes another path, prefetch stops for that step, the new order is
+recorded, and this is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from zero_strategy import collectives as C
+from zero_strategy.unit import ShardedState, UnitStorage
+
+from zero_strategy.states import TrainingState
+
+if TYPE_CHECKING:
+    from zero_strategy.engine import ZeroEngine
+
+__all__ = ["Zero3Hooks"]
+
+log = logging.getLogger(__name__)
+
+
+class Zero3Hooks:
+    def __init__(self, engine: "ZeroEngine", units: list[tuple[str, nn.Module]]) -> None:
+        self.engine = engine
+        storages = engine.params.units  # type: ignore[union-attr]
+        by_label = {u.group.label: u for u in storages}
+        self.module_units: list[tuple[nn.Module, UnitStorage]] = [(m, by_label[fqn]) for fqn, m in units if fqn in by_label]
+        self.root: UnitStorage | None = by_label.get("<root>")
+        self.all_units = storages
+        self.names = engine.params.names  # type: ignore[union-attr]
+        self.order: list[int] | None = None  # recorded forward order (tags)
+        self._seq: list[int] = []  # this step's forward order so far
+        self._on_path = True  # this step still follows the recorded order
+        self._active: UnitStorage | None = None  # unit whose backward runs now
+        self._warned_order = False
+
+    def install(self) -> list[Any]:
+        handles = []
+        for module, u in self.module_units:
+            handles.append(module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
+            handles.append(module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
+        return handles
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _step(self) -> str:
+        return f"step {self.engine.step_count}"
+
+    def _gather(self, u: UnitStorage) -> None:
+        u.unshard_async(self._step())
+
+    def _prefetch(self, position: int, direction: int) -> None:
+        depth = self.engine.config.prefetch
+        if not depth or self.order is None or not self._on_path:
+            return
+        tags = self.order
+        nxt = range(position + 1, min(len(tags), position + 1 + depth)) if direction > 0 else range(position - 1, max(-1, position - 1 - depth), -1)
+        for j in nxt:
+            self._gather(self.all_units[tags[j] - 1])
+
+    def _in_backward(self) -> bool:
+        return self.engine.training_state is TrainingState.BACKWARD
+
+    def _recording(self) -> bool:
+        return torch.is_grad_enabled() and self.engine.module.training and not self._in_backward()
+
+    # -- root ------------------------------------------------------------------------------
+    def root_pre_forward(self) -> None:
+        self._seq = []
+        self._on_path = True
+        if self.root is not None:
+            self._gather(self.root)
+            self.root.wait_unshard(self.names)
+
+    def root_post_forward(self) -> None:
+        if not torch.is_grad_enabled():
+            for u in self.all_units:  # eval / no_grad: nothing stays gathered
+                u.reshard()
+
+    # -- units -----------------------------------------------------------------------------
+    def _pre_forward(self, u: UnitStorage) -> None:
+        if self._recording():
+            pos = len(self._seq)
+            self._seq.append(u.tag)
+            if self.order is not None and self._on_path and (pos >= len(self.order) or self.order[pos] != u.tag):
+                self._on_path = False
+                if not self._warned_order:
+                    self._warned_order = True
+                    log.warning(
+                        "zero_strategy: the order of ZeRO-3 units changed at %s (%s instead of %s); "
+                        "prefetching is off until the new order is recorded (logged once)",
+                        self._step(),
+                        self.names.get(u.tag),
+                        self.names.get(self.order[pos]) if pos < len(self.order) else "the end of the recorded order",
+                    )
+            self._gather(u)
+            self._prefetch(pos, +1)
+        else:
+            self._gather(u)
+        u.wait_unshard(self.names)
+
+    def _post_forward(self, u: UnitStorage, output: Any) -> Any:
+        if not self._in_backward():  # a checkpoint's recomputation keeps it for the backward
+            u.reshard()
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
+        return output
+
+    def _pre_backward(self, u: UnitStorage) -> None:
+        self.engine._queue_end_of_backward()
+        if self._active is u and u.state is ShardedState.UNSHARDED:
+            return
+        if self._active is not None and self._active is not u:
+            self._finish_backward(self._active)
+        self._active = u
+        self._gather(u)
+        if self.order is not None and self._on_path and u.tag in self.order:
+            self._prefetch(len(self.order) - 1 - self.order[::-1].index(u.tag), -1)
+        u.wait_unshard(self.names)
+
+    def _finish_backward(self, u: UnitStorage) -> None:
+        if self.engine._sync:
+            self.engine.reducer.launch(u.group)
+        u.reshard()
+
+    def end_of_backward(self, *, sync: bool) -> None:
+        self._active = None
+        if sync:
+            self.engine.reducer.end_of_backward()
+        for u in self.all_units:
+            u.reshard()
+        if self._seq:
+            self._adopt_order(self._seq)
+            self._seq = []
+
+    def _adopt_order(self, seq: list[int]) -> None:
+        """After a training backward: the first recorded order is checked to be the same on
+        every rank (a collective every rank reaches at its first backward); later changes are
+        adopted locally, since every gather checks which unit each rank is gathering."""
+        if self.order is not None:
+            self.order = list(seq)
+            return
+        digest = torch.tensor([len(seq), hash(tuple(seq)) % (2**31 - 1)], dtype=torch.int64)
+        both = torch.cat([digest, -digest])
+        C.all_reduce(self.engine.ctx, both, op="max", what=f"unit order check ({self._step()})").wait()
+        if not torch.equal(both[:2], -both[2:]):
+            raise RuntimeError(
+                f"rank {self.engine.ctx.rank}: ZeRO-3 units ran in a different order on different ranks at "
+                f"{self._step()}; this rank ran {[self.names[t] for t in seq]}. Make every rank run the same "
+                "modules (or group the conditional part into one unit with @zero_auto_partition / policy=...)."
+            )
+        self.order = list(seq)
