@@ -10,7 +10,7 @@ from torch import nn
 
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import ZeroEngine, get_engine, live_engines, swap_module_class
-from zero_strategy.optimizer import bind_optimizer, build_optimizer
+from zero_strategy.optimizer import bind_optimizer, build_optimizer, check_optimizer
 from zero_strategy.partition import UnitPolicy
 
 __all__ = ["backward", "clip_grad_norm_", "full_grad", "gathered_parameters", "initialize", "memory_stats"]
@@ -46,6 +46,7 @@ def initialize(
 
         cfg = resolve_overrides(cfg, source="initialize() keyword arguments", **overrides)
     opt = build_optimizer(optimizer, model)
+    check_optimizer(opt, model)  # before anything is changed
     engine = ZeroEngine(model, cfg, process_group, policy)
     swap_module_class(model, engine)
     engine.optimizer = bind_optimizer(opt, engine)  # type: ignore[attr-defined]
@@ -61,10 +62,10 @@ def _engine_for(model: nn.Module | None, call: str) -> ZeroEngine:
     if model is not None:
         return get_engine(model)
     engines = live_engines()
-    if len(engines) != 1:
-        raise RuntimeError(
-            f"{call}: {len(engines)} zero_strategy engines are live; pass model= to say which one"
-        )
+    if not engines:
+        raise RuntimeError(f"{call}: no model is managed by zero_strategy; call zero_strategy.initialize() first")
+    if len(engines) > 1:
+        raise RuntimeError(f"{call}: {len(engines)} zero_strategy models are live; pass model= to say which one")
     return engines[0]
 
 

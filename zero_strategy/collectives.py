@@ -120,16 +120,18 @@ class CommContext:
         return self.world_size > 1
 
 
-def make_context(group: dist.ProcessGroup | None, timeout_s: float, impl: str = "auto") -> CommContext:
+def make_context(
+    group: dist.ProcessGroup | None, timeout_s: float, impl: str = "auto", device: torch.device | None = None
+) -> CommContext:
     """Describe ``group`` (None: the default group; without an initialised process group, a
-    single-rank context whose collectives are no-ops)."""
+    single-rank context whose collectives are no-ops, on ``device``)."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise RuntimeError(
                 "initialize(process_group=...) was given a group but torch.distributed is not "
                 "initialised; call torch.distributed.init_process_group() first"
             )
-        return CommContext(None, 0, 1, timedelta(seconds=timeout_s), "native", torch.device("cpu"), global_ranks=(0,))
+        return CommContext(None, 0, 1, timedelta(seconds=timeout_s), "native", device or torch.device("cpu"), global_ranks=(0,))
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     if impl == "auto":
@@ -274,7 +276,7 @@ def reduce_scatter(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, wh
 def all_reduce(ctx: CommContext, t: torch.Tensor, *, op: str = "sum", what: str) -> Handle:
     """In-place all-reduce of ``t`` with ``op`` in ("sum", "max")."""
     if op not in ("sum", "max"):
-        raise ValueError(f"all_reduce op={op!r}: use 'sum' or 'max'")
+        raise AssertionError(f"rank {ctx.rank}: all_reduce of {what} with op={op!r}; the engine only uses 'sum' and 'max'")
     if not ctx.distributed:
         return _done_handle(ctx, "all_reduce", what, 2 * t.numel(), t.element_size())
     t0 = time.perf_counter()
@@ -302,7 +304,3 @@ def broadcast_coalesced(ctx: CommContext, tensors: Sequence[torch.Tensor], *, sr
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-
-def barrier(ctx: CommContext) -> None:
-    if ctx.distributed:
-        dist.barrier(group=ctx.group)

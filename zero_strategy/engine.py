@@ -18,8 +18,8 @@ What ``p.grad`` holds (``p`` a model parameter):
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
-from enum import Enum
 from typing import Any, Callable, Iterator
 
 import torch
@@ -28,12 +28,13 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from zero_strategy import collectives as C
+from zero_strategy._swap import swap_class
 from zero_strategy.config import ZeroConfig, unsupported_features
 from zero_strategy.init import check_placeholder, forget_pieces, materialize_full, placeholder, sharded_init_piece
 from zero_strategy.grads import GradReducer, GradSchedule, ReduceAtStep, ReduceAtUnitEnd, ReduceInBackward
 from zero_strategy.group import InPlaceMasters, SeparateMasters, ShardGroup, build_groups, build_unit_groups
 from zero_strategy.partition import UnitPolicy, find_units
-from zero_strategy.unit import ReplicatedParams, ShardedParams
+from zero_strategy.unit import ReplicatedParams, ShardedParams, refresh_masters
 from zero_strategy.precision import LossScaler, MixedPrecision, select_precision
 from zero_strategy.states import GradState, TrainingState
 from zero_strategy.zero3 import Zero3Hooks
@@ -60,7 +61,10 @@ class ZeroEngine:
             )
         self.module = module
         self.config = config
-        self.ctx = C.make_context(process_group, config.comm_timeout, config.collective_impl)
+        first = next(module.parameters(), None)
+        self.ctx = C.make_context(
+            process_group, config.comm_timeout, config.collective_impl, device=first.device if first is not None else None
+        )
         self.precision = select_precision(config.precision)
         self.scaler = LossScaler(config.loss_scale, enabled=self.precision.uses_loss_scaling)
         self.schedule: GradSchedule = ReduceAtStep() if config.stage == 1 else ReduceInBackward()
@@ -72,11 +76,20 @@ class ZeroEngine:
         self._backward_callback_queued = False
         self._clipped_with: float | None = None
         self._skip_step = False
+        self._loss_scaled = False  # fp16: was a scaled loss backpropagated in this window?
         self._hooks: list[Any] = []
+        if config.gradient_accumulation_steps not in (None, 1):
+            warnings.warn(
+                f"gradient_accumulation_steps={config.gradient_accumulation_steps} is read by the Lightning and "
+                "Accelerate front-ends; the core API neither scales the loss nor skips steps for it. In a plain "
+                "loop, divide the loss by the number of micro-steps and use model.no_sync().",
+                UserWarning,
+                stacklevel=3,
+            )
 
         named = _unique_named_parameters(module)
         self._names = {id(p): n for n, p in named}
-        _check_devices(named, self.ctx)
+        _check_params(named, self.ctx)
         built_sharded = [p for _, p in named if sharded_init_piece(p) is not None]
         for n, p in named:
             if sharded_init_piece(p) is not None:
@@ -124,7 +137,7 @@ class ZeroEngine:
         self.reducer = GradReducer(
             self.groups,
             self.ctx,
-            max_in_flight=2 if config.overlap_comm else 1,
+            max_in_flight=2 if config.overlap_comm else 0,
             grad_factor=lambda: 1.0 / (self.ctx.world_size * self.scaler.scale),
             describe_step=lambda: f"step {self.step_count}",
         )
@@ -139,19 +152,19 @@ class ZeroEngine:
     def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
         return self._master.get(id(p))
 
-    def shard_like(self, p: torch.Tensor, value: Any) -> Any:
-        """This rank's piece of a per-parameter tensor shaped like ``p`` (e.g. optimizer state
-        that exists before ``initialize``); other values are copied as they are."""
+    def shard_like(self, p: torch.Tensor, key: str, value: Any) -> Any:
+        """This rank's piece of per-parameter optimizer state shaped like ``p`` (state that
+        exists before ``initialize``, e.g. Adagrad's); ``step`` and other values are copied."""
         if not isinstance(value, torch.Tensor):
             return value
-        if value.shape != p.shape:
+        if key == "step" or value.shape != p.shape:
             return value.clone()
         g, i = self.reducer.locate(p)
         lo, hi = g.layout.local_range(i)
         return value.detach().reshape(-1)[lo:hi].clone()
 
-    def _check_state(self, what: str, *allowed: Enum) -> None:
-        current = self.grad_state if isinstance(allowed[0], GradState) else self.training_state
+    def _check_state(self, what: str, *allowed: GradState) -> None:
+        current = self.grad_state
         if current not in allowed:
             raise AssertionError(
                 f"rank {self.ctx.rank}: {what} needs state {' or '.join(a.name for a in allowed)}, "
@@ -169,9 +182,25 @@ class ZeroEngine:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
         if self.zero3 is not None:
             self._hooks.extend(self.zero3.install())
+            self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
+        else:  # masters that are not views of the parameters must follow a load
+            self._hooks.append(m.register_load_state_dict_post_hook(lambda mod, incompatible: self._refresh_masters()))
+
+    def _refuse_load_state_dict(self, *args: Any) -> None:
+        raise RuntimeError(
+            "model.load_state_dict() cannot write into a ZeRO-3 model: each rank holds only pieces of the "
+            "parameters. Use zero_strategy.load_full_state_dict(model, state_dict_or_path) instead."
+        )
+
+    def _refresh_masters(self) -> None:
+        with torch.no_grad():
+            for g in self.groups:
+                refresh_masters(g)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if self._sync_buffers_next:
+        if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
+            self._abort_backward()  # the last backward raised before its end: start clean
+        if self._sync_buffers_next and module.training:
             buffers = list(module.buffers())
             if buffers:  # like DDP's broadcast_buffers: rank 0's buffers win
                 C.broadcast_coalesced(self.ctx, buffers, what=f"module buffers (step {self.step_count})")
@@ -189,10 +218,7 @@ class ZeroEngine:
             self.zero3.root_post_forward()
         if not torch.is_grad_enabled():
             return output
-        if self.grad_state is not GradState.ACCUMULATING:
-            self.grad_state = GradState.ACCUMULATING
-        if self.schedule.reduces_in_backward or self.zero3 is not None:
-            for t in tree_flatten(output)[0]:
+        for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._on_output_grad)
         return output
@@ -201,14 +227,23 @@ class ZeroEngine:
         self._queue_end_of_backward()
 
     def _queue_end_of_backward(self) -> None:
+        """The first hook of a backward: gradients are coming (only a backward moves the
+        gradient state, so a forward after ``clip_grad_norm_`` does not reopen it)."""
         if not self._backward_callback_queued:
             self._backward_callback_queued = True
             self.training_state = TrainingState.BACKWARD
+            self.grad_state = GradState.ACCUMULATING
             Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _abort_backward(self) -> None:
+        self._backward_callback_queued = False
+        self.training_state = TrainingState.IDLE
+        self.reducer.abort_backward()
+        if self.zero3 is not None:
+            self.zero3.abort_backward()
 
     def _on_grad_accumulated(self, p: nn.Parameter) -> None:
         self._queue_end_of_backward()  # normally queued already by an output hook
-        self.grad_state = GradState.ACCUMULATING
         self.reducer.on_grad_ready(p, sync=self._sync)
 
     def _end_of_backward(self) -> None:
@@ -216,7 +251,7 @@ class ZeroEngine:
         self.training_state = TrainingState.IDLE
         if self.zero3 is not None:
             self.zero3.end_of_backward(sync=self._sync)
-        elif self._sync:
+        elif self._sync and self.schedule.reduces_in_backward:
             self.reducer.end_of_backward()
 
     # -- gradient accumulation ------------------------------------------------------------
@@ -234,7 +269,17 @@ class ZeroEngine:
         """Finish reduction on every rank and set the master pieces' gradients. Collective."""
         if self.grad_state is GradState.FINAL:
             return
-        self._check_state("finalize_grads", GradState.EMPTY, GradState.ACCUMULATING)
+        unmanaged = [n for n, p in self.module.named_parameters() if p.grad is not None and not self.reducer.manages(p)]
+        if unmanaged:
+            raise RuntimeError(
+                f"parameters {unmanaged[:5]} have gradients but are not managed by zero_strategy (they were "
+                "frozen when initialize() ran, or added later); set requires_grad before initialize()"
+            )
+        if self.scaler.enabled and self.grad_state is GradState.ACCUMULATING and not self._loss_scaled:
+            raise RuntimeError(
+                "fp16 training needs a scaled loss: gradients are unscaled by the loss scale, so call "
+                "zero_strategy.backward(loss) or optimizer.scale_loss(loss).backward() instead of loss.backward()"
+            )
         used = self.reducer.finalize()
         k = 0
         for g in self.groups:
@@ -245,7 +290,7 @@ class ZeroEngine:
         self._skip_step = False
         if self.scaler.enabled:
             local_bad = any(not bool(torch.isfinite(g.grad_shard).all()) for g in self.groups if g.grad_valid)
-            flag = torch.tensor([1 if local_bad else 0], dtype=torch.int32)
+            flag = torch.tensor([1 if local_bad else 0], dtype=torch.int32, device=self.ctx.device)
             C.all_reduce(self.ctx, flag, op="max", what=f"overflow check (step {self.step_count})").wait()
             self._skip_step = bool(flag.item())
         self.grad_state = GradState.FINAL
@@ -264,14 +309,17 @@ class ZeroEngine:
         self.finalize_grads()
         grads = self._master_grads()
         norm_type = float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): use a positive p-norm or float('inf')")
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        dev = self.ctx.device
         if norm_type == float("inf"):
-            local = max((g.abs().max().to(dtype) for g in grads if g.numel()), default=torch.zeros((), dtype=dtype))
+            local = max((g.abs().max().to(dtype) for g in grads if g.numel()), default=torch.zeros((), dtype=dtype, device=dev))
             total = local.reshape(1).clone()
             C.all_reduce(self.ctx, total, op="max", what=f"gradient norm (step {self.step_count})").wait()
             total = total[0]
         else:
-            local = torch.zeros((), dtype=dtype)
+            local = torch.zeros((), dtype=dtype, device=dev)
             for g in grads:
                 local += torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
             total = local.reshape(1).clone()
@@ -286,6 +334,7 @@ class ZeroEngine:
     # -- optimizer step ------------------------------------------------------------------
     def before_optimizer_step(self) -> None:
         self.finalize_grads()
+        self._check_state("optimizer.step() after finalize_grads", GradState.FINAL)
         if self.config.gradient_clipping is not None and self._clipped_with is None:
             self.clip_grad_norm_(self.config.gradient_clipping, _from_config=True)
         if self._skip_step:
@@ -297,24 +346,40 @@ class ZeroEngine:
         skipped = self._skip_step
         self.scaler.update(skipped)
         self._clipped_with = None
+        self._loss_scaled = False
         if not skipped:
             self.params.after_step(self)
         self.step_count += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this window's gradients. Full gradients in ``p.grad`` are always dropped.
+        With ``set_to_none=False`` the master pieces keep zeroed gradients, and parameters that
+        had one keep counting as "has a gradient" (the optimizer still updates them, e.g. with
+        weight decay), as with a zeroed ``.grad`` under DDP."""
+        if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
+            self._abort_backward()
         self.reducer.wait_all()
         for g in self.groups:
             for p in g.params:
                 p.grad = None
-            for m in g.masters:
-                m.grad = None
-            if not set_to_none:
+            if set_to_none:
+                for m in g.masters:
+                    m.grad = None
+            else:
                 g.grad_shard.zero_()
-        self.reducer.reset_window()
+        if set_to_none:
+            self.reducer.reset_window()
+        self._clipped_with = None
+        self._loss_scaled = False
         self.grad_state = GradState.EMPTY
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Any = None, modifier_rank: int | None = None) -> Iterator[None]:
+        if self.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"gathered_parameters() was entered during {self.training_state.name.lower()}; use it between "
+                "steps (parameters are gathered automatically inside forward and backward)"
+            )
         if modifier_rank is not None and not 0 <= modifier_rank < self.ctx.world_size:
             raise ValueError(
                 f"gathered_parameters(modifier_rank={modifier_rank}): use a rank of the group, 0..{self.ctx.world_size - 1}, or None"
@@ -358,7 +423,10 @@ class ZeroEngine:
 
     # -- loss scaling ----------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if self.scaler.enabled else loss
+        if not self.scaler.enabled:
+            return loss
+        self._loss_scaled = True
+        return loss * self.scaler.scale
 
     # -- inspection ----------------------------------------------------------------------
     def full_grad(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -372,7 +440,7 @@ class ZeroEngine:
         g, i = self.reducer.locate(p)
         lay, n = g.layout, self.ctx.world_size
         c = lay.chunks[i]
-        flag = torch.tensor([0 if g.masters[i].grad is None else 1], dtype=torch.int32)
+        flag = torch.tensor([0 if g.masters[i].grad is None else 1], dtype=torch.int32, device=self.ctx.device)
         C.all_reduce(self.ctx, flag, op="max", what=f"full_grad flag of {self._names[id(p)]}").wait()
         if not flag.item():
             return None
@@ -458,15 +526,8 @@ class ZeroModule:
         return self._zero_engine.memory_stats()
 
 
-_SWAPPED: dict[type, type] = {}
-
-
 def swap_module_class(module: nn.Module, engine: ZeroEngine) -> None:
-    cls = type(module)
-    if not issubclass(cls, ZeroModule):
-        if cls not in _SWAPPED:
-            _SWAPPED[cls] = type(f"Zero{cls.__name__}", (ZeroModule, cls), {"__module__": cls.__module__})
-        module.__class__ = _SWAPPED[cls]
+    swap_class(module, ZeroModule)
     module._zero_engine = engine  # type: ignore[attr-defined]
 
 
@@ -483,8 +544,13 @@ def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]
     return list(module.named_parameters(remove_duplicate=True))
 
 
-def _check_devices(named: list[tuple[str, nn.Parameter]], ctx: C.CommContext) -> None:
+def _check_params(named: list[tuple[str, nn.Parameter]], ctx: C.CommContext) -> None:
     for n, p in named:
+        if not p.is_contiguous() and sharded_init_piece(p) is None:
+            raise ValueError(
+                f"initialize(): parameter '{n}' is not contiguous (strides {p.stride()}); ZeRO shards flattened "
+                "parameters, so make it contiguous first (e.g. model.to(memory_format=torch.contiguous_format))"
+            )
         if p.device.type == "meta":
             raise ValueError(f"initialize(): parameter '{n}' is on the meta device (never materialised); build it on a real device")
         if p.device.type != ctx.device.type:

@@ -75,7 +75,7 @@ class GradReducer:
     ) -> None:
         self.groups = list(groups)
         self.ctx = ctx
-        self.max_in_flight = max(1, max_in_flight)
+        self.max_in_flight = max_in_flight  # reductions left running while backward goes on
         self._grad_factor = grad_factor
         self._describe_step = describe_step
         self._where: dict[int, tuple[ShardGroup, int, int]] = {}  # id(param) -> (group, i, flat index)
@@ -148,10 +148,12 @@ class GradReducer:
         for p in g.params:
             p.grad = None  # the full gradient is not kept once it is in the bucket
         out = self.ctx.pool.get(lay.shard_numel, g.reduce_dtype, g.grad_shard.device)
+        while self._in_flight and len(self._in_flight) >= max(self.max_in_flight, 1):  # bounded scratch
+            self._complete(self._in_flight.popleft())
         handle = C.reduce_scatter(self.ctx, out, inp, what=f"gradients of {g.name} ({self._describe_step()})")
         self._in_flight.append(_InFlight(g, handle, inp, out))
-        if len(self._in_flight) > self.max_in_flight:
-            self._complete(self._in_flight.popleft())
+        if self.max_in_flight == 0:
+            self.wait_all()
 
     def _complete(self, f: _InFlight) -> None:
         f.handle.wait()
@@ -177,7 +179,9 @@ class GradReducer:
                     flags[flat] = 1
                     self._used[flat] = 1
         flags[self.num_params :] = self._used
+        flags = flags.to(self.ctx.device)
         C.all_reduce(self.ctx, flags, op="max", what=f"gradient flags ({self._describe_step()})").wait()
+        flags = flags.cpu()
         pending = flags[: self.num_params].bool()
         start = 0
         for g in self.groups:
@@ -188,6 +192,13 @@ class GradReducer:
         self.wait_all()
         self._launched = [False] * len(self.groups)
         return flags[self.num_params :].bool()
+
+    def abort_backward(self) -> None:
+        """Forget a backward that never reached its end (it raised): readiness and launches."""
+        self.wait_all()
+        self._ready = [0] * len(self.groups)
+        self._launched = [False] * len(self.groups)
+        self._next = 0
 
     def reset_window(self) -> None:
         """Forget gradients (``zero_grad``): the next reduction overwrites each shard."""

@@ -26,29 +26,21 @@ __all__ = ["InPlaceMasters", "MasterPolicy", "SeparateMasters", "ShardGroup", "b
 class MasterPolicy(Protocol):
     def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor: ...
 
-    @property
-    def aliases_params(self) -> bool: ...
-
 
 @dataclass(frozen=True)
 class InPlaceMasters:
-    @property
-    def aliases_params(self) -> bool:
-        return True
-
     def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         if param.dtype != dtype:
-            raise AssertionError(f"InPlaceMasters needs the master dtype ({dtype}) to equal the parameter's ({param.dtype})")
+            raise AssertionError(
+                f"InPlaceMasters needs the master dtype ({dtype}) to equal the parameter's ({param.dtype}); "
+                "the engine picks SeparateMasters for mixed precision"
+            )
         return nn.Parameter(param.detach().view(-1)[lo:hi])
 
 
 @dataclass(frozen=True)
 class SeparateMasters:
     device: torch.device | None = None  # None: the parameter's device
-
-    @property
-    def aliases_params(self) -> bool:
-        return False
 
     def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         piece = piece_of(param, lo, hi).to(device=self.device or param.device, dtype=dtype, copy=True)
@@ -86,10 +78,6 @@ class ShardGroup:
             return f"unit '{self.label}'"
         first, last = self.fqns[0], self.fqns[-1]
         return f"group {self.index} ({first}{' .. ' + last if last != first else ''})"
-
-    @property
-    def numel(self) -> int:
-        return sum(self.layout.numels)
 
     def master_grad_views(self) -> list[torch.Tensor]:
         return [self.layout.local_view(self.grad_shard, i) for i in range(len(self.params))]

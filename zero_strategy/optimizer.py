@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
+from zero_strategy._swap import swap_class
+
 if TYPE_CHECKING:
     from zero_strategy.engine import ZeroEngine
 
-__all__ = ["ZeroOptimizer", "bind_optimizer", "build_optimizer"]
+__all__ = ["ZeroOptimizer", "bind_optimizer", "build_optimizer", "check_optimizer"]
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -50,17 +52,6 @@ class ZeroOptimizer:
         self._zero_engine.zero_grad(set_to_none=set_to_none)
 
 
-_SWAPPED: dict[type, type] = {}
-
-
-def _swapped_class(cls: type) -> type:
-    if issubclass(cls, ZeroOptimizer):
-        return cls
-    if cls not in _SWAPPED:
-        _SWAPPED[cls] = type(f"Zero{cls.__name__}", (ZeroOptimizer, cls), {"__module__": cls.__module__})
-    return _SWAPPED[cls]
-
-
 def build_optimizer(optimizer: torch.optim.Optimizer | OptimizerFactory, module: torch.nn.Module) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
@@ -78,34 +69,55 @@ def build_optimizer(optimizer: torch.optim.Optimizer | OptimizerFactory, module:
     )
 
 
-def bind_optimizer(optimizer: torch.optim.Optimizer, engine: "ZeroEngine") -> torch.optim.Optimizer:
+# Optimizers whose update of a parameter depends on its shape (factored or orthogonalised
+# updates) or that re-evaluate a closure: 1-D shards cannot reproduce them.
+_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon", "Shampoo", "SOAP", "DistributedShampoo")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> None:
+    """Validate before anything is changed: element-wise update, parameters of ``module``."""
     if isinstance(optimizer, ZeroOptimizer):
         raise RuntimeError("initialize(): this optimizer is already bound to a zero_strategy engine; build a new one")
-    model_names = engine.param_names()
+    name = type(optimizer).__name__
+    if name in _NOT_ELEMENTWISE:
+        raise TypeError(
+            f"initialize(): {name} updates a parameter from its whole shape (or re-runs a closure), but ZeRO "
+            "gives each rank 1-D pieces of parameters, so the numbers would differ from DDP. Use an "
+            "element-wise optimizer (AdamW, Adam, SGD, Adagrad, RMSprop, ...)."
+        )
+    names = {id(p): n for n, p in module.named_parameters()}
     seen: set[int] = set()
-    new_state: dict[torch.Tensor, dict[str, Any]] = {}
     for gi, group in enumerate(optimizer.param_groups):
-        new_params = []
         for p in group["params"]:
             if id(p) in seen:
-                raise ValueError(f"initialize(): a parameter appears twice in optimizer.param_groups (group {gi})")
+                raise ValueError(
+                    f"initialize(): parameter '{names.get(id(p), tuple(p.shape))}' appears twice in "
+                    f"optimizer.param_groups (group {gi}); list each parameter once"
+                )
             seen.add(id(p))
-            if id(p) not in model_names:
+            if id(p) not in names:
                 raise ValueError(
                     f"initialize(): optimizer.param_groups[{gi}] holds a parameter of shape {tuple(p.shape)} "
                     "that is not in the model; build the optimizer on model.parameters()"
                 )
+
+
+def bind_optimizer(optimizer: torch.optim.Optimizer, engine: "ZeroEngine") -> torch.optim.Optimizer:
+    new_state: dict[torch.Tensor, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        new_params = []
+        for p in group["params"]:
             master = engine.master_of(p)
             if master is None:  # frozen: kept as is
                 new_params.append(p)
                 continue
             new_params.append(master)
             if p in optimizer.state:  # e.g. Adagrad fills its state at construction
-                new_state[master] = {k: engine.shard_like(p, v) for k, v in optimizer.state[p].items()}
+                new_state[master] = {k: engine.shard_like(p, k, v) for k, v in optimizer.state[p].items()}
         group["params"] = new_params
     optimizer.state.clear()
     optimizer.state.update(new_state)
-    optimizer.__class__ = _swapped_class(type(optimizer))
+    swap_class(optimizer, ZeroOptimizer)
     optimizer._zero_engine = engine  # type: ignore[attr-defined]
     optimizer.register_step_pre_hook(_before_step)
     optimizer.register_step_post_hook(_after_step)
@@ -113,6 +125,11 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, engine: "ZeroEngine") -> to
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if len(args) > 1 or kwargs.get("closure") is not None:  # args[0] is the optimizer itself
+        raise RuntimeError(
+            "optimizer.step(closure) is not supported by zero_strategy: the closure's backward would run after "
+            "the gradients were reduced. Run forward and backward before step() and call step() without a closure."
+        )
     optimizer.zero_engine.before_optimizer_step()  # type: ignore[attr-defined]
 
 

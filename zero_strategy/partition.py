@@ -19,7 +19,7 @@ explicit policy an inner match inside an outer match is ignored (the outer unit 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from torch import nn
 
@@ -110,6 +110,3 @@ def find_units(root: nn.Module, policy: UnitPolicy = None) -> tuple[list[tuple[s
     visit(root, "")
     return units, how
 
-
-def describe(units: list[tuple[str, nn.Module]]) -> dict[str, Any]:
-    return {"count": len(units), "classes": sorted({type(m).__name__ for _, m in units})}

@@ -81,11 +81,14 @@ def select_precision(cfg: PrecisionConfig) -> PrecisionPolicy:
 
 
 class LossScaler:
-    """Dynamic (or static, when ``loss_scale > 0``) loss scale for fp16 training."""
+    """Dynamic (or static, when ``loss_scale > 0``) loss scale for fp16, with DeepSpeed's
+    semantics: an overflow halves the scale once ``hysteresis`` overflows have been absorbed
+    (the allowance refills when the scale grows, or after every good step with
+    ``consecutive_hysteresis``); ``loss_scale_window`` good steps in a row double it."""
 
     def __init__(self, cfg: LossScaleConfig, enabled: bool) -> None:
         self.enabled = enabled
-        self.dynamic = cfg.loss_scale == 0
+        self.dynamic = cfg.dynamic
         self.scale = float(cfg.loss_scale if cfg.loss_scale > 0 else 2.0**cfg.initial_scale_power) if enabled else 1.0
         self._cfg = cfg
         self._good_steps = 0
@@ -96,26 +99,20 @@ class LossScaler:
         """Called once per optimizer step, on every rank with the same ``found_inf``."""
         if not self.enabled:
             return
+        cfg = self._cfg
         if found_inf:
             self.skipped_steps += 1
             self._good_steps = 0
             if not self.dynamic:
                 return
-            self._hysteresis_left -= 1
-            if self._hysteresis_left <= 0:
-                self.scale = max(self.scale / 2.0, self._cfg.min_loss_scale)
-                self._hysteresis_left = self._cfg.hysteresis
+            if self._hysteresis_left <= 1:
+                self.scale = max(self.scale / 2.0, cfg.min_loss_scale)
+            else:
+                self._hysteresis_left -= 1
             return
         self._good_steps += 1
-        if self._cfg.consecutive_hysteresis:  # refill the hysteresis after a good step
-            self._hysteresis_left = self._cfg.hysteresis
-        if self.dynamic and self._good_steps % self._cfg.loss_scale_window == 0:
+        if cfg.consecutive_hysteresis:
+            self._hysteresis_left = cfg.hysteresis
+        if self.dynamic and self._good_steps % cfg.loss_scale_window == 0:
+            self._hysteresis_left = cfg.hysteresis
             self.scale *= 2.0
-
-    def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "good_steps": self._good_steps, "hysteresis_left": self._hysteresis_left}
-
-    def load_state_dict(self, sd: dict[str, float]) -> None:
-        self.scale = float(sd["scale"])
-        self._good_steps = int(sd["good_steps"])
-        self._hysteresis_left = int(sd["hysteresis_left"])

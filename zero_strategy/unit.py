@@ -60,7 +60,7 @@ class ReplicatedParams:
             C.broadcast_coalesced(engine.ctx, params, src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
             with torch.no_grad():
                 for g in groups:
-                    _refresh_masters(g)
+                    refresh_masters(g)
 
     def load_full(self, engine: "ZeroEngine", p: torch.Tensor, full: torch.Tensor) -> None:
         p.copy_(full)
@@ -93,7 +93,7 @@ class ReplicatedParams:
             complete(entry)
 
 
-def _refresh_masters(g: ShardGroup) -> None:
+def refresh_masters(g: ShardGroup) -> None:
     """Copy this rank's pieces of ``g``'s full parameters into masters that are not views."""
     for i, (p, m) in enumerate(zip(g.params, g.masters)):
         piece = p.detach().reshape(-1)[slice(*g.layout.local_range(i))]
@@ -253,7 +253,7 @@ class ShardedParams:
                     for u in units:
                         lay = u.group.layout
                         lay.pack_local([p.detach().view(-1)[slice(*lay.local_range(i))] for i, p in enumerate(u.group.params)], u.row)
-                        _refresh_masters(u.group)
+                        refresh_masters(u.group)
             for u, state in zip(units, was):
                 if state is ShardedState.SHARDED:
                     u.reshard()

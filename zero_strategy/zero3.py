@@ -142,6 +142,11 @@ class Zero3Hooks:
             self.engine.reducer.launch(u.group)
         u.reshard()
 
+    def abort_backward(self) -> None:
+        self._active = None
+        for u in self.all_units:
+            u.reshard()
+
     def end_of_backward(self, *, sync: bool) -> None:
         self._active = None
         if sync:

@@ -24,9 +24,11 @@ def _cells(full: bool) -> list[dict]:
         {"prefetch": 0},
         {"prefetch": 2, "reuse": True, "ckpt": "nonreentrant"},
         {"optim": "adagrad", "groups": True, "frozen": True, "tied_units": True, "ckpt": "reentrant"},
+        {"set_to_none": False, "unused": "some_steps", "policy": "blocks"},
+        {"reuse": True, "ckpt": "reentrant"},  # re-gathered for a second backward: late gradients
     ]
     if not full:
-        features = features[:1] + features[3:6] + features[9:11]
+        features = features[:1] + features[3:6] + features[9:11] + features[-2:]
     return [dict(stage=3, accum=a, **f) for a in ("none", "plain", "no_sync") for f in features]
 
 
@@ -38,7 +40,7 @@ def _parity_worker(rank: int, world: int, full: bool) -> int:
     return len(cells)
 
 
-@pytest.mark.parametrize("world,full", [(1, False), (2, True), (3, False)], ids=["ws1", "ws2-full", "ws3"])
+@pytest.mark.parametrize("world,full", [(1, False), (2, True), (3, False), (4, False)], ids=["ws1", "ws2-full", "ws3", "ws4"])
 def test_zero3_matches_ddp(launch, world: int, full: bool) -> None:
     counts = launch(_parity_worker, world, args=(full,), timeout=600)
     assert counts == [len(_cells(full))] * world and counts[0] >= 18

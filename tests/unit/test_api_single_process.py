@@ -78,6 +78,8 @@ def test_optimizer_factory_and_param_groups() -> None:
     assert [g["lr"] for g in opt.param_groups] == [0.5, 0.1]
     _loss(model, 0).backward()
     opt.step()
+    n_masters = sum(len(g["params"]) for g in opt.param_groups)
+    assert len(opt.state) == n_masters > 0
     assert all("momentum_buffer" in s for s in opt.state.values())
 
 
@@ -96,7 +98,118 @@ def test_user_errors_are_clear() -> None:
     _loss(m, 0).backward()
     with pytest.raises(ValueError, match="conflicts with gradient_clipping=1.0"):
         o.clip_grad_norm_(0.5)
-    assert float(o.clip_grad_norm_(1.0)) > 0  # the same value is fine, and applied once
+    assert float(o.clip_grad_norm_(1.0)) > 0  # the same value is fine
+
+
+def test_explicit_clip_with_the_config_value_is_applied_once() -> None:
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), gradient_clipping=0.01)
+    _loss(ref, 0).backward()
+    _loss(model, 0).backward()
+    total = opt.clip_grad_norm_(0.01)
+    assert float(total) > 0.1  # so a second clipping would change the numbers
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    ref_opt.step()
+    opt.step()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_optimizers_that_need_whole_shapes_or_closures_are_refused() -> None:
+    model = GPT(CFG)
+    with pytest.raises(TypeError, match="LBFGS updates a parameter from its whole shape"):
+        zs.initialize(model, torch.optim.LBFGS(model.parameters()))
+    assert type(model) is GPT  # nothing was changed
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _loss(model, 0).backward()
+    with pytest.raises(RuntimeError, match=r"step\(closure\) is not supported"):
+        opt.step(lambda: _loss(model, 0))
+
+
+def test_bad_parameters_are_named() -> None:
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten())
+    net[0].weight.data = net[0].weight.data.to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="parameter '0.weight' is not contiguous"):
+        zs.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    model = GPT(CFG)
+    model.pos.weight.requires_grad_(False)
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model.pos.weight.requires_grad_(True)  # unfrozen after initialize: would train on local grads
+    _loss(model, 0).backward()
+    with pytest.raises(RuntimeError, match=r"\[.pos.weight.\] have gradients but are not managed"):
+        opt.step()
+
+
+def test_zero_dim_parameter_with_adagrad() -> None:
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.temp = torch.nn.Parameter(torch.tensor(2.0))
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * self.temp
+
+    torch.manual_seed(0)
+    ref = Scaled()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    model, opt = zs.initialize(model, torch.optim.Adagrad(model.parameters(), lr=0.1), config=zs.ZeroConfig(stage=2))
+    assert all(s["step"].dim() == 0 for s in opt.state.values())
+    for i in range(3):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+        ref(x).sum().backward()
+        model(x).sum().backward()
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    assert torch.allclose(model.temp, ref.temp) and torch.allclose(model.lin.weight, ref.lin.weight)
+
+
+def test_a_backward_that_raises_does_not_poison_the_next_step() -> None:
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=zs.ZeroConfig(stage=2))
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    out = model(synthetic_batch(CFG, 2, 0)[0])
+    h = out.register_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        out.sum().backward()
+    h.remove()
+    opt.zero_grad()
+    _loss(ref, 1).backward()
+    _loss(model, 1).backward()
+    assert all(p.grad is None for p in model.parameters()), "ZeRO-2 reduced and freed every bucket again"
+    ref_opt.step()
+    opt.step()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_zero3_model_refuses_load_state_dict_and_loads_full_weights() -> None:
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model, opt = zs.initialize(GPT(CFG), lambda p: torch.optim.SGD(p, lr=0.1), config=zs.ZeroConfig(stage=3))
+    with pytest.raises(RuntimeError, match="Use zero_strategy.load_full_state_dict"):
+        model.load_state_dict(ref.state_dict())
+    zs.load_full_state_dict(model, ref.state_dict())
+    with zs.gathered_parameters(model):
+        assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), model.state_dict().values()))
+    assert zs.memory_stats(model)["gathered"] == 0
+
+
+def test_backward_helper_needs_an_engine() -> None:
+    for engine in zs.api.live_engines():  # engines of earlier tests in this process
+        engine.close()
+    with pytest.raises(RuntimeError, match="call zero_strategy.initialize"):
+        zs.backward(torch.ones(1, requires_grad=True).sum())
 
 
 def test_config_clipping_applies_when_the_user_does_not_clip() -> None:

@@ -44,6 +44,8 @@ class Cell:
     tied_units: bool = False  # a weight shared by two blocks (two units)
     reuse: bool = False  # blocks[0] runs twice per forward
     prefetch: int = 1
+    set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
+    late: bool = False  # a parameter used inside a checkpointed block and outside it too
 
 
 class Net(nn.Module):
@@ -61,6 +63,7 @@ class Net(nn.Module):
         # a block that runs only on some steps or ranks; its own unit under policy "blocks"
         self.extra = None if c.unused == "none" else Block(cfg)
         self.reuse = c.reuse
+        self.late = c.late
         if c.tied:
             self.head.weight = self.tok.weight
         if c.tied_units:
@@ -76,6 +79,8 @@ class Net(nn.Module):
                 x = blk(x)
             else:
                 x = checkpoint(blk, x, use_reentrant=self.ckpt == "reentrant")
+        if self.late:  # blocks[0].ln1.bias also runs outside its (checkpointed) block
+            x = x + self.blocks[0].ln1.bias
         if use_extra and self.extra is not None:
             x = self.extra(x)
         if isinstance(self.norm, nn.BatchNorm1d):
@@ -123,7 +128,7 @@ def use_extra(c: Cell, step: int, rank: int) -> bool:
 def oracle_kind(c: Cell, world: int) -> str:
     # DDP rejects unused parameters under reentrant checkpointing; use the local oracle there.
     # and DDP's static_graph (needed for reentrant checkpointing) does not support no_sync.
-    if c.ckpt == "reentrant" and (c.unused != "none" or c.tied or c.tied_units or c.reuse or c.accum != "none"):
+    if c.ckpt == "reentrant" and (c.unused != "none" or c.tied or c.tied_units or c.reuse or c.late or c.accum != "none"):
         return "local"
     return "ddp" if world > 1 else "local"
 
@@ -171,7 +176,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], dict
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=c.set_to_none)
     with zs.gathered_parameters(model) if mode == "zero" else contextlib.nullcontext():
         state = {k: v.detach().clone().to(torch.float64) for k, v in model.state_dict().items()}
     return losses, state
