@@ -116,8 +116,10 @@ class GatherMeter:
 class UnitStorage:
     """One ZeRO-3 unit's persistent row and the full parameters' storages."""
 
-    def __init__(self, group: ShardGroup, ctx: C.CommContext, tag: int, meter: GatherMeter) -> None:
+    def __init__(self, group: ShardGroup, ctx: C.CommContext, tag: int, meter: GatherMeter, persistent: bool = False) -> None:
         self.meter = meter
+        # a small unit stays gathered from its first use until the optimizer step changes it
+        self.persistent = persistent
         self.group = group
         self.ctx = ctx
         self.tag = tag
@@ -165,6 +167,7 @@ class UnitStorage:
         self._buf, self._step = buf, step
         self._handle = C.all_gather(self.ctx, buf, row, what=f"parameters of {self.group.name} ({step})")
         self.state = ShardedState.UNSHARDING
+        self.meter.add(self.full_bytes)  # counted from the moment its gather buffer exists
 
     def wait_unshard(self, names: dict[int, str]) -> None:
         if self.state is ShardedState.UNSHARDED:
@@ -192,7 +195,15 @@ class UnitStorage:
         self.ctx.pool.put(self._buf)
         self._handle, self._buf = None, None
         self.state = ShardedState.UNSHARDED
-        self.meter.add(self.full_bytes)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.group.layout.numels)
+
+    def release(self) -> None:
+        """Done with the parameters for now: free them unless the unit is persistent."""
+        if not self.persistent:
+            self.reshard()
 
     def reshard(self) -> None:
         if self.state is ShardedState.SHARDED:
@@ -227,7 +238,11 @@ class ShardedParams:
 
     def __init__(self, engine: "ZeroEngine", *, masters_in_rows: bool) -> None:
         self.meter = GatherMeter()
-        self.units = [UnitStorage(g, engine.ctx, tag=g.index + 1, meter=self.meter) for g in engine.groups]
+        small = engine.config.stage3_param_persistence_threshold
+        self.units = [
+            UnitStorage(g, engine.ctx, tag=g.index + 1, meter=self.meter, persistent=sum(g.layout.numels) <= small)
+            for g in engine.groups
+        ]
         self.names = {g.index + 1: g.name for g in engine.groups}
         if masters_in_rows:  # fp32: the optimizer updates the rows in place, no extra copy
             for u in self.units:
@@ -272,6 +287,7 @@ class ShardedParams:
         # In fp32 the masters are views of the rows: already updated. Otherwise copy them in.
         with torch.no_grad():
             for u in self.units:
+                u.reshard()  # persistent units hold the old values: gather them again when used
                 g = u.group
                 if g.masters and g.masters[0].untyped_storage().data_ptr() != u.row.untyped_storage().data_ptr():
                     g.layout.pack_local([m.detach() for m in g.masters], u.row)

@@ -72,8 +72,13 @@ class Zero3Hooks:
             return
         tags = self.order
         nxt = range(position + 1, min(len(tags), position + 1 + depth)) if direction > 0 else range(position - 1, max(-1, position - 1 - depth), -1)
+        cap = self.engine.config.stage3_max_live_parameters
         for j in nxt:
-            self._gather(self.all_units[tags[j] - 1])
+            u = self.all_units[tags[j] - 1]
+            live = sum(v.numel for v in self.all_units if v.state is not ShardedState.SHARDED)
+            if u.state is ShardedState.SHARDED and live + u.numel > cap:
+                return  # stage3_max_live_parameters: gather it on demand instead
+            self._gather(u)
 
     def _in_backward(self) -> bool:
         return self.engine.training_state is TrainingState.BACKWARD
@@ -91,8 +96,8 @@ class Zero3Hooks:
 
     def root_post_forward(self) -> None:
         if not torch.is_grad_enabled():
-            for u in self.all_units:  # eval / no_grad: nothing stays gathered
-                u.reshard()
+            for u in self.all_units:  # eval / no_grad: nothing but persistent units stays gathered
+                u.release()
 
     # -- units -----------------------------------------------------------------------------
     def _pre_forward(self, u: UnitStorage) -> None:
@@ -118,7 +123,7 @@ class Zero3Hooks:
 
     def _post_forward(self, u: UnitStorage, output: Any) -> Any:
         if not self._in_backward():  # a checkpoint's recomputation keeps it for the backward
-            u.reshard()
+            u.release()
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -140,7 +145,7 @@ class Zero3Hooks:
     def _finish_backward(self, u: UnitStorage) -> None:
         if self.engine._sync:
             self.engine.reducer.launch(u.group)
-        u.reshard()
+        u.release()
 
     def abort_backward(self) -> None:
         self._active = None
@@ -152,7 +157,7 @@ class Zero3Hooks:
         if sync:
             self.engine.reducer.end_of_backward()
         for u in self.all_units:
-            u.reshard()
+            u.release()
         if self._seq:
             self._adopt_order(self._seq)
             self._seq = []

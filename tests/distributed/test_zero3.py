@@ -26,6 +26,7 @@ def _cells(full: bool) -> list[dict]:
         {"optim": "adagrad", "groups": True, "frozen": True, "tied_units": True, "ckpt": "reentrant"},
         {"set_to_none": False, "unused": "some_steps", "policy": "blocks"},
         {"reuse": True, "ckpt": "reentrant"},  # re-gathered for a second backward: late gradients
+        {"persist": 10**6},  # small units stay gathered until the step
     ]
     if not full:
         features = features[:1] + features[3:6] + features[9:11] + features[-2:]
@@ -159,7 +160,8 @@ def _accounting_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     psi = num_parameters(model)
-    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters()), config=zs.ZeroConfig(stage=3))
+    zcfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0)  # no unit stays gathered
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters()), config=zcfg)
     root_numel = sum(p.numel() for g in model.zero_engine.groups if g.label == "<root>" for p in g.params)
     unit_bytes = max(sum(p.numel() * 4 for p in g.params) for g in model.zero_engine.groups if g.label != "<root>")
     n_params = sum(len(g.params) for g in model.zero_engine.groups)
@@ -176,7 +178,30 @@ def _accounting_worker(rank: int, world: int) -> dict:
     per_step = sum(v["elements"] for v in zs.comm_stats().values()) / 3
     gc.collect()
     stats = zs.memory_stats(model)
-    return {"per_step": per_step, "psi": psi, "root": root_numel, "n_params": n_params, "stats": stats, "unit_bytes": unit_bytes}
+    # validation between steps: no_grad + eval gathers and frees, builds no graph, same output twice
+    model.eval()
+    x, _ = synthetic_batch(cfg, 2, 99, seed=rank)
+    with torch.no_grad():
+        a, b = model(x), model(x)
+    eval_ok = torch.equal(a, b) and not a.requires_grad and zs.memory_stats(model)["gathered"] == 0
+    model.train()
+    model.zero_engine.close()
+
+    # stage3_max_live_parameters caps what prefetching may gather
+    peaks = {}
+    for cap in (10**9, root_numel + unit_bytes // 4 + 1000):
+        torch.manual_seed(0)
+        m = GPT(cfg)
+        m, o = zs.initialize(m, torch.optim.AdamW(m.parameters()), config=zs.ZeroConfig(stage=3, prefetch=2, stage3_max_live_parameters=cap, stage3_param_persistence_threshold=0))
+        for step in range(3):
+            x, y = synthetic_batch(cfg, 2, step, seed=rank)
+            F.cross_entropy(m(x).view(-1, 256), y.reshape(-1)).backward()
+            o.step()
+            o.zero_grad()
+        peaks[cap] = zs.memory_stats(m)["gathered_peak"]
+        m.zero_engine.close()
+    return {"per_step": per_step, "psi": psi, "root": root_numel, "n_params": n_params, "stats": stats,
+            "unit_bytes": unit_bytes, "eval_ok": eval_ok, "peaks": peaks}
 
 
 def test_zero3_comm_volume_and_memory(launch) -> None:
@@ -193,3 +218,7 @@ def test_zero3_comm_volume_and_memory(launch) -> None:
             assert s["model_state"] >= 16 * psi / n * 0.95, s
             # root + one unit + one prefetched unit at most
             assert s["gathered_peak"] <= r["root"] * 4 + 2 * r["unit_bytes"], s
+            assert r["eval_ok"]
+            (free, free_peak), (cap, cap_peak) = sorted(r["peaks"].items(), reverse=True)
+            assert free_peak >= r["root"] * 4 + 3 * r["unit_bytes"], r["peaks"]  # prefetch 2 really gathers ahead
+            assert cap_peak <= cap * 4 + r["unit_bytes"], r["peaks"]  # max live + one unit

@@ -46,6 +46,7 @@ class Cell:
     prefetch: int = 1
     set_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
     late: bool = False  # a parameter used inside a checkpointed block and outside it too
+    persist: int = 0  # stage3_param_persistence_threshold (0: every unit is freed after use)
 
 
 class Net(nn.Module):
@@ -145,7 +146,9 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], dict
         wrapped = DDP(model, find_unused_parameters=c.unused != "none" and not static, static_graph=static)
     elif mode == "zero":
         policy = {Block} if c.policy == "blocks" else None
-        cfg = zs.ZeroConfig(stage=c.stage, reduce_bucket_size=c.bucket, prefetch=c.prefetch)
+        cfg = zs.ZeroConfig(
+            stage=c.stage, reduce_bucket_size=c.bucket, prefetch=c.prefetch, stage3_param_persistence_threshold=c.persist
+        )
         wrapped, opt = zs.initialize(model, opt, config=cfg, policy=policy)
     else:
         wrapped = model
