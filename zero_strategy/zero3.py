@@ -50,6 +50,8 @@ class Zero3Hooks:
         self._seq: list[int] = []  # this step's forward order so far
         self._on_path = True  # this step still follows the recorded order
         self._active: UnitStorage | None = None  # unit whose backward runs now
+        self._fwd_pos: int | None = None  # position in the recorded order of the unit in forward
+        self._bwd_pos: int | None = None  # same, for the unit whose backward runs now
         self._warned_order = False
 
     def install(self) -> list[Any]:
@@ -83,6 +85,21 @@ class Zero3Hooks:
     def _in_backward(self) -> bool:
         return self.engine.training_state is TrainingState.BACKWARD
 
+    def _reuse_soon(self, u: UnitStorage, pos: int | None, direction: int) -> bool:
+        """Will ``u`` run again in this pass (later in forward, or earlier in forward order during
+        backward) with at most ``stage3_max_reuse_distance`` elements of other units between?"""
+        if self.order is None or not self._on_path or pos is None:
+            return False
+        limit, dist = self.engine.config.stage3_max_reuse_distance, 0
+        for j in range(pos + 1, len(self.order)) if direction > 0 else range(pos - 1, -1, -1):
+            tag = self.order[j]
+            if tag == u.tag:
+                return dist < limit
+            dist += self.all_units[tag - 1].numel
+            if dist >= limit:
+                return False
+        return False
+
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and self.engine.module.training and not self._in_backward()
 
@@ -115,14 +132,18 @@ class Zero3Hooks:
                         self.names.get(u.tag),
                         self.names.get(self.order[pos]) if pos < len(self.order) else "the end of the recorded order",
                     )
+            self._fwd_pos = pos
             self._gather(u)
             self._prefetch(pos, +1)
         else:
+            self._fwd_pos = None
             self._gather(u)
         u.wait_unshard(self.names)
 
     def _post_forward(self, u: UnitStorage, output: Any) -> Any:
-        if not self._in_backward():  # a checkpoint's recomputation keeps it for the backward
+        # a checkpoint's recomputation keeps it for the backward; a unit that runs again soon
+        # in this forward stays gathered (stage3_max_reuse_distance)
+        if not self._in_backward() and not self._reuse_soon(u, self._fwd_pos, +1):
             u.release()
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
@@ -137,23 +158,34 @@ class Zero3Hooks:
         if self._active is not None and self._active is not u:
             self._finish_backward(self._active)
         self._active = u
+        self._bwd_pos = self._backward_position(u)
         self._gather(u)
-        if self.order is not None and self._on_path and u.tag in self.order:
-            self._prefetch(len(self.order) - 1 - self.order[::-1].index(u.tag), -1)
+        if self._bwd_pos is not None:
+            self._prefetch(self._bwd_pos, -1)
         u.wait_unshard(self.names)
+
+    def _backward_position(self, u: UnitStorage) -> int | None:
+        """Where ``u``'s backward is in the recorded forward order (walked from the end)."""
+        if self.order is None or not self._on_path:
+            return None
+        start = len(self.order) if self._bwd_pos is None else self._bwd_pos
+        return next((j for j in range(start - 1, -1, -1) if self.order[j] == u.tag), None)
 
     def _finish_backward(self, u: UnitStorage) -> None:
         if self.engine._sync:
             self.engine.reducer.launch(u.group)
-        u.release()
+        if not self._reuse_soon(u, self._bwd_pos, -1):
+            u.release()
 
     def abort_backward(self) -> None:
         self._active = None
+        self._bwd_pos = None
         for u in self.all_units:
             u.reshard()
 
     def end_of_backward(self, *, sync: bool) -> None:
         self._active = None
+        self._bwd_pos = None
         if sync:
             self.engine.reducer.end_of_backward()
         for u in self.all_units:
@@ -169,7 +201,7 @@ class Zero3Hooks:
         if self.order is not None:
             self.order = list(seq)
             return
-        digest = torch.tensor([len(seq), hash(tuple(seq)) % (2**31 - 1)], dtype=torch.int64)
+        digest = torch.tensor([len(seq), hash(tuple(seq)) % (2**31 - 1)], dtype=torch.int64, device=self.engine.ctx.device)
         both = torch.cat([digest, -digest])
         C.all_reduce(self.engine.ctx, both, op="max", what=f"unit order check ({self._step()})").wait()
         if not torch.equal(both[:2], -both[2:]):

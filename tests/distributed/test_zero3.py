@@ -222,3 +222,35 @@ def test_zero3_comm_volume_and_memory(launch) -> None:
             (free, free_peak), (cap, cap_peak) = sorted(r["peaks"].items(), reverse=True)
             assert free_peak >= r["root"] * 4 + 3 * r["unit_bytes"], r["peaks"]  # prefetch 2 really gathers ahead
             assert cap_peak <= cap * 4 + r["unit_bytes"], r["peaks"]  # max live + one unit
+
+
+def _reuse_worker(rank: int, world: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    import zero_strategy as zs
+    from zero_strategy.testing.parity import VOCAB, Cell, Net, batch
+
+    calls = {}
+    for distance in (0, 10**9):
+        torch.manual_seed(0)
+        model = Net(Cell(stage=3, reuse=True)).double()  # blocks[0] runs twice per forward
+        cfg = zs.ZeroConfig(stage=3, stage3_max_reuse_distance=distance, stage3_param_persistence_threshold=0)
+        model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+        for step in range(3):
+            if step == 2:
+                zs.reset_comm_stats()
+            x, y = batch(step, 0, rank)
+            F.cross_entropy(model(x).view(-1, VOCAB), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+        calls[distance] = zs.comm_stats()["all_gather"]["calls"]
+        model.zero_engine.close()
+    return calls
+
+
+def test_reuse_distance_keeps_a_unit_that_runs_again_soon(launch) -> None:
+    for calls in launch(_reuse_worker, 2, timeout=120):
+        # blocks.0 runs twice in a row in forward: cached, it is gathered once instead of twice.
+        # (In backward its two uses are consecutive, so it stays the active unit either way.)
+        assert calls[0] - calls[10**9] == 1, calls
