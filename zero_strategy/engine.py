@@ -198,6 +198,12 @@ class ZeroEngine:
                 refresh_masters(g)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "torch.compile of a model wrapped by zero_strategy.initialize is not supported yet (the engine's "
+                "hooks communicate and swap parameter storage). Compile the blocks before initialize, e.g. "
+                "`for b in model.blocks: b.compile()`, or run the wrapped model eagerly."
+            )
         if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
             self._abort_backward()  # the last backward raised before its end: start clean
         if self._sync_buffers_next and module.training:

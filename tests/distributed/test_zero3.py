@@ -254,3 +254,39 @@ def test_reuse_distance_keeps_a_unit_that_runs_again_soon(launch) -> None:
         # blocks.0 runs twice in a row in forward: cached, it is gathered once instead of twice.
         # (In backward its two uses are consecutive, so it stays the active unit either way.)
         assert calls[0] - calls[10**9] == 1, calls
+
+
+def _compile_worker(rank: int, world: int) -> list[bool]:
+    import torch
+    import torch.nn.functional as F
+
+    import zero_strategy as zs
+    from zero_strategy.models import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layer=2, n_head=4)
+    ok = []
+    for stage in (2, 3):
+        runs = []
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            m = GPT(cfg)
+            m, opt = zs.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), config=zs.ZeroConfig(stage=stage))
+            net = torch.compile(m, backend="aot_eager") if compiled else m
+            losses = []
+            for step in range(3):
+                x, y = synthetic_batch(cfg, 2, step, seed=rank)
+                loss = F.cross_entropy(net(x).view(-1, 64), y.reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            with zs.gathered_parameters(m):
+                runs.append((losses, [p.detach().clone() for p in m.parameters()]))
+            m.zero_engine.close()
+        (l0, p0), (l1, p1) = runs
+        ok.append(all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(l0, l1)) and all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(p0, p1)))
+    return ok
+
+
+def test_torch_compile_of_the_wrapped_model_matches_eager(launch) -> None:
+    assert launch(_compile_worker, 2, timeout=300) == [[True, True], [True, True]]
