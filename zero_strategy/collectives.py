@@ -80,6 +80,8 @@ class _ScratchPool:
 
     def __init__(self) -> None:
         self._free: dict[tuple[torch.dtype, str], list[torch.Tensor]] = {}
+        self.allocated = 0  # bytes of all slabs alive, in use or free
+        self.peak = 0
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         free = self._free.setdefault((dtype, str(device)), [])
@@ -87,17 +89,18 @@ class _ScratchPool:
             if slab.numel() >= numel:
                 return free.pop(k)[:numel]
         if free:  # grow: drop the largest free slab that is too small
-            free.pop()
-        return torch.empty(numel, dtype=dtype, device=device)
+            dropped = free.pop()
+            self.allocated -= dropped.numel() * dropped.element_size()
+        slab = torch.empty(numel, dtype=dtype, device=device)
+        self.allocated += slab.numel() * slab.element_size()
+        self.peak = max(self.peak, self.allocated)
+        return slab
 
     def put(self, t: torch.Tensor) -> None:
         slab = t._base if t._base is not None else t
         free = self._free.setdefault((slab.dtype, str(slab.device)), [])
         free.append(slab)
         free.sort(key=lambda x: x.numel())
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
 
 
 @dataclass

@@ -459,9 +459,10 @@ class ZeroEngine:
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes held by this rank, by kind: full parameters (at ZeRO-3 only while gathered),
-        ZeRO-3 parameter rows, gradient shards, fp32 masters that are not views, optimizer
-        state of the master pieces, any full gradients still in ``p.grad``; then the
-        communication scratch pool and, at ZeRO-3, the gathered bytes now and at peak."""
+        ZeRO-3 parameter rows (the persistent shards), gradient shards, fp32 masters that are
+        not views, optimizer state of the master pieces, any full gradients still in
+        ``p.grad``; then the working communication buffers (now and at peak) and, at ZeRO-3,
+        the gathered parameters (the cache) now and at peak."""
         seen: set[int] = set()
 
         def nbytes(t: torch.Tensor | None) -> int:
@@ -492,7 +493,8 @@ class ZeroEngine:
                     if isinstance(v, torch.Tensor):
                         out["optimizer_state"] += nbytes(v)
         out["model_state"] = sum(out.values())
-        out["comm_scratch"] = self.ctx.pool.nbytes()
+        out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps
+        out["comm_scratch_peak"] = self.ctx.pool.peak
         if sharded:
             out["gathered"] = self.params.meter.live
             out["gathered_peak"] = self.params.meter.peak

@@ -290,3 +290,66 @@ def _compile_worker(rank: int, world: int) -> list[bool]:
 
 def test_torch_compile_of_the_wrapped_model_matches_eager(launch) -> None:
     assert launch(_compile_worker, 2, timeout=300) == [[True, True], [True, True]]
+
+
+def _order_change_worker(rank: int, world: int) -> dict:
+    import logging
+
+    import torch
+    import torch.nn.functional as F
+
+    import zero_strategy as zs
+    from zero_strategy.testing.parity import VOCAB, Cell, Net, batch
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logging.getLogger("zero_strategy").addHandler(Keep())
+    torch.manual_seed(0)
+    # `extra` is its own unit and runs on steps 1, 4, 7: the recorded order changes
+    model = Net(Cell(stage=3, unused="some_steps", policy="blocks")).double()
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=zs.ZeroConfig(stage=3), policy={type(model.extra)})
+    for step in range(8):
+        x, y = batch(step, 0, rank)
+        F.cross_entropy(model(x, step % 3 == 1).view(-1, VOCAB), y.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+    changed = [r.getMessage() for r in records if "order of ZeRO-3 units changed" in r.getMessage()]
+    return {"warnings": len(changed), "text": changed[:1]}
+
+
+def test_a_changed_unit_order_falls_back_and_logs_once(launch) -> None:
+    for r in launch(_order_change_worker, 2, timeout=120):
+        assert r["warnings"] == 1, r
+        assert "prefetching is off" in r["text"][0]
+
+
+def _generate_worker(rank: int, world: int) -> list[list[int]]:
+    import copy
+
+    import torch
+    import transformers
+
+    import zero_strategy as zs
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(cfg).eval()
+    model = copy.deepcopy(plain)
+    model, _ = zs.initialize(model, lambda p: torch.optim.SGD(p, lr=0.1), config=zs.ZeroConfig(stage=3))
+    assert {g.label for g in model.zero_engine.groups} == {"transformer.h.0", "transformer.h.1", "<root>"}
+    model.eval()
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = model.generate(prompt, **kw)
+        ref = plain.generate(prompt, **kw)
+    return [got[0].tolist(), ref[0].tolist()]
+
+
+def test_hugging_face_generate_under_zero3(launch) -> None:
+    for got, ref in launch(_generate_worker, 2, timeout=180):
+        assert got == ref and len(got) == 10
