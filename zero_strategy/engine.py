@@ -176,10 +176,7 @@ class ZeroEngine:
         m = self.module
         self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
         self._hooks.append(m.register_forward_hook(self._post_forward))
-        if self.schedule.reduces_in_backward:
-            for g in self.groups:
-                for p in g.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+        self._hooks.extend(self.schedule.install(self))
         if self.zero3 is not None:
             self._hooks.extend(self.zero3.install())
             self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
@@ -248,17 +245,14 @@ class ZeroEngine:
         if self.zero3 is not None:
             self.zero3.abort_backward()
 
-    def _on_grad_accumulated(self, p: nn.Parameter) -> None:
+    def on_grad_accumulated(self, p: nn.Parameter) -> None:
         self._queue_end_of_backward()  # normally queued already by an output hook
         self.reducer.on_grad_ready(p, sync=self._sync)
 
     def _end_of_backward(self) -> None:
         self._backward_callback_queued = False
         self.training_state = TrainingState.IDLE
-        if self.zero3 is not None:
-            self.zero3.end_of_backward(sync=self._sync)
-        elif self._sync and self.schedule.reduces_in_backward:
-            self.reducer.end_of_backward()
+        self.schedule.end_of_backward(self, sync=self._sync)
 
     # -- gradient accumulation ------------------------------------------------------------
     @contextlib.contextmanager

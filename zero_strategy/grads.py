@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -31,25 +31,48 @@ from torch import nn
 from zero_strategy import collectives as C
 from zero_strategy.group import ShardGroup
 
+if TYPE_CHECKING:
+    from zero_strategy.engine import ZeroEngine
+
 __all__ = ["GradReducer", "GradSchedule", "ReduceAtStep", "ReduceAtUnitEnd", "ReduceInBackward"]
 
 
 @dataclass(frozen=True)
 class ReduceAtStep:
-    reduces_in_backward = False
+    """ZeRO-1: nothing happens in backward; ``finalize`` reduces everything at the step."""
+
+    def install(self, engine: "ZeroEngine") -> list[Any]:
+        return []
+
+    def end_of_backward(self, engine: "ZeroEngine", *, sync: bool) -> None:
+        return None
 
 
 @dataclass(frozen=True)
 class ReduceInBackward:
-    reduces_in_backward = True
+    """ZeRO-2: post-accumulate-grad hooks launch each group as soon as it and every group
+    before it are ready; the end of backward launches the rest."""
+
+    def install(self, engine: "ZeroEngine") -> list[Any]:
+        return [p.register_post_accumulate_grad_hook(engine.on_grad_accumulated) for g in engine.groups for p in g.params]
+
+    def end_of_backward(self, engine: "ZeroEngine", *, sync: bool) -> None:
+        if sync:
+            engine.reducer.end_of_backward()
 
 
 @dataclass(frozen=True)
 class ReduceAtUnitEnd:
     """ZeRO-3: a unit's gradients are reduced when the next unit's backward starts (a point
-    every rank reaches in the same order), or at the end of backward."""
+    every rank reaches in the same order), or at the end of backward (the ZeRO-3 hooks)."""
 
-    reduces_in_backward = False
+    def install(self, engine: "ZeroEngine") -> list[Any]:
+        return []
+
+    def end_of_backward(self, engine: "ZeroEngine", *, sync: bool) -> None:
+        if engine.zero3 is None:
+            raise AssertionError(f"rank {engine.ctx.rank}: ReduceAtUnitEnd without ZeRO-3 hooks")
+        engine.zero3.end_of_backward(sync=sync)
 
 
 GradSchedule = ReduceAtStep | ReduceInBackward | ReduceAtUnitEnd
