@@ -1,6 +1,7 @@
 """zero-strategy: ZeRO (Zero Redundancy Optimizer) for PyTorch in one small core."""
 
 from zero_strategy.api import backward, clip_grad_norm_, full_grad, gathered_parameters, initialize, memory_stats
+from zero_strategy.checkpoint import load_checkpoint, save_checkpoint
 from zero_strategy.collectives import CollectiveError, comm_stats, reset_comm_stats
 from zero_strategy.config import ZeroConfig
 from zero_strategy.init import load_full_state_dict, sharded_init
@@ -19,9 +20,11 @@ __all__ = [
     "full_grad",
     "gathered_parameters",
     "initialize",
+    "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",
     "reset_comm_stats",
+    "save_checkpoint",
     "sharded_init",
     "zero_auto_partition",
 ]

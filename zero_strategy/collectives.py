@@ -288,6 +288,11 @@ def all_reduce(ctx: CommContext, t: torch.Tensor, *, op: str = "sum", what: str)
     return Handle(ctx, "all_reduce", what, works, 2 * t.numel(), t.element_size(), time.perf_counter() - t0)
 
 
+def barrier(ctx: CommContext) -> None:
+    if ctx.distributed:
+        dist.barrier(group=ctx.group)
+
+
 def broadcast_coalesced(ctx: CommContext, tensors: Sequence[torch.Tensor], *, src: int = 0, what: str) -> None:
     """Copy rank ``src``'s values of ``tensors`` to every rank, one flat message per dtype."""
     if not ctx.distributed or not tensors:
