@@ -10,13 +10,20 @@ are in ``zero_meta.json`` beside the DCP files.
 
 DCP treats a plain tensor as replicated (a per-rank piece saved as a plain tensor would be
 replaced by rank 0's on load), which is why the pieces are DTensors.
+
+Saves are atomic: ``save_checkpoint(root, ...)`` writes a versioned subdirectory
+``root/<tag>`` (default ``step-<n>``), records every file's size in its metadata, and only
+then replaces the small pointer file ``root/latest`` (write to a temporary file, then
+``os.replace``). A process killed in the middle of a save leaves the previous checkpoint,
+and the pointer to it, intact. ``load_checkpoint(root)`` follows ``latest``; it also accepts a
+versioned subdirectory itself. A truncated file fails the load with an error naming it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,7 +37,17 @@ from zero_strategy.engine import ZeroEngine, get_engine
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 META = "zero_meta.json"
+LATEST = "latest"
 FORMAT = 1
+
+# Fault injection for tests: called as FAULT_HOOK(point, rank) at "before_write",
+# "after_write" and "before_latest"; a test can kill the process there.
+FAULT_HOOK: Callable[[str, int], None] | None = None
+
+
+def _fault(point: str, rank: int) -> None:
+    if FAULT_HOOK is not None:
+        FAULT_HOOK(point, rank)
 
 
 def _mesh(engine: ZeroEngine) -> DeviceMesh | None:
@@ -82,13 +99,28 @@ def _state(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, want_opt
     return sd
 
 
-def save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: dict[str, Any] | None = None) -> None:
-    """Write a sharded checkpoint directory: every rank writes its own pieces. Collective."""
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+    *,
+    tag: str | None = None,
+) -> str:
+    """Write a sharded checkpoint into ``root/<tag>`` (every rank writes its own pieces), then
+    point ``root/latest`` at it. Returns the checkpoint directory. Collective."""
     engine = get_engine(model)
     engine.reducer.wait_all()
-    path = os.fspath(path)
+    tag = tag or f"step-{engine.step_count}"
+    if os.sep in tag or tag in ("", ".", "..", LATEST):
+        raise ValueError(f"save_checkpoint(tag={tag!r}): use a plain directory name such as 'step-1000'")
+    path = os.path.join(os.fspath(root), tag)
+    rank = engine.ctx.rank
+    _fault("before_write", rank)
     dcp.save(_state(engine, optimizer, None), checkpoint_id=path, process_group=engine.ctx.group)
-    if engine.ctx.rank == 0:
+    _fault("after_write", rank)
+    C.barrier(engine.ctx)  # every rank's files are complete before their sizes are recorded
+    if rank == 0:
         shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
         meta = {
             "format": FORMAT,
@@ -98,17 +130,50 @@ def save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
             "config": engine.config.to_dict(),
             "shapes": shapes,
             "extra": extra or {},
+            "files": {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))},
         }
-        with open(os.path.join(path, META), "w") as f:
-            json.dump(meta, f, indent=1, default=str)
-    C.barrier(engine.ctx)  # the metadata exists before anyone reads it
+        _write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
+        _fault("before_latest", rank)
+        _write_atomic(os.path.join(os.fspath(root), LATEST), tag + "\n")
+    C.barrier(engine.ctx)  # the checkpoint is complete before anyone reads it
+    return path
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _resolve(path: str) -> str:
+    pointer = os.path.join(path, LATEST)
+    if os.path.exists(pointer):
+        with open(pointer) as f:
+            return os.path.join(path, f.read().strip())
+    return path
+
+
+def _check_files(path: str, meta: dict[str, Any]) -> None:
+    for name, size in meta.get("files", {}).items():
+        full = os.path.join(path, name)
+        if not os.path.exists(full):
+            raise RuntimeError(f"load_checkpoint(): shard file {full!r} is missing; the checkpoint is incomplete")
+        if os.path.getsize(full) != size:
+            raise RuntimeError(
+                f"load_checkpoint(): shard file {full!r} has {os.path.getsize(full)} bytes, {size} were written; "
+                "it is truncated or corrupted (load an earlier checkpoint)"
+            )
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` at any world size and stage into
-    this model (and optimizer). Returns the ``extra`` dict that was saved. Collective."""
+    """Load a checkpoint written by :func:`save_checkpoint` (``path``: its root, whose
+    ``latest`` is followed, or a versioned subdirectory) at any world size and stage into this
+    model (and optimizer). Returns the ``extra`` dict that was saved. Collective."""
     engine = get_engine(model)
-    path = os.fspath(path)
+    path = _resolve(os.fspath(path))
     meta_path = os.path.join(path, META)
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"load_checkpoint(): {path!r} is not a zero_strategy checkpoint (no {META})")
@@ -121,6 +186,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
                 f"load_checkpoint(): parameter '{name}' has shape {shape} in the model but "
                 f"{meta['shapes'].get(name, 'no entry')} in the checkpoint {path!r}; load a checkpoint of this model"
             )
+    _check_files(path, meta)
     engine.reducer.wait_all()
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     want = {k for k in saved if k.startswith("optim.")} if optimizer is not None else None

@@ -91,3 +91,92 @@ def _checkpoint_worker(rank: int, world: int, tmp: str) -> int:
 def test_reshard_any_world_size_and_stage(launch, tmp_path) -> None:
     counts = launch(_checkpoint_worker, 4, args=(str(tmp_path),), timeout=900)
     assert counts[0] == 4 * 3 * 4 * 3  # every (N, S) -> (M, S') combination on rank 0
+
+
+def _crash_worker(rank: int, world: int, root: str, phase: str) -> list[float] | str | None:
+    import os
+    import signal
+
+    import torch
+
+    import zero_strategy as zs
+    import zero_strategy.checkpoint as ckpt
+    from zero_strategy.testing.parity import Cell, Net
+
+    torch.manual_seed(0)
+    model = Net(Cell()).double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = zs.initialize(model, opt, config=zs.ZeroConfig(stage=2, comm_timeout=10))
+    if phase == "reference":  # uninterrupted: 2K steps
+        return _run(model, opt, None, rank, world, range(2 * K))
+    if phase == "crash":
+        _run(model, opt, None, rank, world, range(K))
+        zs.save_checkpoint(root, model, opt)  # step-3: complete
+        _run(model, opt, None, rank, world, range(K, 2 * K))
+
+        def kill(point: str, r: int) -> None:
+            if point == "after_write" and r == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        ckpt.FAULT_HOOK = kill
+        try:
+            zs.save_checkpoint(root, model, opt)  # step-6: rank 1 dies in the middle
+        except Exception as e:  # rank 0 sees its peer vanish
+            return f"{type(e).__name__}"
+        return "saved"
+    # resume: the pointer still names step-3, which loads and continues exactly
+    extra = zs.load_checkpoint(root, model, opt)
+    assert model.zero_engine.step_count == K, model.zero_engine.step_count
+    losses = _run(model, opt, None, rank, world, range(K, 2 * K))
+    return [extra == {}, *losses]
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(launch, tmp_path) -> None:
+    import os
+
+    root = str(tmp_path / "run")
+    reference = launch(_crash_worker, 2, args=(root, "reference"), timeout=120)[0]
+    crashed = launch(_crash_worker, 2, args=(root, "crash"), timeout=120, pg_timeout=15, may_die={1})
+    assert crashed[1] is None and crashed[0] != "saved", crashed
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read().strip() == f"step-{K}"
+    resumed = launch(_crash_worker, 2, args=(root, "resume"), timeout=120)[0]
+    assert resumed[0] is True
+    assert all(abs(a - b) <= 1e-9 * abs(b) for a, b in zip(resumed[1:], reference[K:])), (resumed, reference)
+
+
+def _truncated_worker(rank: int, world: int, root: str) -> str:
+    import os
+
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.testing.parity import Cell, Net
+
+    model, opt = zs.initialize(Net(Cell()).double(), lambda p: torch.optim.SGD(p, lr=0.1), config=zs.ZeroConfig(stage=3))
+    path = zs.save_checkpoint(root, model, opt, tag="t")
+    torch.distributed.barrier()
+    if rank == 0:
+        shard = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[-1]
+        with open(os.path.join(path, shard), "r+b") as f:
+            f.truncate(10)
+    torch.distributed.barrier()
+    try:
+        zs.load_checkpoint(root, model, opt)
+    except RuntimeError as e:
+        msg = str(e)
+    else:
+        msg = "loaded"
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    m2, o2 = zs.initialize(other, lambda p: torch.optim.SGD(p, lr=0.1))
+    try:
+        zs.load_checkpoint(path, m2, o2)
+    except ValueError as e:
+        msg += " | " + str(e)
+    return msg
+
+
+def test_truncated_shard_and_other_model_are_named(launch, tmp_path) -> None:
+    for msg in launch(_truncated_worker, 2, args=(str(tmp_path),), timeout=120):
+        assert ".distcp" in msg and "truncated" in msg, msg
+        assert "parameter '0.weight' has shape [3, 3] in the model" in msg, msg
