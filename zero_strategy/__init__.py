@@ -4,6 +4,7 @@ from zero_strategy.api import backward, clip_grad_norm_, full_grad, gathered_par
 from zero_strategy.checkpoint import load_checkpoint, save_checkpoint
 from zero_strategy.collectives import CollectiveError, comm_stats, reset_comm_stats
 from zero_strategy.config import ZeroConfig
+from zero_strategy.export import export_full
 from zero_strategy.init import load_full_state_dict, sharded_init
 from zero_strategy.partition import zero_auto_partition
 from zero_strategy.unit import UnitDivergence
@@ -17,6 +18,7 @@ __all__ = [
     "backward",
     "clip_grad_norm_",
     "comm_stats",
+    "export_full",
     "full_grad",
     "gathered_parameters",
     "initialize",

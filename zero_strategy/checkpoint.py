@@ -122,6 +122,9 @@ def save_checkpoint(
     C.barrier(engine.ctx)  # every rank's files are complete before their sizes are recorded
     if rank == 0:
         shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
+        names = engine.param_names()
+        tensors = engine.module.state_dict(keep_vars=True)
+        aliases = {n: names[id(t)] for n, t in tensors.items() if id(t) in names and names[id(t)] != n}
         meta = {
             "format": FORMAT,
             "stage": engine.config.stage,
@@ -130,6 +133,11 @@ def save_checkpoint(
             "config": engine.config.to_dict(),
             "shapes": shapes,
             "extra": extra or {},
+            # for export: every state_dict name (tied weights under each), its shape, and the
+            # saved name it is an alias of
+            "state_names": list(tensors),
+            "state_shapes": {n: list(t.shape) for n, t in tensors.items()},
+            "aliases": aliases,
             "files": {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))},
         }
         _write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))

@@ -180,3 +180,40 @@ def test_truncated_shard_and_other_model_are_named(launch, tmp_path) -> None:
     for msg in launch(_truncated_worker, 2, args=(str(tmp_path),), timeout=120):
         assert ".distcp" in msg and "truncated" in msg, msg
         assert "parameter '0.weight' has shape [3, 3] in the model" in msg, msg
+
+
+def _export_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.testing.parity import Cell, Net
+
+    torch.manual_seed(0)
+    model = Net(Cell(tied=True)).double()  # tied weights: written under both names
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=zs.ZeroConfig(stage=3))
+    _run(model, opt, None, rank, world, range(K))
+    zs.save_checkpoint(f"{tmp}/ckpt", model, opt)
+    zs.export_full(model, f"{tmp}/live.safetensors")  # collective, rank 0 writes
+    return _state(model)
+
+
+def test_export_offline_and_live_load_into_the_plain_model(launch, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    from zero_strategy.testing.parity import Cell, Net
+
+    state = launch(_export_worker, 2, args=(str(tmp_path),), timeout=120)[0]
+    out = tmp_path / "offline.safetensors"
+    # offline, from the checkpoint directory, through the command line (no ranks started)
+    done = subprocess.run([sys.executable, "-m", "zero_strategy.cli", "export", str(tmp_path / "ckpt"), str(out)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for path in (out, tmp_path / "live.safetensors"):
+        plain = Net(Cell(tied=True)).double()
+        plain.load_state_dict(load_file(str(path)), strict=True)
+        for k, v in plain.state_dict().items():
+            assert torch.equal(v, state[k]), (path.name, k)

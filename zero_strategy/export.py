@@ -1,0 +1,126 @@
+"""Export one consolidated state dict, tensor by tensor, for people who do not use this library.
+
+``export_full(source, out_file, dtype=None)``:
+
+- ``source`` a checkpoint directory (its root, whose ``latest`` is followed, or a versioned
+  subdirectory): offline, in one process, no ranks started;
+- ``source`` a live model managed by ``initialize``: a collective; rank 0 writes.
+
+``.safetensors`` (default) is streamed: the header is written first (every tensor's shape and
+dtype are known from the checkpoint's metadata), then each tensor is read, reshaped to the
+parameter's original shape and appended, so host memory stays near one tensor.
+``safetensors.torch.save_file`` would need the whole dict in memory. ``.pt`` goes through
+``torch.save`` and does hold the whole dict. The file loads into the plain model class with
+``load_state_dict(strict=True)`` (tied weights are written under every name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+__all__ = ["export_full"]
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def _write_safetensors(
+    out_file: str, entries: list[tuple[str, list[int], torch.dtype]], read: Callable[[str], torch.Tensor], *, write: bool = True
+) -> None:
+    """Header first, then one tensor at a time. With ``write=False`` only ``read`` is called
+    for every entry, in order (the other ranks' part of a live, collective export)."""
+    if not write:
+        for name, _, _ in entries:
+            read(name)
+        return
+    header, offset = {}, 0
+    for name, shape, dtype in entries:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = f"{out_file}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dtype in entries:
+            t = read(name).to(dtype).reshape(shape).contiguous()
+            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    os.replace(tmp, out_file)
+
+
+def _checkpoint_entries(path: str, dtype: torch.dtype | None) -> tuple[list[tuple[str, list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
+    from zero_strategy.checkpoint import META, _resolve
+
+    path = _resolve(path)
+    meta_file = os.path.join(path, META)
+    if not os.path.exists(meta_file):
+        raise FileNotFoundError(f"export_full(): {path!r} is not a zero_strategy checkpoint (no {META})")
+    with open(meta_file) as f:
+        meta = json.load(f)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    names = meta.get("state_names") or meta["shapes"]
+    entries = []
+    for name in names:
+        key = f"model.{meta.get('aliases', {}).get(name, name)}"
+        md = saved[key]
+        entries.append((name, list(meta.get("state_shapes", meta["shapes"])[name]), dtype or md.properties.dtype))
+
+    def read(name: str) -> torch.Tensor:
+        key = f"model.{meta.get('aliases', {}).get(name, name)}"
+        md = saved[key]
+        t = torch.empty(md.size, dtype=md.properties.dtype)
+        dcp.load({key: t}, checkpoint_id=path, no_dist=True)
+        return t
+
+    return entries, read
+
+
+def _live_entries(model: nn.Module, dtype: torch.dtype | None) -> tuple[list[tuple[str, list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
+    from zero_strategy.api import gathered_parameters
+
+    tensors = model.state_dict(keep_vars=True)
+    entries = [(n, list(t.shape), (dtype or t.dtype) if t.is_floating_point() else t.dtype) for n, t in tensors.items()]
+
+    def read(name: str) -> torch.Tensor:  # collective: one gather per parameter, on every rank
+        t = tensors[name]
+        if isinstance(t, nn.Parameter) and t.requires_grad:
+            with gathered_parameters(t):  # ZeRO-3: gathered for this tensor only
+                return t.detach().clone()
+        return t.detach()
+
+    return entries, read
+
+
+def export_full(source: str | os.PathLike[str] | nn.Module, out_file: str | os.PathLike[str], dtype: torch.dtype | None = None) -> str:
+    """Write ``source``'s full state dict to ``out_file`` (``.safetensors`` or ``.pt``)."""
+    out_file = os.fspath(out_file)
+    fmt = "pt" if out_file.endswith((".pt", ".pth", ".bin")) else "safetensors"
+    if not isinstance(source, nn.Module):
+        entries, read = _checkpoint_entries(os.fspath(source), dtype)
+        if fmt == "pt":
+            torch.save({n: read(n).to(d).reshape(s) for n, s, d in entries}, out_file)
+        else:
+            _write_safetensors(out_file, entries, read)
+        return out_file
+    from zero_strategy.engine import get_engine
+
+    rank = get_engine(source).ctx.rank
+    entries, read = _live_entries(source, dtype)
+    if fmt == "pt":
+        full = {n: read(n).to(d) for n, _, d in entries}
+        if rank == 0:
+            torch.save(full, out_file)
+    else:
+        _write_safetensors(out_file, entries, read, write=rank == 0)
+    return out_file
