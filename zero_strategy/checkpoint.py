@@ -130,6 +130,7 @@ def save_checkpoint(
             "stage": engine.config.stage,
             "world_size": engine.ctx.world_size,
             "torch": torch.__version__,
+            "zero_strategy": _version(),
             "config": engine.config.to_dict(),
             "shapes": shapes,
             "extra": extra or {},
@@ -145,6 +146,12 @@ def save_checkpoint(
         _write_atomic(os.path.join(os.fspath(root), LATEST), tag + "\n")
     C.barrier(engine.ctx)  # the checkpoint is complete before anyone reads it
     return path
+
+
+def _version() -> str:
+    import zero_strategy
+
+    return zero_strategy.__version__
 
 
 def _write_atomic(path: str, text: str) -> None:
