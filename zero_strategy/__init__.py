@@ -4,7 +4,7 @@ from zero_strategy.api import backward, clip_grad_norm_, full_grad, gathered_par
 from zero_strategy.checkpoint import load_checkpoint, save_checkpoint
 from zero_strategy.collectives import CollectiveError, comm_stats, reset_comm_stats
 from zero_strategy.config import ZeroConfig
-from zero_strategy.export import export_full
+from zero_strategy.export import export_full, full_state_dict
 from zero_strategy.init import load_full_state_dict, sharded_init
 from zero_strategy.partition import zero_auto_partition
 from zero_strategy.unit import UnitDivergence
@@ -20,6 +20,7 @@ __all__ = [
     "comm_stats",
     "export_full",
     "full_grad",
+    "full_state_dict",
     "gathered_parameters",
     "initialize",
     "load_checkpoint",

@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-__all__ = ["export_full"]
+__all__ = ["export_full", "full_state_dict"]
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -124,3 +124,26 @@ def export_full(source: str | os.PathLike[str] | nn.Module, out_file: str | os.P
     else:
         _write_safetensors(out_file, entries, read, write=rank == 0)
     return out_file
+
+
+def full_state_dict(
+    model: nn.Module, *, rank0_only: bool = True, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The model's full state dict (original names and shapes), gathered tensor by tensor.
+
+    Collective: every rank calls it. With ``rank0_only`` (default) only rank 0 keeps the
+    tensors and the other ranks get ``{}``, so one process holds the full model, as with
+    FSDP's ``full_state_dict`` option; ``rank0_only=False`` gives it to every rank. Floating
+    tensors are cast to ``dtype`` if given. Parameters come as the model stores them (the
+    engine's ``param_dtype`` under mixed precision).
+    """
+    from zero_strategy.engine import get_engine
+
+    keep = not rank0_only or get_engine(model).ctx.rank == 0
+    entries, read = _live_entries(model, dtype)
+    out: dict[str, torch.Tensor] = {}
+    for name, _, d in entries:
+        t = read(name)
+        if keep:
+            out[name] = t.to(device=device, dtype=d)
+    return out
