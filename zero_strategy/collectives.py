@@ -91,7 +91,8 @@ class _ScratchPool:
         if free:  # grow: drop the largest free slab that is too small
             dropped = free.pop()
             self.allocated -= dropped.numel() * dropped.element_size()
-        slab = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a slab first needed in inference mode is reused in training
+            slab = torch.empty(numel, dtype=dtype, device=device)
         self.allocated += slab.numel() * slab.element_size()
         self.peak = max(self.peak, self.allocated)
         return slab

@@ -73,6 +73,7 @@ class ZeroEngine:
         self.step_count = 0
         self._sync = True
         self._sync_buffers_next = True
+        self._root_depth = 0  # nesting of calls of the root module (only the outermost one acts)
         self._backward_callback_queued = False
         self._clipped_with: float | None = None
         self._skip_step = False
@@ -175,7 +176,7 @@ class ZeroEngine:
     def _install_hooks(self) -> None:
         m = self.module
         self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-        self._hooks.append(m.register_forward_hook(self._post_forward))
+        self._hooks.append(m.register_forward_hook(self._post_forward, always_call=True))
         self._hooks.extend(self.schedule.install(self))
         if self.zero3 is not None:
             self._hooks.extend(self.zero3.install())
@@ -195,6 +196,9 @@ class ZeroEngine:
                 refresh_masters(g)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._root_depth += 1
+        if self._root_depth > 1:  # the root called inside its own forward (Lightning's training_step
+            return  # calling self(x)): the outermost call gathers and records
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 "torch.compile of a model wrapped by zero_strategy.initialize is not supported yet (the engine's "
@@ -213,6 +217,9 @@ class ZeroEngine:
             self.zero3.root_pre_forward()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        self._root_depth -= 1
+        if self._root_depth > 0:
+            return output
         # As DDP: buffers are broadcast before a forward that follows a synced training forward.
         self._sync_buffers_next = torch.is_grad_enabled() and self._sync
         if self.training_state is TrainingState.FORWARD:

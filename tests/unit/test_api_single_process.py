@@ -237,3 +237,35 @@ def test_frozen_parameters_stay_untouched_and_unsharded() -> None:
     opt.step()
     assert torch.equal(model.pos.weight, before)
     assert model.pos.weight not in opt.state
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nested_root_calls_and_inference_mode_first_match_plain_training(stage: int) -> None:
+    """Lightning runs training_step inside the root's forward (which calls self(x) again), and
+    its validation sanity check runs under inference_mode before the first training step."""
+    torch.manual_seed(0)
+    ref = GPT(CFG).double()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), stage=stage)
+    with torch.inference_mode():  # buffers first allocated here are reused by training
+        x, _ = synthetic_batch(CFG, 2, 0)
+        assert torch.equal(model(x), ref(x))
+    plain_forward = model.forward
+    for step in range(3):
+
+        def redirected(step: int = step) -> torch.Tensor:  # as Lightning's forward redirection
+            model.forward = plain_forward
+            return _loss(model, step)
+
+        model.forward = redirected
+        loss = model()
+        assert "forward" not in vars(model) or model.forward is plain_forward
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = _loss(ref, step)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert torch.allclose(loss, ref_loss, rtol=1e-12), (step, loss.item(), ref_loss.item())
