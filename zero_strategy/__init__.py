@@ -3,7 +3,7 @@
 from zero_strategy.api import backward, clip_grad_norm_, full_grad, gathered_parameters, initialize, memory_stats
 from zero_strategy.checkpoint import load_checkpoint, save_checkpoint
 from zero_strategy.collectives import CollectiveError, comm_stats, reset_comm_stats
-from zero_strategy.config import ZeroConfig
+from zero_strategy.config import ZeroConfig, resolve_overrides
 from zero_strategy.export import export_full, full_state_dict
 from zero_strategy.init import load_full_state_dict, sharded_init
 from zero_strategy.partition import zero_auto_partition
@@ -27,6 +27,7 @@ __all__ = [
     "load_full_state_dict",
     "memory_stats",
     "reset_comm_stats",
+    "resolve_overrides",
     "save_checkpoint",
     "sharded_init",
     "zero_auto_partition",

@@ -338,6 +338,17 @@ class ZeroEngine:
         self._clipped_with = float(max_norm)
         return total
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]`` (element-wise, so the
+        shards give DDP's result without communication beyond finishing the reduction)."""
+        if not clip_value > 0:
+            raise ValueError(f"clip_grad_value_(clip_value={clip_value}): use a positive value")
+        self.finalize_grads()
+        grads = self._master_grads()
+        if grads:
+            torch._foreach_clamp_min_(grads, -float(clip_value))
+            torch._foreach_clamp_max_(grads, float(clip_value))
+
     # -- optimizer step ------------------------------------------------------------------
     def before_optimizer_step(self) -> None:
         self.finalize_grads()

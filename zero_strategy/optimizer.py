@@ -44,6 +44,10 @@ class ZeroOptimizer:
         """Clip the gradients of all shards by their *global* norm; return that norm."""
         return self._zero_engine.clip_grad_norm_(max_norm, norm_type)
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp all gradient shards element-wise to ``[-clip_value, clip_value]``."""
+        self._zero_engine.clip_grad_value_(clip_value)
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply ``loss`` by the current fp16 loss scale (identity otherwise)."""
         return self._zero_engine.scale_loss(loss)

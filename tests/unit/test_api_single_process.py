@@ -269,3 +269,26 @@ def test_nested_root_calls_and_inference_mode_first_match_plain_training(stage: 
         ref_opt.step()
         ref_opt.zero_grad()
         assert torch.allclose(loss, ref_loss, rtol=1e-12), (step, loss.item(), ref_loss.item())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clip_grad_value_matches_torch(stage: int) -> None:
+    torch.manual_seed(0)
+    ref = GPT(CFG).double()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage)
+    for step in range(2):
+        _loss(ref, step).backward()
+        _loss(model, step).backward()
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
+        opt.clip_grad_value_(1e-3)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    with zs.gathered_parameters(model):
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(p, q, rtol=1e-12, atol=1e-15), n
+    with pytest.raises(ValueError, match="clip_value=0"):
+        opt.clip_grad_value_(0)
