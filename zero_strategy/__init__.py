@@ -1,7 +1,7 @@
 """zero-strategy: ZeRO (Zero Redundancy Optimizer) for PyTorch in one small core."""
 
 from zero_strategy.api import backward, clip_grad_norm_, full_grad, gathered_parameters, initialize, memory_stats
-from zero_strategy.checkpoint import load_checkpoint, save_checkpoint
+from zero_strategy.checkpoint import load_checkpoint, read_checkpoint_object, save_checkpoint
 from zero_strategy.collectives import CollectiveError, comm_stats, reset_comm_stats
 from zero_strategy.config import ZeroConfig, resolve_overrides
 from zero_strategy.export import export_full, full_state_dict
@@ -26,6 +26,7 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",
+    "read_checkpoint_object",
     "reset_comm_stats",
     "resolve_overrides",
     "save_checkpoint",

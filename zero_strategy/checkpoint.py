@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from zero_strategy import collectives as C
 from zero_strategy.engine import ZeroEngine, get_engine
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["load_checkpoint", "read_checkpoint_object", "save_checkpoint"]
 
 META = "zero_meta.json"
 LATEST = "latest"
@@ -106,9 +106,20 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     *,
     tag: str | None = None,
+    objects: dict[str, Any] | None = None,
+    keep_last: int | None = None,
 ) -> str:
     """Write a sharded checkpoint into ``root/<tag>`` (every rank writes its own pieces), then
-    point ``root/latest`` at it. Returns the checkpoint directory. Collective."""
+    point ``root/latest`` at it. Returns the checkpoint directory. Collective.
+
+    ``extra``: a JSON-serialisable dict, returned by :func:`load_checkpoint`. ``objects``: name
+    -> any picklable object (a front-end's training state), written by rank 0 as
+    ``<name>.pt`` inside the versioned directory before ``latest`` moves, so it is covered by
+    the same atomicity and size checks; read back with :func:`read_checkpoint_object`.
+    ``keep_last``: after the pointer moved, remove all but the newest ``keep_last`` versioned
+    directories under ``root``."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"save_checkpoint(keep_last={keep_last}): keep at least 1 checkpoint, or pass None to keep all")
     engine = get_engine(model)
     engine.reducer.wait_all()
     tag = tag or f"step-{engine.step_count}"
@@ -118,6 +129,13 @@ def save_checkpoint(
     rank = engine.ctx.rank
     _fault("before_write", rank)
     dcp.save(_state(engine, optimizer, None), checkpoint_id=path, process_group=engine.ctx.group)
+    if rank == 0:
+        for name, obj in (objects or {}).items():
+            if not name.isidentifier():
+                raise ValueError(f"save_checkpoint(objects={{{name!r}: ...}}): use a plain identifier as the name")
+            tmp = os.path.join(path, f".{name}.pt.tmp")
+            torch.save(obj, tmp)
+            os.replace(tmp, os.path.join(path, f"{name}.pt"))
     _fault("after_write", rank)
     C.barrier(engine.ctx)  # every rank's files are complete before their sizes are recorded
     if rank == 0:
@@ -144,8 +162,38 @@ def save_checkpoint(
         _write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
         _fault("before_latest", rank)
         _write_atomic(os.path.join(os.fspath(root), LATEST), tag + "\n")
+        if keep_last is not None:
+            _prune(os.fspath(root), tag, keep_last)
     C.barrier(engine.ctx)  # the checkpoint is complete before anyone reads it
     return path
+
+
+def _prune(root: str, current: str, keep_last: int) -> None:
+    """Remove the oldest complete versioned directories beyond ``keep_last`` (never ``current``)."""
+    import shutil
+
+    versions = [d for d in os.listdir(root) if d != current and os.path.exists(os.path.join(root, d, META))]
+    versions.sort(key=lambda d: os.path.getmtime(os.path.join(root, d, META)))
+    for d in versions[: max(0, len(versions) - (keep_last - 1))]:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def read_checkpoint_object(path: str | os.PathLike[str], name: str, *, weights_only: bool = False) -> Any:
+    """An object saved with ``save_checkpoint(..., objects={name: obj})`` (``path``: the root,
+    whose ``latest`` is followed, or a versioned directory). Not collective. The file is a
+    pickle: load only checkpoints you trust, or pass ``weights_only=True``."""
+    path = _resolve(os.fspath(path))
+    meta_path = os.path.join(path, META)
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"read_checkpoint_object(): {path!r} is not a zero_strategy checkpoint (no {META})")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    file = f"{name}.pt"
+    if file not in meta.get("files", {}):
+        saved = sorted(n[:-3] for n in meta.get("files", {}) if n.endswith(".pt"))
+        raise KeyError(f"read_checkpoint_object(): checkpoint {path!r} has no object {name!r} (it has {saved})")
+    _check_files(path, {"files": {file: meta["files"][file]}})
+    return torch.load(os.path.join(path, file), map_location="cpu", weights_only=weights_only)
 
 
 def _version() -> str:

@@ -292,3 +292,26 @@ def test_clip_grad_value_matches_torch(stage: int) -> None:
             assert torch.allclose(p, q, rtol=1e-12, atol=1e-15), n
     with pytest.raises(ValueError, match="clip_value=0"):
         opt.clip_grad_value_(0)
+
+
+def test_checkpoint_objects_and_keep_last(tmp_path) -> None:
+    torch.manual_seed(0)
+    model, opt = zs.initialize(GPT(CFG), lambda params: torch.optim.AdamW(params, lr=1e-2), stage=2)
+    root = tmp_path / "ckpt"
+    for step in range(3):
+        _loss(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+        zs.save_checkpoint(root, model, opt, objects={"trainer": {"step": step, "t": torch.arange(3)}}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-2", "step-3"]
+    state = zs.read_checkpoint_object(root, "trainer")
+    assert state["step"] == 2 and torch.equal(state["t"], torch.arange(3))
+    assert zs.read_checkpoint_object(root / "step-2", "trainer", weights_only=True)["step"] == 1
+    with pytest.raises(KeyError, match="has no object 'loops'"):
+        zs.read_checkpoint_object(root, "loops")
+    with open(root / "step-3" / "trainer.pt", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(RuntimeError, match="trainer.pt"):
+        zs.read_checkpoint_object(root, "trainer")
+    with pytest.raises(ValueError, match="keep_last=0"):
+        zs.save_checkpoint(root, model, opt, keep_last=0)
