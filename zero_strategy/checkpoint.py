@@ -152,6 +152,8 @@ def save_checkpoint(
             "config": engine.config.to_dict(),
             "shapes": shapes,
             "extra": extra or {},
+            # optimizer hyperparameters by group (lr as an LR scheduler left it, betas, ...)
+            "param_groups": _group_settings(optimizer),
             # for export: every state_dict name (tied weights under each), its shape, and the
             # saved name it is an alias of
             "state_names": list(tensors),
@@ -166,6 +168,45 @@ def save_checkpoint(
             _prune(os.fspath(root), tag, keep_last)
     C.barrier(engine.ctx)  # the checkpoint is complete before anyone reads it
     return path
+
+
+def _group_settings(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
+    if optimizer is None:
+        return None
+    out = []
+    for group in optimizer.param_groups:
+        kept: dict[str, Any] = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, tuple):
+                value = list(value)
+            try:
+                json.dumps(value)
+            except TypeError:
+                continue  # not a plain setting; the optimizer's construction provides it
+            kept[key] = value
+        out.append(kept)
+    return out
+
+
+def _restore_group_settings(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], path: str) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(
+            f"load_checkpoint(): the optimizer has {len(optimizer.param_groups)} parameter groups but the checkpoint "
+            f"{path!r} has {len(saved)}; build the optimizer with the same groups as the saved run"
+        )
+    for group, values in zip(optimizer.param_groups, saved):
+        for key, value in values.items():
+            current = group.get(key)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            elif isinstance(current, tuple):
+                group[key] = tuple(value)
+            else:
+                group[key] = value
 
 
 def _prune(root: str, current: str, keep_last: int) -> None:
@@ -258,4 +299,6 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
     engine.step_count = int(sd["engine.step_count"])
     engine.scaler.scale = float(sd["engine.loss_scale"]) if engine.scaler.enabled else engine.scaler.scale
     engine.params.after_step(engine)  # full parameters / unit rows follow the loaded masters
+    if optimizer is not None and meta.get("param_groups") is not None:
+        _restore_group_settings(optimizer, meta["param_groups"], path)
     return dict(meta.get("extra", {}))

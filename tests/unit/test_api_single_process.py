@@ -315,3 +315,16 @@ def test_checkpoint_objects_and_keep_last(tmp_path) -> None:
         zs.read_checkpoint_object(root, "trainer")
     with pytest.raises(ValueError, match="keep_last=0"):
         zs.save_checkpoint(root, model, opt, keep_last=0)
+
+
+def test_checkpoint_restores_param_group_settings(tmp_path) -> None:
+    torch.manual_seed(0)
+    model, opt = zs.initialize(GPT(CFG), lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.9)), stage=3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _loss(model, 0).backward()
+    opt.step()
+    sched.step()
+    zs.save_checkpoint(tmp_path, model, opt)
+    model2, opt2 = zs.initialize(GPT(CFG), lambda params: torch.optim.AdamW(params, lr=1e-2), stage=1)
+    zs.load_checkpoint(tmp_path, model2, opt2)
+    assert opt2.param_groups[0]["lr"] == 5e-3 and opt2.param_groups[0]["betas"] == (0.8, 0.9)

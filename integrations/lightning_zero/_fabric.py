@@ -1,0 +1,296 @@
+"""``ZeroFabricStrategy`` for ``Fabric(strategy="zero3")``, built once per installed Fabric
+namespace (``lightning.fabric`` and, if present, ``lightning_fabric``)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+import zero_strategy as zs
+from lightning_zero import _settings as S
+from lightning_zero._trainer import register_names
+
+FABRIC_OBJECT = "fabric"  # the non-model entries of Fabric's state dict (fabric.pt)
+
+
+def build(ns: str) -> tuple[type, type]:
+    strategies = importlib.import_module(f"{ns}.strategies")
+    strategy_mod = importlib.import_module(f"{ns}.strategies.strategy")
+    precision_mod = importlib.import_module(f"{ns}.plugins.precision")
+    launchers = importlib.import_module(f"{ns}.strategies.launchers.subprocess_script")
+    dist = importlib.import_module(f"{ns}.utilities.distributed")
+    rank_zero = importlib.import_module(f"{ns}.utilities.rank_zero")
+    stateful = importlib.import_module(f"{ns}.utilities.types")._Stateful
+    Precision = precision_mod.Precision
+
+    class ZeroFabricPrecision(Precision):
+        """Autocast to the engine's training dtype and the engine's fp16 loss scale."""
+
+        def __init__(self, precision: str = "32-true") -> None:
+            S.training_dtype(precision)
+            self.precision = precision
+            self.dtype: torch.dtype | None = S.autocast_dtype(S.apply_lightning_arguments(
+                zs.ZeroConfig(), precision=precision, gradient_clip_val=None, gradient_clip_algorithm=None,
+                accumulate_grad_batches=1, source="Fabric(precision=...)"))  # fmt: skip
+            self.device_type = "cpu"
+            self.optimizer: Optional[torch.optim.Optimizer] = None
+
+        @override
+        def forward_context(self) -> contextlib.AbstractContextManager:
+            if self.dtype is None:
+                return contextlib.nullcontext()
+            return torch.autocast(self.device_type, dtype=self.dtype)
+
+        @override
+        def backward(self, tensor: torch.Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+            if self.optimizer is not None:
+                tensor = self.optimizer.scale_loss(tensor)
+            tensor.backward(*args, **kwargs)
+
+    class BackwardSync(strategy_mod._BackwardSyncControl):
+        @override
+        def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+            if not enabled:
+                return contextlib.nullcontext()
+            if getattr(module, "zero_engine", None) is None:
+                raise TypeError(f"Fabric.no_backward_sync: {type(module).__name__} was not set up by the zero strategy; pass the module fabric.setup returned")
+            return module.no_sync()
+
+    class ZeroFabricStrategy(strategies.ParallelStrategy):
+        """ZeRO stages 1-3 from ``zero_strategy`` for ``Fabric(strategy=...)``; arguments as
+        for the Trainer's ``ZeroStrategy``. Set up the module and its one optimizer together."""
+
+        is_distributed = True
+
+        def __init__(
+            self,
+            config: Union[zs.ZeroConfig, dict, str, None] = None,
+            *,
+            stage: Optional[int] = None,
+            policy: Any = None,
+            process_group_backend: Optional[str] = None,
+            timeout: Optional[timedelta] = timedelta(minutes=30),
+            accelerator: Any = None,
+            parallel_devices: Optional[list[torch.device]] = None,
+            cluster_environment: Any = None,
+            checkpoint_io: Any = None,
+            precision: Any = None,
+            offload: Optional[Mapping[str, Any]] = None,
+        ) -> None:
+            super().__init__(
+                accelerator=accelerator,
+                parallel_devices=parallel_devices,
+                cluster_environment=cluster_environment,
+                checkpoint_io=checkpoint_io,
+                precision=precision,
+            )
+            self.zero_config: zs.ZeroConfig = S.strategy_config(config, stage, offload, "ZeroFabricStrategy")
+            self._policy = policy
+            self._process_group_backend = process_group_backend
+            self._timeout = timeout
+            self._num_nodes = 1
+            self._backward_sync_control = BackwardSync()
+
+        @property
+        @override
+        def precision(self) -> Any:
+            plugin = getattr(self, "_zero_precision", None)
+            if plugin is None:
+                plugin = self._zero_precision = ZeroFabricPrecision()
+            return plugin
+
+        @precision.setter
+        @override
+        def precision(self, plugin: Any) -> None:
+            if plugin is None or isinstance(plugin, ZeroFabricPrecision):
+                self._zero_precision = plugin
+                return
+            if type(plugin).__name__ not in ("Precision", "MixedPrecision"):
+                raise TypeError(
+                    f"ZeroFabricStrategy: the precision plugin {type(plugin).__name__} cannot be combined with the "
+                    "zero strategies; pass Fabric(precision='32-true' | 'bf16-mixed' | '16-mixed') instead"
+                )
+            self._zero_precision = ZeroFabricPrecision(str(plugin.precision))
+
+        @property
+        @override
+        def root_device(self) -> torch.device:
+            assert self.parallel_devices is not None, "ZeroFabricStrategy: parallel_devices is not set yet"
+            return self.parallel_devices[self.local_rank]
+
+        @property
+        def num_nodes(self) -> int:
+            return self._num_nodes
+
+        @num_nodes.setter
+        def num_nodes(self, num_nodes: int) -> None:
+            self._num_nodes = num_nodes
+
+        @property
+        def num_processes(self) -> int:
+            return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+        @property
+        @override
+        def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+        @override
+        def _configure_launcher(self) -> None:
+            assert self.cluster_environment is not None
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = launchers._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+        @override
+        def setup_environment(self) -> None:
+            super().setup_environment()
+            self._set_world_ranks()
+            backend = self._process_group_backend or dist._get_default_process_group_backend_for_device(self.root_device)
+            self._process_group_backend = backend
+            kwargs: dict[str, Any] = {"timeout": self._timeout}
+            if self.root_device.type != "cpu":
+                kwargs["device_id"] = self.root_device
+            dist._init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+        def _set_world_ranks(self) -> None:
+            if self.cluster_environment is not None:
+                self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+                self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            rank_zero.rank_zero_only.rank = self.global_rank
+
+        @override
+        def module_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.root_device)
+            if self.zero_config.stage == 3:  # fabric.init_module(): shards as each module is built
+                stack.enter_context(zs.sharded_init(comm_timeout=self.zero_config.comm_timeout))
+            return stack
+
+        @override
+        def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None) -> Any:
+            if len(optimizers) != 1:
+                raise ValueError(f"ZeroFabricStrategy: fabric.setup got {len(optimizers)} optimizers; the zero strategies shard exactly one")
+            cfg = S.apply_lightning_arguments(self.zero_config, precision=self.precision.precision, gradient_clip_val=None,
+                                              gradient_clip_algorithm=None, accumulate_grad_batches=1, source="Fabric(precision=...)")  # fmt: skip
+            self.zero_config = cfg
+            module, optimizer = zs.initialize(module, optimizers[0], config=S.engine_config(cfg), policy=self._policy)
+            self.precision.dtype = S.autocast_dtype(cfg)
+            self.precision.device_type = self.root_device.type
+            self.precision.optimizer = optimizer
+            return module, [optimizer], scheduler
+
+        @override
+        def setup_module(self, module: nn.Module) -> nn.Module:
+            # no optimizer: evaluation only (an SGD with lr 0 carries no state)
+            module, _ = zs.initialize(module, lambda params: torch.optim.SGD(params, lr=0.0), config=S.engine_config(self.zero_config), policy=self._policy)
+            self.precision.dtype = S.autocast_dtype(self.zero_config)
+            self.precision.device_type = self.root_device.type
+            return module
+
+        @override
+        def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+            raise NotImplementedError(self._err_msg_joint_setup_required())
+
+        @override
+        def module_to_device(self, module: nn.Module) -> None:
+            module.to(self.root_device)
+
+        @override
+        def clip_gradients_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Union[float, int],
+                                norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:  # fmt: skip
+            total = _zero_optimizer(optimizer).clip_grad_norm_(float(max_norm), float(norm_type))
+            if error_if_nonfinite and not bool(torch.isfinite(total)):
+                raise RuntimeError(f"Fabric.clip_gradients: the total gradient norm is {total.item()}; pass error_if_nonfinite=False to skip this check")
+            return total
+
+        @override
+        def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: Union[float, int]) -> None:
+            _zero_optimizer(optimizer).clip_grad_value_(float(clip_val))
+
+        @override
+        def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+            if isinstance(tensor, torch.Tensor):
+                return dist._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return tensor
+
+        @override
+        def barrier(self, *args: Any, **kwargs: Any) -> None:
+            if dist._distributed_is_initialized():
+                torch.distributed.barrier()
+
+        @override
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            if not dist._distributed_is_initialized():
+                return obj
+            box = [obj]
+            torch.distributed.broadcast_object_list(box, src)
+            return box[0]
+
+        # -- checkpoints: the model and its optimizer go to shards, the rest to fabric.pt --------
+        @override
+        def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                            filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:  # fmt: skip
+            if storage_options is not None or filter is not None:
+                raise TypeError("ZeroFabricStrategy.save_checkpoint: storage_options and filter are not supported (shards are written by zero_strategy)")
+            model_key, opt_key = _split(state)
+            path = Path(self.broadcast(os.fspath(path)))
+            rest = {k: (v.state_dict() if isinstance(v, stateful) else v) for k, v in state.items() if k not in (model_key, opt_key)}
+            meta = {"model_key": model_key, "optimizer_key": opt_key, "state": rest}
+            zs.save_checkpoint(path, state[model_key], state.get(opt_key), objects={FABRIC_OBJECT: meta}, keep_last=1)
+
+        @override
+        def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+            if not isinstance(state, dict) or not state:
+                raise TypeError("ZeroFabricStrategy.load_checkpoint: pass the state dict to restore into, e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})")
+            model_key, opt_key = _split(state)
+            path = Path(self.broadcast(os.fspath(path)))
+            zs.load_checkpoint(path, state[model_key], state.get(opt_key))
+            meta = zs.read_checkpoint_object(path, FABRIC_OBJECT, weights_only=bool(weights_only))
+            saved = dict(meta["state"])
+            for key, obj in list(state.items()):
+                if key in (model_key, opt_key):
+                    continue
+                if key not in saved:
+                    if strict:
+                        raise KeyError(f"ZeroFabricStrategy.load_checkpoint: {key!r} is not in the checkpoint {path} (it has {sorted(saved)}); pass strict=False to skip it")
+                    continue
+                if isinstance(obj, stateful):
+                    obj.load_state_dict(saved.pop(key))
+                else:
+                    state[key] = saved.pop(key)
+            return saved
+
+        @classmethod
+        @override
+        def register_strategies(cls, strategy_registry: Any) -> None:
+            register_names(strategy_registry, cls)
+
+    prefix = "" if ns == "lightning.fabric" else "LF"
+    for cls, name in ((ZeroFabricStrategy, "ZeroFabricStrategy"), (ZeroFabricPrecision, "ZeroFabricPrecision")):
+        cls.__module__, cls.__name__, cls.__qualname__ = "lightning_zero", prefix + name, prefix + name
+    return ZeroFabricStrategy, ZeroFabricPrecision
+
+
+def _zero_optimizer(optimizer: Any) -> Any:
+    opt = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
+    if getattr(opt, "zero_engine", None) is None:
+        raise RuntimeError("Fabric.clip_gradients: the optimizer was not set up by the zero strategy; pass the one fabric.setup returned")
+    return opt
+
+
+def _split(state: Mapping[str, Any]) -> tuple[str, Optional[str]]:
+    """The keys of the one zero-managed module and its optimizer in Fabric's state dict."""
+    models = [k for k, v in state.items() if isinstance(v, nn.Module) and getattr(v, "zero_engine", None) is not None]
+    if len(models) != 1:
+        raise ValueError(f"ZeroFabricStrategy: the state must hold exactly one module set up by the zero strategy; found {models or 'none'}")
+    engine = state[models[0]].zero_engine
+    opts = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer) and getattr(v, "zero_engine", None) is engine]
+    return models[0], (opts[0] if opts else None)

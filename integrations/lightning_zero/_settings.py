@@ -1,0 +1,93 @@
+"""What the Trainer and Fabric strategies share: the registered names, the precision map and
+how the Lightning arguments meet the config file. No Lightning import here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Union
+
+import torch
+
+from zero_strategy import ZeroConfig, resolve_overrides
+
+ConfigArg = Union[ZeroConfig, Mapping[str, Any], str, os.PathLike, None]
+
+
+@dataclass(frozen=True)
+class RegisteredName:
+    name: str
+    stage: int
+    offload: Mapping[str, Any]
+    description: str
+
+
+NAMES: tuple[RegisteredName, ...] = (
+    RegisteredName("zero1", 1, {}, "ZeRO stage 1: optimizer state partitioned (zero_strategy)"),
+    RegisteredName("zero2", 2, {}, "ZeRO stage 2: + gradients reduce-scattered (zero_strategy)"),
+    RegisteredName("zero2_offload", 2, {"offload_optimizer": {"device": "cpu"}}, "ZeRO stage 2 + optimizer offload to CPU (not yet available)"),
+    RegisteredName("zero3", 3, {}, "ZeRO stage 3: + parameters partitioned (zero_strategy)"),
+    RegisteredName("zero3_offload", 3, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, "ZeRO stage 3 + CPU offload (not yet available)"),
+    RegisteredName("zero3_offload_nvme", 3, {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}, "ZeRO stage 3 + NVMe offload (not yet available)"),
+)  # fmt: skip
+
+# Lightning precision flag -> the engine's training dtype (None: the config file decides, as
+# "32-true" is Lightning's default and says nothing).
+PRECISIONS: dict[str, str | None] = {"32-true": None, "32": None, "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
+
+
+def training_dtype(flag: str) -> str | None:
+    if flag not in PRECISIONS:
+        raise ValueError(
+            f"precision={flag!r} is not supported by the zero strategies; use one of "
+            f"{sorted(k for k in PRECISIONS if k != '32')} (the engine keeps fp32 master weights and autocasts)"
+        )
+    return PRECISIONS[flag]
+
+
+def strategy_config(config: ConfigArg, stage: int | None, offload: Mapping[str, Any] | None, caller: str) -> ZeroConfig:
+    """The config given to the strategy, with its ``stage`` argument applied (conflicts raise)."""
+    if isinstance(config, os.PathLike):
+        config = os.fspath(config)
+    try:
+        cfg = ZeroConfig.coerce(config)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{caller}(config=...): {exc}") from None
+    explicit: dict[str, Any] = {"stage": stage}
+    for key, value in (offload or {}).items():
+        explicit[key] = value
+    return resolve_overrides(cfg, source=f"{caller}(stage={stage})", **explicit)
+
+
+def apply_lightning_arguments(
+    cfg: ZeroConfig,
+    *,
+    precision: str,
+    gradient_clip_val: float | None,
+    gradient_clip_algorithm: str | None,
+    accumulate_grad_batches: int,
+    source: str,
+) -> ZeroConfig:
+    """Lightning's own arguments win over the file; a conflicting value in the file raises.
+
+    Lightning's defaults ("32-true", no clipping, accumulation 1) count as "not given", so a
+    file's bf16 / gradient_clipping / gradient_accumulation_steps then applies."""
+    clip = None
+    if gradient_clip_val is not None and float(gradient_clip_val) > 0 and (gradient_clip_algorithm or "norm") == "norm":
+        clip = float(gradient_clip_val)
+    return resolve_overrides(
+        cfg,
+        source=source,
+        precision=training_dtype(precision),
+        gradient_clipping=clip,
+        gradient_accumulation_steps=accumulate_grad_batches if accumulate_grad_batches != 1 else None,
+    )
+
+
+def engine_config(cfg: ZeroConfig) -> ZeroConfig:
+    """The config the engine gets: Lightning runs the accumulation loop itself."""
+    return cfg.replace(gradient_accumulation_steps=None)
+
+
+def autocast_dtype(cfg: ZeroConfig) -> torch.dtype | None:
+    return cfg.precision.param_dtype

@@ -1,0 +1,408 @@
+"""``ZeroStrategy`` for the Lightning Trainer, built once per installed namespace
+(``lightning.pytorch`` and, if present, ``pytorch_lightning``: they have separate base classes).
+
+The strategy keeps the LightningModule itself as ``strategy.model``; ``zero_strategy.initialize``
+changes it in place (parameter names stay the same, so checkpoints are keyed by the module's
+own names). Every step runs through the module's ``__call__`` (Lightning's forward
+redirection), so the engine's root hooks gather what ZeRO-3 needs and see the step's outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
+
+import torch
+from typing_extensions import override
+
+import zero_strategy as zs
+from lightning_zero import _settings as S
+
+log = logging.getLogger(__name__)
+
+LIGHTNING_OBJECT = "lightning"  # the Trainer's state, saved beside the shards (lightning.pt)
+
+
+def build(ns: str) -> tuple[type, type]:
+    """``(ZeroStrategy, ZeroPrecision)`` subclassing the base classes of namespace ``ns``."""
+    pl: ModuleType = importlib.import_module(ns)
+    strategies = importlib.import_module(f"{ns}.strategies")
+    precision_mod = importlib.import_module(f"{ns}.plugins.precision")
+    launchers = importlib.import_module(f"{ns}.strategies.launchers")
+    fabric_ns = "lightning.fabric" if ns.startswith("lightning.") else "lightning_fabric"
+    fabric_dist = importlib.import_module(f"{fabric_ns}.utilities.distributed")
+    trainer_fn = importlib.import_module(f"{ns}.trainer.states").TrainerFn
+    rank_zero = importlib.import_module(f"{ns}.utilities.rank_zero")
+    Precision = precision_mod.Precision
+    ParallelStrategy = strategies.ParallelStrategy
+
+    class ZeroPrecision(Precision):
+        """Precision for the zero strategies: autocast to the engine's training dtype, the
+        engine's fp16 loss scale, global-norm clipping over the shards, and a step that runs
+        the closure first (the engine reduces gradients before the optimizer sees them)."""
+
+        def __init__(self, precision: str = "32-true") -> None:
+            S.training_dtype(precision)  # refuses what the engine cannot do
+            self.precision = precision
+            self.dtype: torch.dtype | None = None  # set by the strategy from the resolved config
+            self.device_type = "cpu"
+            self.optimizer: Optional[torch.optim.Optimizer] = None
+
+        @override
+        def forward_context(self) -> contextlib.AbstractContextManager:
+            if self.dtype is None:
+                return contextlib.nullcontext()
+            return torch.autocast(self.device_type, dtype=self.dtype)
+
+        @override
+        def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+            tensor = super().pre_backward(tensor, module)
+            return self.optimizer.scale_loss(tensor) if self.optimizer is not None else tensor
+
+        @override
+        def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+            closure_result = closure()  # forward and backward first: the step needs reduced gradients
+            self._after_closure(model, optimizer)  # callbacks, then clipping (global norm, below)
+            skipped_backward = closure_result is None
+            if isinstance(model, pl.LightningModule) and model.automatic_optimization and skipped_backward:
+                return closure_result
+            optimizer.step(**kwargs)
+            return closure_result
+
+        @override
+        def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+            _zero_optimizer(optimizer, "gradient_clip_val").clip_grad_norm_(float(clip_val))
+
+        @override
+        def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
+            _zero_optimizer(optimizer, "gradient_clip_val").clip_grad_value_(float(clip_val))
+
+    class ZeroStrategy(ParallelStrategy):
+        """ZeRO stages 1-3 from ``zero_strategy`` for ``Trainer(strategy=...)``.
+
+        Args:
+            config: a ``ZeroConfig``, a dict, or a path to a YAML/JSON file (DeepSpeed key names).
+            stage: 1, 2 or 3; overrides the file's stage (a different stage in the file raises).
+            state_dict_type: ``"sharded"`` (every rank writes its pieces, reloadable on any
+                number of devices) or ``"full"`` (one consolidated file, weights only).
+            policy: ZeRO-3 units for modules you cannot decorate: a set of module classes or a
+                callable ``module -> bool`` (default: ``@zero_auto_partition`` classes,
+                Hugging Face ``_no_split_modules``, else the outermost list of blocks).
+            process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by device).
+            timeout: the process group's timeout.
+        """
+
+        strategy_name = "zero"
+        is_distributed = True  # Lightning adds the DistributedSampler only for distributed strategies
+
+        def __init__(
+            self,
+            config: Union[zs.ZeroConfig, dict, str, None] = None,
+            *,
+            stage: Optional[int] = None,
+            state_dict_type: Literal["sharded", "full"] = "sharded",
+            policy: Any = None,
+            process_group_backend: Optional[str] = None,
+            timeout: Optional[timedelta] = timedelta(minutes=30),
+            accelerator: Any = None,
+            parallel_devices: Optional[list[torch.device]] = None,
+            cluster_environment: Any = None,
+            checkpoint_io: Any = None,
+            precision_plugin: Any = None,
+            offload: Optional[Mapping[str, Any]] = None,
+        ) -> None:
+            super().__init__(
+                accelerator=accelerator,
+                parallel_devices=parallel_devices,
+                cluster_environment=cluster_environment,
+                checkpoint_io=checkpoint_io,
+                precision_plugin=precision_plugin,
+            )
+            if state_dict_type not in ("sharded", "full"):
+                raise ValueError(f"ZeroStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or 'full'")
+            self.zero_config: zs.ZeroConfig = S.strategy_config(config, stage, offload, "ZeroStrategy")
+            self.state_dict_type = state_dict_type
+            self._policy = policy
+            self._process_group_backend = process_group_backend
+            self._timeout = timeout
+            self.num_nodes = 1
+
+        # -- precision: whatever plugin Lightning picked becomes a ZeroPrecision ---------------
+        @property
+        @override
+        def precision_plugin(self) -> Any:
+            plugin = getattr(self, "_zero_precision", None)
+            if plugin is None:
+                plugin = self._zero_precision = ZeroPrecision()
+            return plugin
+
+        @precision_plugin.setter
+        @override
+        def precision_plugin(self, plugin: Any) -> None:
+            if plugin is None or isinstance(plugin, ZeroPrecision):
+                self._zero_precision = plugin
+                return
+            if type(plugin).__name__ not in ("Precision", "MixedPrecision", "DoublePrecision", "HalfPrecision"):
+                raise TypeError(
+                    f"ZeroStrategy: the precision plugin {type(plugin).__name__} cannot be combined with the zero "
+                    "strategies; pass Trainer(precision='32-true' | 'bf16-mixed' | '16-mixed') instead"
+                )
+            self._zero_precision = ZeroPrecision(str(plugin.precision))
+
+        # -- devices and processes ----------------------------------------------------------------
+        @property
+        @override
+        def root_device(self) -> torch.device:
+            assert self.parallel_devices is not None, "ZeroStrategy: parallel_devices is not set yet"
+            return self.parallel_devices[self.local_rank]
+
+        @property
+        def num_processes(self) -> int:
+            return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+        @property
+        @override
+        def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+        @property
+        def process_group_backend(self) -> Optional[str]:
+            return self._process_group_backend
+
+        @property
+        @override
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True  # the engine must exist to receive the shards
+
+        @property
+        @override
+        def lightning_restore_optimizer(self) -> bool:
+            return False  # load_checkpoint restores the optimizer shards itself
+
+        @override
+        def _configure_launcher(self) -> None:
+            assert self.cluster_environment is not None
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = launchers._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+        @override
+        def setup_environment(self) -> None:
+            super().setup_environment()
+            self.set_world_ranks()
+            self._process_group_backend = self._process_group_backend or fabric_dist._get_default_process_group_backend_for_device(self.root_device)
+            kwargs: dict[str, Any] = {"timeout": self._timeout}
+            if self.root_device.type != "cpu":
+                kwargs["device_id"] = self.root_device
+            fabric_dist._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+
+        def set_world_ranks(self) -> None:
+            if self.cluster_environment is not None:
+                self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+                self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+            rank_zero.rank_zero_only.rank = self.global_rank
+
+        # -- model ------------------------------------------------------------------------------
+        @contextlib.contextmanager
+        @override
+        def model_sharded_context(self) -> Generator[None, None, None]:
+            """``configure_model`` runs here: at stage 3 each module is cut into shards as its
+            ``__init__`` returns, so no rank holds the whole model."""
+            if self.zero_config.stage != 3:
+                yield
+                return
+            with zs.sharded_init(comm_timeout=self.zero_config.comm_timeout):
+                yield
+
+        @override
+        def setup(self, trainer: Any) -> None:
+            assert self.accelerator is not None and self.model is not None, "ZeroStrategy.setup: connect a model first"
+            self.accelerator.setup(trainer)
+            fitting = trainer.state.fn == trainer_fn.FITTING
+            resolved = S.apply_lightning_arguments(
+                self.zero_config,
+                precision=str(self.precision_plugin.precision),
+                gradient_clip_val=trainer.gradient_clip_val,
+                gradient_clip_algorithm=getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm),
+                accumulate_grad_batches=trainer.accumulate_grad_batches,
+                source="the Trainer's arguments (precision, gradient_clip_val, accumulate_grad_batches)",
+            )
+            steps = resolved.gradient_accumulation_steps
+            if steps not in (None, 1) and trainer.accumulate_grad_batches == 1:
+                trainer.accumulate_grad_batches = steps  # the file's setting, which the Trainer runs
+                rank_zero.rank_zero_info(f"ZeroStrategy: accumulate_grad_batches={steps} from the config file")
+            self.zero_config = resolved
+            engine_ready = getattr(self.model, "zero_engine", None) is not None
+            if fitting:
+                self._reset_optimizers_and_schedulers()
+                super().setup_optimizers(trainer)
+                if len(self.optimizers) != 1:
+                    raise ValueError(
+                        f"ZeroStrategy: configure_optimizers returned {len(self.optimizers)} optimizers; the zero "
+                        "strategies shard exactly one optimizer (put several parameter groups into one optimizer)"
+                    )
+                if engine_ready and getattr(self.optimizers[0], "zero_engine", None) is None:
+                    raise RuntimeError(
+                        "ZeroStrategy: this LightningModule was already set up by a zero strategy with another "
+                        "optimizer; fit a fresh module (or reuse the same Trainer for validate/test/predict only)"
+                    )
+            if not engine_ready:
+                self.model_to_device()
+                optimizer = self.optimizers[0] if fitting else (lambda params: torch.optim.SGD(params, lr=0.0))
+                zs.initialize(self.model, optimizer, config=S.engine_config(resolved), policy=self._policy)
+            self._bind_precision()
+            self.setup_precision_plugin()
+
+        def _bind_precision(self) -> None:
+            plugin = self.precision_plugin
+            plugin.dtype = S.autocast_dtype(self.zero_config)
+            plugin.device_type = self.root_device.type
+            plugin.optimizer = self.optimizers[0] if self.optimizers else None
+
+        @override
+        def model_to_device(self) -> None:
+            assert self.model is not None
+            self.model.to(self.root_device)
+
+        @contextlib.contextmanager
+        @override
+        def block_backward_sync(self) -> Generator[None, None, None]:
+            """Accumulation steps: gradients stay local until the step that syncs."""
+            with self.model.no_sync():
+                yield None
+
+        def _redirect(self, context: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+            # through the module's __call__, so the engine's root hooks run around the step
+            with context:
+                return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+        @override
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            return self._redirect(self.precision_plugin.train_step_context(), "training_step", *args, **kwargs)
+
+        @override
+        def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+            return self._redirect(self.precision_plugin.val_step_context(), "validation_step", *args, **kwargs)
+
+        @override
+        def test_step(self, *args: Any, **kwargs: Any) -> Any:
+            return self._redirect(self.precision_plugin.test_step_context(), "test_step", *args, **kwargs)
+
+        @override
+        def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+            return self._redirect(self.precision_plugin.predict_step_context(), "predict_step", *args, **kwargs)
+
+        # -- collectives Lightning asks for -------------------------------------------------------
+        @override
+        def barrier(self, name: Optional[str] = None) -> None:
+            if fabric_dist._distributed_is_initialized():
+                torch.distributed.barrier()
+
+        @override
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            if not fabric_dist._distributed_is_initialized():
+                return obj
+            box = [obj]
+            torch.distributed.broadcast_object_list(box, src)
+            return box[0]
+
+        @override
+        def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+            if isinstance(tensor, torch.Tensor):
+                return fabric_dist._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return tensor
+
+        # -- checkpoints ----------------------------------------------------------------------------
+        @override
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            if self.state_dict_type == "full":
+                return zs.full_state_dict(self.model)  # collective; rank 0 keeps it
+            return {}  # sharded: save_checkpoint writes the pieces
+
+        @override
+        def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+            return {}  # sharded: in the shards; full: weights only (see the class docstring)
+
+        @override
+        def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+            if storage_options is not None:
+                raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported: shards are written by zero_strategy")
+            path = Path(self.broadcast(os.fspath(filepath)))
+            if self.state_dict_type == "full":
+                if path.is_dir():
+                    raise IsADirectoryError(f"ZeroStrategy(state_dict_type='full'): {path} is a directory; choose a file name")
+                checkpoint.pop("optimizer_states", None)
+                if self.is_global_zero:
+                    self.checkpoint_io.save_checkpoint(checkpoint, path)
+                self.barrier()
+                return
+            if path.is_file():
+                raise FileExistsError(f"ZeroStrategy: {path} is a file; sharded checkpoints are directories (remove it or pick another name)")
+            state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            optimizer = self.optimizers[0] if self.optimizers else None
+            zs.save_checkpoint(path, self.model, optimizer, objects={LIGHTNING_OBJECT: state}, keep_last=1)
+
+        @override
+        def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+            path = Path(self.broadcast(os.fspath(checkpoint_path)))
+            if path.is_file():  # a full checkpoint: weights (and loop state) only
+                checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+                zs.load_full_state_dict(self.model, checkpoint["state_dict"])
+                if self.lightning_module.trainer.state.fn == trainer_fn.FITTING:
+                    warnings.warn(
+                        f"ZeroStrategy: {path} is a full (weights-only) checkpoint: the optimizer starts fresh. "
+                        "Resume from a sharded checkpoint (state_dict_type='sharded') to continue exactly.",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                return checkpoint
+            optimizer = self.optimizers[0] if self.optimizers else None
+            zs.load_checkpoint(path, self.model, optimizer)
+            return zs.read_checkpoint_object(path, LIGHTNING_OBJECT, weights_only=bool(weights_only))
+
+        @override
+        def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+            pass  # load_checkpoint has loaded the weights
+
+        @override
+        def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+            pass  # load_checkpoint has loaded the optimizer shards
+
+        @override
+        def teardown(self) -> None:
+            # the engine keeps the module's shards where they are (no move to CPU)
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+
+        @classmethod
+        @override
+        def register_strategies(cls, strategy_registry: Any) -> None:
+            register_names(strategy_registry, cls)
+
+    prefix = "" if ns == "lightning.pytorch" else "PL"
+    for cls, name in ((ZeroStrategy, "ZeroStrategy"), (ZeroPrecision, "ZeroPrecision")):
+        cls.__module__, cls.__name__, cls.__qualname__ = "lightning_zero", prefix + name, prefix + name
+    return ZeroStrategy, ZeroPrecision
+
+
+def _zero_optimizer(optimizer: Any, what: str) -> Any:
+    opt = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps it
+    if getattr(opt, "zero_engine", None) is None:
+        raise RuntimeError(f"{what}: the optimizer is not managed by zero_strategy; use the one configure_optimizers returned")
+    return opt
+
+
+def register_names(registry: Any, cls: type) -> None:
+    """Register zero1 ... zero3_offload_nvme; importing twice registers once."""
+    for entry in S.NAMES:
+        if entry.name in registry:
+            continue
+        registry.register(entry.name, cls, description=entry.description, stage=entry.stage, offload=dict(entry.offload) or None)

@@ -1,0 +1,301 @@
+"""The Lightning front-end against Lightning's own DDP: same logged losses, validation metrics
+and predictions; checkpoints resumed on another number of devices; LightningCLI; errors.
+
+Every multi-rank case runs inside one launch per world size (ranks start once)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+VOCAB, SEQ = 64, 8
+
+
+def _gpt():
+    import torch
+
+    from zero_strategy.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=16, n_layer=2, n_head=2, qkv_bias=False))
+
+
+def _lit_class():
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+
+    class LitGPT(pl.LightningModule):
+        """Built in configure_model when ``sharded`` (stage 3 shards it as it is built)."""
+
+        def __init__(self, sharded: bool = False, lr: float = 1e-2) -> None:
+            super().__init__()
+            self.sharded, self.lr = sharded, lr
+            self.gpt = None if sharded else _gpt()
+
+        def configure_model(self) -> None:
+            if self.gpt is None:
+                self.gpt = _gpt()
+                self.built_bytes = sum(p.untyped_storage().nbytes() for p in self.gpt.parameters())
+
+        def forward(self, x):
+            return self.gpt(x)
+
+        def _loss(self, batch):
+            x, y = batch
+            return F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+
+        def training_step(self, batch, batch_idx):
+            loss = self._loss(batch)
+            self.log("loss", loss, sync_dist=True, on_step=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self._loss(batch), sync_dist=True)
+
+        def predict_step(self, batch, batch_idx):
+            return self(batch[0]).float()
+
+        def configure_optimizers(self):
+            decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
+            rest = [p for n, p in self.named_parameters() if p.ndim < 2]
+            opt = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": self.lr / 2}], lr=self.lr
+            )
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+            return [opt], [{"scheduler": sched, "interval": "step"}]
+
+    return LitGPT
+
+
+def _data(n: int, per_rank: int, seed: int = 0):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=per_rank, shuffle=False)
+
+
+class _Losses:
+    """A callback recording the logged (rank-averaged) loss of every training batch."""
+
+    def __new__(cls):
+        import lightning.pytorch as pl
+
+        class Rec(pl.Callback):
+            def __init__(self) -> None:
+                self.losses: list[float] = []
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                self.losses.append(float(trainer.callback_metrics["loss"]))
+
+        return Rec()
+
+
+def _trainer(strategy, devices: int, **kw):
+    import lightning.pytorch as pl
+
+    base = dict(accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    base.update(kw)
+    return pl.Trainer(strategy=strategy, **base)
+
+
+def _parity_worker(rank: int, world: int) -> dict:
+    import torch
+
+    import lightning_zero
+    import zero_strategy as zs
+
+    LitGPT = _lit_class()
+    out: dict = {}
+    for name in ("ddp", "zero1", "zero2", "zero3", "zero3_sharded_init"):
+        sharded = name.endswith("sharded_init")
+        strategy = lightning_zero.ZeroStrategy(stage=3) if sharded else (name if name != "zero1" else lightning_zero.ZeroStrategy(stage=1))
+        rec = _Losses()
+        trainer = _trainer(strategy, world, max_steps=10, accumulate_grad_batches=2, gradient_clip_val=0.3,
+                           callbacks=[rec], enable_checkpointing=False, num_sanity_val_steps=1, limit_val_batches=2)  # fmt: skip
+        model = LitGPT(sharded=sharded)
+        trainer.fit(model, _data(80, 2), _data(8, 2, seed=1))
+        sampler = type(trainer.train_dataloader.sampler).__name__
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        if name.startswith("zero"):
+            assert isinstance(trainer.strategy, lightning_zero.ZeroStrategy)
+            engine = model.zero_engine
+            assert engine.config.stage == int(name[4]) and engine.config.gradient_clipping == 0.3
+            if sharded:  # configure_model under sharded_init: no rank held the full parameters
+                assert model.built_bytes < sum(p.numel() * 4 for p in _gpt().parameters()) / 10, model.built_bytes
+        val = trainer.validate(model, _data(8, 2, seed=2), verbose=False)[0]["val_loss"]
+        preds = torch.cat(trainer.predict(model, _data(8, 2, seed=3)))
+        with zs.gathered_parameters(model) if name != "ddp" else torch.no_grad():
+            params = {k: v.detach().clone() for k, v in model.gpt.state_dict().items()}
+        out[name] = {"losses": rec.losses, "val": val, "preds": preds, "params": params, "sampler": sampler, "lr": lr}
+    return out
+
+
+def test_ddp_parity_with_accumulation_clipping_and_scheduler(launch) -> None:
+    import torch
+
+    results = launch(_parity_worker, 2, timeout=600)
+    for rank, res in enumerate(results):
+        ref = res["ddp"]
+        assert len(ref["losses"]) == 20  # 10 optimizer steps x 2 accumulated batches
+        for name in ("zero1", "zero2", "zero3", "zero3_sharded_init"):
+            got = res[name]
+            assert got["sampler"] == "DistributedSampler", got["sampler"]
+            for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+                assert abs(a - b) <= 1e-6 * abs(b), (rank, name, i, a, b)
+            assert abs(got["val"] - ref["val"]) <= 1e-6 * abs(ref["val"]), (name, got["val"], ref["val"])
+            assert torch.allclose(got["preds"], ref["preds"], rtol=1e-5, atol=1e-6), name
+            assert got["lr"] == ref["lr"] == pytest.approx(1e-2 * 0.5**3)
+            for k, v in ref["params"].items():
+                assert torch.allclose(got["params"][k], v, rtol=1e-5, atol=1e-6), (name, k)
+    # the first step's weights moved: clipping and the scheduler did something the check can see
+    assert results[0]["ddp"]["losses"][0] != results[0]["ddp"]["losses"][-1]
+
+
+GLOBAL_BATCH, EPOCH_STEPS = 12, 4
+
+
+def _resume_worker(rank: int, world: int, root: str, phase: str) -> dict:
+    import torch
+
+    import lightning.pytorch as pl
+    import lightning_zero
+    import zero_strategy as zs
+
+    if phase == "slurm":  # Lightning's SLURM environment, ranks from SLURM_* variables
+        os.environ.update(SLURM_NTASKS=str(world), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                          SLURM_JOB_NAME="zero-test", SLURM_NODELIST="127.0.0.1", SLURM_JOB_ID="1", SLURM_NTASKS_PER_NODE=str(world))  # fmt: skip
+    LitGPT = _lit_class()
+    data = _data(GLOBAL_BATCH * EPOCH_STEPS, GLOBAL_BATCH // world)
+    out: dict = {}
+    stage = {"save": 3, "slurm": 3, "one": 1}[phase]
+    rec = _Losses()
+    if phase == "save":  # the uninterrupted run; checkpoints every epoch
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=root, filename="ep{epoch}", save_top_k=-1, every_n_epochs=1, auto_insert_metric_name=False)
+        trainer = _trainer(lightning_zero.ZeroStrategy(stage=stage), world, max_epochs=2, callbacks=[rec, ckpt], gradient_clip_val=0.3)
+        model = LitGPT()
+        trainer.fit(model, data)
+        out["losses"] = rec.losses
+        trainer.strategy.state_dict_type = "full"  # one consolidated file, for the plain model
+        trainer.save_checkpoint(f"{root}/full.ckpt")
+        with zs.gathered_parameters(model):
+            out["params"] = {k: v.detach().clone() for k, v in model.gpt.state_dict().items()}
+    else:
+        if phase == "slurm":
+            assert type(_trainer("zero3", world)._accelerator_connector.cluster_environment).__name__ == "SLURMEnvironment"
+        trainer = _trainer(lightning_zero.ZeroStrategy(stage=stage), world, max_epochs=2, callbacks=[rec], gradient_clip_val=0.3, enable_checkpointing=False)
+        model = LitGPT()
+        trainer.fit(model, data, ckpt_path=f"{root}/ep0.ckpt")
+        out["losses"] = rec.losses
+        out["global_step"] = trainer.global_step
+    out["cluster"] = type(trainer.strategy.cluster_environment).__name__
+    return out
+
+
+def test_checkpoint_resumes_on_other_device_counts(launch, tmp_path) -> None:
+    import torch
+
+    ref = launch(_resume_worker, 2, args=(str(tmp_path), "save"), timeout=300)[0]
+    assert len(ref["losses"]) == 2 * EPOCH_STEPS
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ep0.ckpt", "ep1.ckpt", "full.ckpt"]
+    assert (tmp_path / "ep0.ckpt" / "latest").is_file()  # a sharded directory
+    for world, phase in ((3, "slurm"), (1, "one")):
+        got = launch(_resume_worker, world, args=(str(tmp_path), phase), timeout=300)[0]
+        assert got["global_step"] == 2 * EPOCH_STEPS
+        assert len(got["losses"]) == EPOCH_STEPS, got["losses"]
+        for a, b in zip(got["losses"], ref["losses"][EPOCH_STEPS:], strict=True):
+            assert abs(a - b) <= 1e-6 * abs(b), (world, got["losses"], ref["losses"])
+        if phase == "slurm":
+            assert got["cluster"] == "SLURMEnvironment"
+    # the full checkpoint loads into the plain, unwrapped module
+    full = torch.load(tmp_path / "full.ckpt", map_location="cpu", weights_only=False)
+    plain = _lit_class()()
+    plain.load_state_dict(full["state_dict"], strict=True)
+    for k, v in plain.gpt.state_dict().items():
+        assert torch.equal(v, ref["params"][k]), k
+
+
+def _cli_worker(rank: int, world: int, root: str) -> list:
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning_zero
+    from lightning.pytorch import LightningDataModule
+
+    LitGPT = _lit_class()
+
+    class Data(LightningDataModule):
+        def train_dataloader(self):
+            return _data(8, 2)
+
+    cfg = Path(root, "zero3.yaml")
+    cfg.write_text("zero_optimization:\n  stage: 3\n  stage3_param_persistence_threshold: 0\n")
+    trainer_yaml = Path(root, "cli.yaml")
+    trainer_yaml.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  max_steps: 2\n  logger: false\n  enable_checkpointing: false\n"
+        f"  strategy:\n    class_path: lightning_zero.ZeroStrategy\n    init_args: {{config: {cfg}}}\n"
+    )
+    seen = []
+    cli = LightningCLI(LitGPT, Data, run=False, args=["--config", str(trainer_yaml)])
+    s = cli.trainer.strategy
+    assert isinstance(s, lightning_zero.ZeroStrategy) and s.zero_config.stage == 3
+    assert s.zero_config.stage3_param_persistence_threshold == 0
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.model.zero_engine.config.stage == 3 and cli.trainer.global_step == 2
+    seen.append(type(s).__name__)
+    cli2 = LightningCLI(LitGPT, Data, run=False, args=["--trainer.strategy=zero2", "--trainer.accelerator=cpu", "--trainer.devices=1"])
+    assert isinstance(cli2.trainer.strategy, lightning_zero.ZeroStrategy) and cli2.trainer.strategy.zero_config.stage == 2
+    seen.append(cli2.trainer.strategy.zero_config.stage)
+    return seen
+
+
+def test_lightning_cli_yaml_and_flag(launch, tmp_path) -> None:
+    assert launch(_cli_worker, 1, args=(str(tmp_path),), timeout=180)[0] == ["ZeroStrategy", 2]
+
+
+def test_errors_name_the_setting_and_the_fix(tmp_path) -> None:
+    import lightning.pytorch as pl
+
+    # without the import, Lightning's own error stands
+    code = "import lightning.pytorch as pl\ntry:\n    pl.Trainer(strategy='zero3', accelerator='cpu')\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "Invalid strategy name zero3" in done.stdout or "invalid strategy" in done.stdout.lower(), done.stdout + done.stderr
+    assert "lightning_zero" not in done.stdout
+    import lightning_zero
+
+    with pytest.raises(ValueError, match="stag.*did you mean 'stage'"):
+        lightning_zero.ZeroStrategy(config={"zero_optimization": {"stag": 3}})
+    cfg = tmp_path / "z.yaml"
+    cfg.write_text("zero_optimization: {stage: 2}\n")
+    with pytest.raises(ValueError, match="stage=2 from the config conflicts with stage=3"):
+        lightning_zero.ZeroStrategy(config=str(cfg), stage=3)
+    with pytest.raises(ValueError, match="state_dict_type"):
+        lightning_zero.ZeroStrategy(state_dict_type="whole")
+    with pytest.raises(ValueError, match="precision='bf16-true' is not supported"):
+        pl.Trainer(strategy="zero2", accelerator="cpu", precision="bf16-true")
+    # importing again registers nothing twice
+    import importlib
+
+    importlib.reload(lightning_zero)
+    assert "zero3_offload_nvme" in pl.strategies.StrategyRegistry
+
+
+def test_config_file_precision_conflicts_with_trainer() -> None:
+    from lightning_zero import _settings as S
+
+    import zero_strategy as zs
+
+    cfg = zs.ZeroConfig.from_dict({"bf16": {"enabled": True}, "gradient_clipping": 1.0})
+    assert S.apply_lightning_arguments(cfg, precision="32-true", gradient_clip_val=None, gradient_clip_algorithm="norm",
+                                       accumulate_grad_batches=1, source="Trainer").precision.param_dtype is not None  # fmt: skip
+    with pytest.raises(ValueError, match="gradient_clipping=1.0 from the config conflicts with gradient_clipping=0.5"):
+        S.apply_lightning_arguments(cfg, precision="32-true", gradient_clip_val=0.5, gradient_clip_algorithm="norm",
+                                    accumulate_grad_batches=1, source="Trainer")  # fmt: skip
+    with pytest.raises(ValueError, match="precision=bf16 from the config conflicts with precision=16-mixed"):
+        S.apply_lightning_arguments(cfg, precision="16-mixed", gradient_clip_val=None, gradient_clip_algorithm=None,
+                                    accumulate_grad_batches=1, source="Trainer")  # fmt: skip
