@@ -241,14 +241,14 @@ def _cli_worker(rank: int, world: int, root: str) -> list:
         f"  strategy:\n    class_path: lightning_zero.ZeroStrategy\n    init_args: {{config: {cfg}}}\n"
     )
     seen = []
-    cli = LightningCLI(LitGPT, Data, run=False, args=["--config", str(trainer_yaml)])
+    cli = LightningCLI(LitGPT, Data, run=False, save_config_callback=None, args=["--config", str(trainer_yaml)])
     s = cli.trainer.strategy
     assert isinstance(s, lightning_zero.ZeroStrategy) and s.zero_config.stage == 3
     assert s.zero_config.stage3_param_persistence_threshold == 0
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.model.zero_engine.config.stage == 3 and cli.trainer.global_step == 2
     seen.append(type(s).__name__)
-    cli2 = LightningCLI(LitGPT, Data, run=False, args=["--trainer.strategy=zero2", "--trainer.accelerator=cpu", "--trainer.devices=1"])
+    cli2 = LightningCLI(LitGPT, Data, run=False, save_config_callback=None, args=["--trainer.strategy=zero2", "--trainer.accelerator=cpu", "--trainer.devices=1"])
     assert isinstance(cli2.trainer.strategy, lightning_zero.ZeroStrategy) and cli2.trainer.strategy.zero_config.stage == 2
     seen.append(cli2.trainer.strategy.zero_config.stage)
     return seen
@@ -256,6 +256,65 @@ def _cli_worker(rank: int, world: int, root: str) -> list:
 
 def test_lightning_cli_yaml_and_flag(launch, tmp_path) -> None:
     assert launch(_cli_worker, 1, args=(str(tmp_path),), timeout=180)[0] == ["ZeroStrategy", 2]
+
+
+def _fabric_worker(rank: int, world: int, root: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+
+    import lightning_zero
+
+    data = list(_data(4 * 12 * world, 4))[rank::world]  # 12 micro-batches of 4 per rank
+
+    def build(name: str):
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=name)
+        fabric.launch()
+        model = _gpt()
+        return fabric, *fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    def train(fabric, model, opt, steps: range, losses: list, norms: list) -> None:
+        for step in steps:
+            for micro in range(2):
+                x, y = data[2 * step + micro]
+                with fabric.no_backward_sync(model, enabled=micro == 0):
+                    loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+                    fabric.backward(loss / 2)
+                losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+            norms.append(float(fabric.clip_gradients(model, opt, max_norm=0.3)))
+            opt.step()
+            opt.zero_grad()
+
+    out = {}
+    for name in ("ddp", "zero2", "zero3"):
+        fabric, model, opt = build(name)
+        if name != "ddp":
+            assert isinstance(fabric.strategy, lightning_zero.ZeroFabricStrategy)
+        losses, norms = [], []
+        train(fabric, model, opt, range(3), losses, norms)
+        fabric.save(f"{root}/{name}", {"model": model, "optimizer": opt, "step": 3})
+        train(fabric, model, opt, range(3, 6), losses, norms)
+        fabric2, model2, opt2 = build(name)
+        state = {"model": model2, "optimizer": opt2, "step": 0}
+        fabric2.load(f"{root}/{name}", state)
+        resumed, _ = [], []
+        train(fabric2, model2, opt2, range(state["step"], 6), resumed, _)
+        out[name] = {"losses": losses, "norms": norms, "resumed": resumed, "step": state["step"]}
+    return out
+
+
+def test_fabric_matches_ddp_and_resumes(launch, tmp_path) -> None:
+    res = launch(_fabric_worker, 2, args=(str(tmp_path),), timeout=300)[0]
+    ref = res["ddp"]
+    assert min(ref["norms"]) > 0.3  # clipping is active
+    for name in ("zero2", "zero3"):
+        got = res[name]
+        assert got["step"] == 3
+        for key in ("losses", "norms"):
+            for a, b in zip(got[key], ref[key], strict=True):
+                assert abs(a - b) <= 1e-6 * abs(b), (name, key, got[key], ref[key])
+        for a, b in zip(got["resumed"], got["losses"][6:], strict=True):
+            assert abs(a - b) <= 1e-6 * abs(b), (name, got["resumed"], got["losses"])
 
 
 def test_errors_name_the_setting_and_the_fix(tmp_path) -> None:
