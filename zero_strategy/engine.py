@@ -77,6 +77,7 @@ class ZeroEngine:
         self._backward_callback_queued = False
         self._clipped_with: float | None = None
         self._skip_step = False
+        self.last_step_skipped = False
         self._loss_scaled = False  # fp16: was a scaled loss backpropagated in this window?
         self._hooks: list[Any] = []
         if config.gradient_accumulation_steps not in (None, 1):
@@ -362,6 +363,7 @@ class ZeroEngine:
 
     def after_optimizer_step(self) -> None:
         skipped = self._skip_step
+        self.last_step_skipped = skipped
         self.scaler.update(skipped)
         self._clipped_with = None
         self._loss_scaled = False

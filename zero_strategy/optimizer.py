@@ -48,6 +48,11 @@ class ZeroOptimizer:
         """Clamp all gradient shards element-wise to ``[-clip_value, clip_value]``."""
         self._zero_engine.clip_grad_value_(clip_value)
 
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` was skipped because fp16 gradients overflowed (on any rank)."""
+        return self._zero_engine.last_step_skipped
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply ``loss`` by the current fp16 loss scale (identity otherwise)."""
         return self._zero_engine.scale_loss(loss)
@@ -129,7 +134,7 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, engine: "ZeroEngine") -> to
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if len(args) > 1 or kwargs.get("closure") is not None:  # args[0] is the optimizer itself
+    if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:  # args[0]: the optimizer
         raise RuntimeError(
             "optimizer.step(closure) is not supported by zero_strategy: the closure's backward would run after "
             "the gradients were reduced. Run forward and backward before step() and call step() without a closure."

@@ -1,0 +1,85 @@
+"""Train a small GPT-2 (transformers, random init, no download) with Accelerate and ZeroPlugin.
+
+On CPU, 2 processes (gloo); ``accel.yaml`` has ``distributed_type: MULTI_GPU`` and
+``num_processes: 2`` (``--cpu`` would start one process only)::
+
+    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=zero3.yaml \\
+        accelerate launch --config_file accel.yaml examples/accelerate_hf_gpt2.py
+    # or, the same:
+    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config zero3.yaml \\
+        --config_file accel.yaml examples/accelerate_hf_gpt2.py
+
+Without ``ZERO_STRATEGY_CONFIG`` it runs ZeRO-2 with the defaults. The data is byte-level
+text from the Python standard library's source. At the end it saves the model with
+``save_pretrained`` from the gathered full weights, reloads it with ``from_pretrained`` and
+checks the weights are equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from accelerate import Accelerator
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+from accelerate_zero import ZeroPlugin
+from zero_strategy.models.data import stdlib_corpus, text_batch
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=8, help="micro-batch per process")
+    p.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
+    p.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
+    p.add_argument("--out", default="gpt2-zero", help="save_pretrained directory")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    accelerator = Accelerator(gradient_accumulation_steps=args.accum, mixed_precision=args.mixed_precision)
+    torch.manual_seed(0)  # every process builds the same model (the engine also broadcasts rank 0's)
+    cfg = GPT2Config(vocab_size=256, n_positions=64, n_embd=192, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+
+    plugin = ZeroPlugin.from_env(policy={GPT2Block})  # ZeRO-3 units: one per GPT2Block
+    model, optimizer, scheduler = plugin.prepare(accelerator, model, optimizer, scheduler)
+    accelerator.print(f"{plugin!r} on {accelerator.num_processes} processes, mixed_precision={accelerator.mixed_precision}")
+
+    corpus = stdlib_corpus(2_000_000)
+    model.train()
+    for step in range(args.steps * args.accum):
+        x, y = text_batch(corpus, args.batch, 64, step, rank=accelerator.process_index)
+        with accelerator.accumulate(model):
+            loss = model(input_ids=x, labels=x).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # the global norm
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients and (step // args.accum) % 10 == 0:
+            mean = accelerator.reduce(loss.detach(), reduction="mean")
+            accelerator.print(f"step {step // args.accum:4d}  loss {mean.item():.3f}  grad norm {norm.item():.3f}")
+
+    accelerator.save_state(f"{args.out}-state")  # sharded: loads again at any number of processes
+    state_dict = accelerator.get_state_dict(model)  # full weights on the main process, {} elsewhere
+    accelerator.unwrap_model(model).save_pretrained(
+        args.out, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=dict(state_dict)
+    )
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        reloaded = GPT2LMHeadModel.from_pretrained(args.out).state_dict()
+        worst = max(float((reloaded[k].float() - v.float()).abs().max()) for k, v in state_dict.items())
+        print(f"saved {args.out}/ with save_pretrained; from_pretrained gives the same weights (max diff {worst})")
+        assert worst == 0.0
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

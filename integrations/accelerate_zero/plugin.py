@@ -1,0 +1,158 @@
+"""``ZeroPlugin``: the settings of the ZeRO engine for a Hugging Face Accelerate loop.
+
+Accelerate 1.x has no plugin registry and its config YAML refuses unknown keys, so this is
+*not* an Accelerate ``*Plugin`` that ``Accelerator(...)`` accepts. It is built next to the
+Accelerator and then prepares the model and optimizer for it::
+
+    accelerator = Accelerator(gradient_accumulation_steps=2, mixed_precision="bf16")
+    plugin = ZeroPlugin.from_env()            # ZERO_STRATEGY_CONFIG=zero3.yaml, ZERO_STRATEGY_STAGE=...
+    model, optimizer, loader, scheduler = plugin.prepare(accelerator, model, optimizer, loader, scheduler)
+
+Only the public API of ``zero_strategy`` is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import torch
+import yaml
+from torch import nn
+
+import zero_strategy as zs
+from zero_strategy import resolve_overrides
+
+__all__ = ["CONFIG_ENV", "ENV_PREFIX", "ZeroPlugin"]
+
+ENV_PREFIX = "ZERO_STRATEGY_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+# ZeroConfig fields that an environment variable may set (nested blocks other than the
+# precision name need a file).
+_NESTED_ONLY = frozenset({"offload_optimizer", "offload_param", "loss_scale"})
+_FIELDS = tuple(f.name for f in dataclasses.fields(zs.ZeroConfig) if not f.name.startswith("_"))
+_ENV_FIELDS = tuple(n for n in _FIELDS if n not in _NESTED_ONLY)
+# Accelerator.mixed_precision -> the engine's precision (None: not set by the Accelerator)
+_PRECISIONS: dict[str, str | None] = {"no": None, "bf16": "bf16", "fp16": "fp16"}
+
+
+def _env_value(name: str, raw: str) -> Any:
+    """Read an environment string as YAML would (``true``, ``2``, ``1e9``, ``bf16``)."""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if value is None or isinstance(value, (dict, list)):
+        raise ValueError(
+            f"{name}={raw!r}: expected a single value (a number, true/false or a name); "
+            "nested settings go in the file named by " + CONFIG_ENV
+        )
+    return value
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        field = name[len(ENV_PREFIX) :].lower()
+        if field not in _ENV_FIELDS:
+            import difflib
+
+            close = difflib.get_close_matches(field, _ENV_FIELDS, n=1)
+            hint = f"did you mean {ENV_PREFIX}{close[0].upper()}?" if close else (
+                f"use {ENV_PREFIX}<FIELD> with a ZeroConfig field: {', '.join(f.upper() for f in _ENV_FIELDS)}"
+            )
+            raise ValueError(f"environment variable {name}={raw!r} is not a zero_strategy setting; {hint}")
+        overrides[field] = _env_value(name, raw)
+    return overrides
+
+
+class ZeroPlugin:
+    """ZeRO settings for an Accelerate loop; ``prepare`` hands the model to ``zero_strategy``.
+
+    Args:
+        config: a :class:`zero_strategy.ZeroConfig`, a dict (DeepSpeed key names), a path to a
+            YAML/JSON file, or None for the defaults.
+        policy: which modules form ZeRO-3 units, passed to ``zero_strategy.initialize``
+            (a set of module classes such as ``{GPT2Block}``, or ``(module, name) -> bool``).
+        **overrides: ZeroConfig fields given explicitly (``stage=3``); a different value for
+            the same field in the file raises.
+    """
+
+    def __init__(self, config: Any = None, *, policy: Any = None, **overrides: Any) -> None:
+        cfg = zs.ZeroConfig.coerce(config)
+        if overrides:
+            cfg = resolve_overrides(cfg, source="ZeroPlugin(...) keyword arguments", **overrides)
+        self.config: zs.ZeroConfig = cfg
+        self.policy = policy
+
+    def __repr__(self) -> str:
+        return f"ZeroPlugin(stage={self.config.stage}, policy={self.policy!r})"
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, policy: Any = None, **overrides: Any) -> "ZeroPlugin":
+        """From a YAML/JSON file with DeepSpeed key names (``zero_optimization: {stage: 3}``)."""
+        return cls(zs.ZeroConfig.from_file(path), policy=policy, **overrides)
+
+    @classmethod
+    def from_env(cls, *, policy: Any = None, environ: Mapping[str, str] | None = None) -> "ZeroPlugin":
+        """From the environment, as Accelerate reads its own ``FSDP_*`` variables:
+        ``ZERO_STRATEGY_CONFIG`` names a config file (optional) and ``ZERO_STRATEGY_<FIELD>``
+        sets one ZeroConfig field (``ZERO_STRATEGY_STAGE=3``, ``ZERO_STRATEGY_PRECISION=bf16``,
+        ``ZERO_STRATEGY_OVERLAP_COMM=false``). A missing file, an unknown key in it, an unknown
+        variable or a bad value raises here, before any training starts."""
+        env = os.environ if environ is None else environ
+        path = env.get(CONFIG_ENV)
+        if path is not None and not path.strip():
+            raise ValueError(f"{CONFIG_ENV} is set but empty; give the path of a .yaml/.json config file or unset it")
+        try:
+            config = zs.ZeroConfig.from_file(path) if path else None
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{CONFIG_ENV}={path!r}: the file does not exist (relative paths are read from {os.getcwd()!r}); "
+                "give the path of a .yaml/.json config file"
+            ) from None
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{CONFIG_ENV}={path!r}: {exc}") from None
+        overrides = _env_overrides(env)
+        try:
+            return cls(config, policy=policy, **overrides)
+        except (ValueError, TypeError) as exc:
+            names = ", ".join(f"{ENV_PREFIX}{k.upper()}" for k in overrides)
+            raise type(exc)(f"{exc} (environment: {names})") from None
+
+    # -- preparing -----------------------------------------------------------------------
+    def resolved_config(self, accelerator: Any) -> zs.ZeroConfig:
+        """The engine's config with the Accelerator's settings applied: its ``mixed_precision``
+        becomes the engine's precision and its ``gradient_accumulation_steps`` must agree with
+        the file's (a different value raises)."""
+        mp = str(accelerator.mixed_precision)
+        if mp not in _PRECISIONS:
+            raise ValueError(
+                f"Accelerator(mixed_precision={mp!r}) is not supported by ZeroPlugin; use 'no', 'bf16' or 'fp16'"
+            )
+        gas = int(accelerator.gradient_accumulation_steps)
+        source = f"Accelerator(mixed_precision={mp!r}, gradient_accumulation_steps={gas})"
+        return resolve_overrides(self.config, source=source, precision=_PRECISIONS[mp], gradient_accumulation_steps=gas)
+
+    def prepare(self, accelerator: Any, *objects: Any) -> Any:
+        """Like ``accelerator.prepare(*objects)``, with the one model and its optimizer handed to
+        ``zero_strategy.initialize`` instead of DDP. Returns the objects in the same order
+        (a single object if one was given)."""
+        from accelerate_zero.binding import prepare_with_zero
+
+        return prepare_with_zero(self, accelerator, objects)
+
+
+def find_model_and_optimizer(objects: tuple[Any, ...]) -> tuple[nn.Module, torch.optim.Optimizer]:
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    if len(models) != 1 or len(optimizers) != 1:
+        raise ValueError(
+            f"ZeroPlugin.prepare(accelerator, *objects): got {len(models)} models and {len(optimizers)} optimizers; "
+            "pass exactly one model and the one optimizer built on its parameters (prepare other objects, such "
+            "as an evaluation model, with accelerator.prepare)"
+        )
+    return models[0], optimizers[0]

@@ -1,0 +1,237 @@
+"""The training script the Accelerate tests run under a real ``accelerate launch``.
+
+``ACCEL_JOB`` picks the job, ``ACCEL_JOB_OUT`` is a directory: every rank writes
+``rank<r>.json`` there before teardown. Jobs:
+
+- ``train``: DDP (Accelerate's own path), then ZeroPlugin at stages 1, 2, 3, each on a fresh
+  Accelerator, the same loop (gradient accumulation 2, clipping, an LR schedule, bf16 off),
+  recording per-micro-step losses, the norms ``accelerator.clip_grad_norm_`` returns, an
+  evaluation through ``gather_for_metrics`` and the final full weights; ZeRO modes save
+  ``accelerator.save_state`` at optimizer step ``SAVE_AT`` into ``$ACCEL_JOB_CKPT/zero<stage>``.
+  With ``ACCEL_JOB_HF=1`` also a GPT-2 from transformers (DDP, then ZeRO-3 with
+  ``policy={GPT2Block}``), saved with ``save_pretrained`` and reloaded with ``from_pretrained``.
+- ``resume``: for every stage, a fresh model loads ``$ACCEL_JOB_CKPT/zero<stage>`` with
+  ``accelerator.load_state`` and continues from ``SAVE_AT``.
+- ``env``: ``ZeroPlugin.from_env()`` (``ZERO_STRATEGY_CONFIG`` set by ``zero-strategy launch``).
+- ``precision``: DDP under Accelerate's autocast and ZeroPlugin at stage 2 with the
+  Accelerator's ``mixed_precision`` (set by ``accelerate launch --mixed_precision``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from accelerate_zero import ZeroPlugin
+from zero_strategy.testing.parity import SEQ, VOCAB, Cell, Net
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 processes
+GAS = 2
+OPT_STEPS = 12
+SAVE_AT = 6  # optimizer steps
+CLIP = 0.2  # below every step's norm: clipping is active on every step
+EVAL_SAMPLES = 13  # not divisible by 2: gather_for_metrics must drop the padding
+
+
+def batch(t: int, world: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + t)
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g).chunk(world)[rank]
+
+
+def eval_loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, VOCAB, (EVAL_SAMPLES, SEQ + 1), generator=g)
+    return torch.utils.data.DataLoader(list(data), batch_size=2, shuffle=False)
+
+
+def build(mode: str, mixed: str | None = None) -> tuple[Accelerator, Any, Any, Any, Any]:
+    """``mode``: ddp, zero1/zero2/zero3 (explicit config) or env (``ZeroPlugin.from_env()``)."""
+    acc = Accelerator(gradient_accumulation_steps=GAS, step_scheduler_with_optimizer=False, mixed_precision=mixed)
+    torch.manual_seed(0)
+    model = Net(Cell(dtype="float32"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.2 * s))
+    loader = eval_loader()
+    if mode == "ddp":
+        model, opt, sched, loader = acc.prepare(model, opt, sched, loader)
+    elif mode == "env":
+        model, opt, sched, loader = ZeroPlugin.from_env().prepare(acc, model, opt, sched, loader)
+    else:
+        stage = int(mode[-1])
+        plugin = ZeroPlugin({"zero_optimization": {"stage": stage, "reduce_bucket_size": 700,
+                                                   "stage3_param_persistence_threshold": 0}})  # fmt: skip
+        model, opt, sched, loader = plugin.prepare(acc, model, opt, sched, loader)
+    return acc, model, opt, sched, loader
+
+
+def train(acc: Accelerator, model: Any, opt: Any, sched: Any, start: int, save_dir: str | None) -> dict[str, list]:
+    world, rank = acc.num_processes, acc.process_index
+    losses, norms = [], []
+    model.train()
+    for t in range(start * GAS, OPT_STEPS * GAS):
+        x = batch(t, world, rank)
+        with acc.accumulate(model):
+            out = model(x[:, :-1])
+            loss = F.cross_entropy(out.float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+            acc.backward(loss)
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+                sched.step()
+            opt.step()
+            opt.zero_grad()
+        losses.append(float(acc.reduce(loss.detach(), reduction="mean")))
+        if save_dir is not None and (t + 1) == SAVE_AT * GAS:
+            acc.save_state(save_dir)
+    return {"losses": losses, "norms": norms, "lr": opt.param_groups[0]["lr"]}
+
+
+def evaluate(acc: Accelerator, model: Any, loader: Any) -> list[float]:
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for x in loader:
+            logits = model(x[:, :-1]).float()
+            per_sample = F.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none").mean(1)
+            out.extend(acc.gather_for_metrics(per_sample).tolist())
+    model.train()
+    return out
+
+
+def final_weights(acc: Accelerator, model: Any) -> dict[str, torch.Tensor]:
+    sd = acc.get_state_dict(model)
+    return {k: v.detach().float().cpu().clone() for k, v in sd.items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    if set(a) != set(b):
+        raise AssertionError(f"state dict keys differ: {sorted(set(a) ^ set(b))[:5]}")
+    return max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0
+
+
+def job_train(out: dict[str, Any]) -> None:
+    ckpt = os.environ.get("ACCEL_JOB_CKPT")
+    ref_weights: dict[str, torch.Tensor] = {}
+    for mode in ("ddp", "zero1", "zero2", "zero3"):
+        acc, model, opt, sched, loader = build(mode)
+        save_dir = os.path.join(ckpt, mode) if ckpt and mode != "ddp" else None
+        res = train(acc, model, opt, sched, 0, save_dir)
+        res["eval"] = evaluate(acc, model, loader)
+        weights = final_weights(acc, model)
+        if mode == "ddp":
+            ref_weights = weights
+        elif acc.is_main_process:
+            res["weights_max_diff"] = max_diff(weights, ref_weights)
+            res["unwrapped_is_model"] = acc.unwrap_model(model) is model
+            res["unwrapped_is_net"] = isinstance(acc.unwrap_model(model), Net)
+        if not acc.is_main_process:
+            res["weights_len"] = len(weights)
+        out[mode] = res
+    if os.environ.get("ACCEL_JOB_HF") == "1":
+        out["hf"] = job_hf(os.path.join(ckpt or ".", "hf"))
+
+
+def job_resume(out: dict[str, Any]) -> None:
+    ckpt = os.environ["ACCEL_JOB_CKPT"]
+    for mode in ("zero1", "zero2", "zero3"):
+        acc, model, opt, sched, _ = build(mode)
+        acc.load_state(os.path.join(ckpt, mode))
+        out[mode] = {"acc_step": acc.step, "lr_after_load": opt.param_groups[0]["lr"]}
+        out[mode].update(train(acc, model, opt, sched, SAVE_AT, None))
+
+
+def job_env(out: dict[str, Any]) -> None:
+    acc, model, opt, sched, _ = build("env")
+    out["env"] = train(acc, model, opt, sched, 0, None)
+    out["env"]["stage"] = model.zero_engine.config.stage
+
+
+def job_precision(out: dict[str, Any]) -> None:
+    mixed = os.environ["ACCELERATE_MIXED_PRECISION"]
+    for mode in ("ddp", "zero2"):
+        acc, model, opt, sched, _ = build(mode, mixed)
+        res = train(acc, model, opt, sched, 0, None)
+        res["mixed_precision"] = acc.mixed_precision
+        res["param_dtype"] = str(next(model.parameters()).dtype)
+        res["scaler_off"] = acc.scaler is None
+        out[mode] = res
+
+
+# -- transformers --------------------------------------------------------------------------
+def job_hf(save_dir: str) -> dict[str, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    cfg = GPT2Config(vocab_size=2048, n_positions=32, n_embd=192, n_layer=4, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    result: dict[str, Any] = {}
+    ref: dict[str, torch.Tensor] = {}
+    for mode in ("ddp", "zero3"):
+        acc = Accelerator(gradient_accumulation_steps=GAS)
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        if mode == "ddp":
+            model, opt = acc.prepare(model, opt)
+        else:
+            plugin = ZeroPlugin(stage=3, policy={GPT2Block})
+            model, opt = plugin.prepare(acc, model, opt)
+            result["units"] = len(model.zero_engine.groups)
+        world, rank = acc.num_processes, acc.process_index
+        losses = []
+        for t in range(3 * GAS):
+            g = torch.Generator().manual_seed(t)
+            ids = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, 16), generator=g).chunk(world)[rank]
+            with acc.accumulate(model):
+                loss = model(input_ids=ids, labels=ids).loss
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+            losses.append(float(acc.reduce(loss.detach(), reduction="mean")))
+        result[f"{mode}_losses"] = losses
+        sd = acc.get_state_dict(model)
+        if mode == "ddp":
+            ref = {k: v.detach().clone() for k, v in sd.items()}
+            continue
+        unwrapped = acc.unwrap_model(model)
+        unwrapped.save_pretrained(save_dir, is_main_process=acc.is_main_process, save_function=acc.save, state_dict=dict(sd))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            loaded = GPT2LMHeadModel.from_pretrained(save_dir)
+            lsd = loaded.state_dict()
+            result["missing_in_reload"] = sorted(set(sd) - set(lsd))
+            result["reload_max_diff"] = max(float((lsd[k] - sd[k]).abs().max()) for k in sd)
+            result["vs_ddp_max_diff"] = max(float((ref[k] - sd[k]).abs().max()) for k in ref)
+            result["tied"] = loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+            result["architectures"] = loaded.config.architectures
+        else:
+            result["non_main_state_dict_len"] = len(sd)
+    return result
+
+
+def main() -> None:
+    job = os.environ["ACCEL_JOB"]
+    out_dir = os.environ["ACCEL_JOB_OUT"]
+    out: dict[str, Any] = {}
+    {"train": job_train, "resume": job_resume, "precision": job_precision, "env": job_env}[job](out)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out["world"] = dist.get_world_size() if dist.is_initialized() else 1
+    with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
+        json.dump(out, f)
+    os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
+    if dist.is_initialized():  # results are written before teardown (gloo may abort there)
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

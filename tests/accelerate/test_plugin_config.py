@@ -1,0 +1,116 @@
+"""ZeroPlugin's settings, single process: files, the environment, the Accelerator's values,
+and ``zero-strategy launch`` refusing a bad config before any process starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import zero_strategy as zs
+from accelerate_zero import CONFIG_ENV, ZeroPlugin
+from accelerate_zero.plugin import find_model_and_optimizer
+from zero_strategy import cli
+
+
+def write(tmp_path: Path, text: str, name: str = "zero.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def fake_accelerator(mixed: str = "no", gas: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(mixed_precision=mixed, gradient_accumulation_steps=gas)
+
+
+def test_from_file_reads_deepspeed_keys(tmp_path: Path) -> None:
+    path = write(tmp_path, "zero_optimization:\n  stage: 3\n  reduce_bucket_size: 1e5\ngradient_clipping: 1.0\n")
+    plugin = ZeroPlugin.from_file(path)
+    assert (plugin.config.stage, plugin.config.reduce_bucket_size, plugin.config.gradient_clipping) == (3, 100000, 1.0)
+
+
+def test_from_config_object_and_overrides() -> None:
+    plugin = ZeroPlugin(zs.ZeroConfig(stage=1), prefetch=2)
+    assert (plugin.config.stage, plugin.config.prefetch) == (1, 2)
+    with pytest.raises(ValueError, match="stage=1 from the config conflicts with stage=3"):
+        ZeroPlugin({"zero_optimization": {"stage": 1}}, stage=3)
+
+
+def test_from_env_file_and_overrides(tmp_path: Path) -> None:
+    path = write(tmp_path, "zero_optimization:\n  reduce_bucket_size: 1000\n")
+    env = {CONFIG_ENV: path, "ZERO_STRATEGY_STAGE": "3", "ZERO_STRATEGY_OVERLAP_COMM": "false",
+           "ZERO_STRATEGY_PRECISION": "bf16", "OTHER": "x"}  # fmt: skip
+    cfg = ZeroPlugin.from_env(environ=env).config
+    assert (cfg.stage, cfg.overlap_comm, cfg.reduce_bucket_size) == (3, False, 1000)
+    assert cfg.precision.param_dtype == torch.bfloat16
+    assert ZeroPlugin.from_env(environ={}).config == zs.ZeroConfig()
+
+
+def test_from_env_missing_file_fails_before_training(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.yaml")
+    with pytest.raises(FileNotFoundError, match=f"{CONFIG_ENV}='{missing}': the file does not exist"):
+        ZeroPlugin.from_env(environ={CONFIG_ENV: missing})
+    with pytest.raises(ValueError, match=f"{CONFIG_ENV} is set but empty"):
+        ZeroPlugin.from_env(environ={CONFIG_ENV: " "})
+
+
+def test_from_env_bad_key_in_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "zero_optimization:\n  reduce_bucket_sise: 1000\n")
+    with pytest.raises(ValueError, match=r"ZERO_STRATEGY_CONFIG=.*unknown key 'zero_optimization.reduce_bucket_sise'.*did you mean 'reduce_bucket_size'"):
+        ZeroPlugin.from_env(environ={CONFIG_ENV: path})
+
+
+def test_from_env_bad_variables(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="ZERO_STRATEGY_STAGEE='3' is not a zero_strategy setting; did you mean ZERO_STRATEGY_STAGE"):
+        ZeroPlugin.from_env(environ={"ZERO_STRATEGY_STAGEE": "3"})
+    with pytest.raises(ValueError, match="stage.*ZERO_STRATEGY_STAGE"):
+        ZeroPlugin.from_env(environ={"ZERO_STRATEGY_STAGE": "7"})
+    path = write(tmp_path, "zero_optimization:\n  stage: 2\n")
+    with pytest.raises(ValueError, match="stage=2 from the config conflicts with stage=3"):
+        ZeroPlugin.from_env(environ={CONFIG_ENV: path, "ZERO_STRATEGY_STAGE": "3"})
+    with pytest.raises(ValueError, match="nested settings go in the file"):
+        ZeroPlugin.from_env(environ={"ZERO_STRATEGY_PREFETCH": "{a: 1}"})
+
+
+def test_accelerator_settings_map_onto_the_engine(tmp_path: Path) -> None:
+    cfg = ZeroPlugin(stage=2).resolved_config(fake_accelerator("bf16", gas=4))
+    assert cfg.precision.param_dtype == torch.bfloat16 and cfg.gradient_accumulation_steps == 4
+    assert ZeroPlugin().resolved_config(fake_accelerator("fp16")).precision.param_dtype == torch.float16
+    assert ZeroPlugin().resolved_config(fake_accelerator("no")).precision.param_dtype is None
+    # Accelerator "no" leaves the file's precision alone; an explicit different one conflicts
+    plugin = ZeroPlugin({"bf16": {"enabled": True}})
+    assert plugin.resolved_config(fake_accelerator("no")).precision.param_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"precision=bf16 from the config conflicts with precision=fp16 from Accelerator\(mixed_precision='fp16'"):
+        plugin.resolved_config(fake_accelerator("fp16"))
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4 from the config conflicts.*gradient_accumulation_steps=2"):
+        ZeroPlugin({"gradient_accumulation_steps": 4}).resolved_config(fake_accelerator(gas=2))
+    assert ZeroPlugin({"gradient_accumulation_steps": 2}).resolved_config(fake_accelerator(gas=2)).gradient_accumulation_steps == 2
+    with pytest.raises(ValueError, match="mixed_precision='fp8'.*use 'no', 'bf16' or 'fp16'"):
+        ZeroPlugin().resolved_config(fake_accelerator("fp8"))
+
+
+def test_prepare_needs_one_model_and_its_optimizer() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert find_model_and_optimizer((model, opt, None)) == (model, opt)
+    with pytest.raises(ValueError, match="got 2 models and 1 optimizers"):
+        find_model_and_optimizer((model, torch.nn.Linear(2, 2), opt))
+    with pytest.raises(TypeError, match="expected an accelerate.Accelerator, got SimpleNamespace"):
+        ZeroPlugin().prepare(fake_accelerator(), model, opt)
+
+
+def test_cli_launch_refuses_bad_config_before_launching(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["launch", "--zero-config", str(tmp_path / "nope.yaml"), "train.py"])
+    assert exc.value.code == 2
+    assert "the file does not exist" in capsys.readouterr().err
+    bad = write(tmp_path, "zero_optimization:\n  stag: 3\n")
+    with pytest.raises(ValueError, match="did you mean 'stage'"):
+        cli.launch(["--zero-config", bad, "train.py"])
+    with pytest.raises(ValueError, match="--zero-config FILE is required"):
+        cli.launch(["--num_processes", "2", "train.py"])
+    good = write(tmp_path, "zero_optimization:\n  stage: 3\n", "good.yaml")
+    with pytest.raises(ValueError, match="--cpu with --num_processes 2 starts ONE process"):
+        cli.launch(["--zero-config", good, "--cpu", "--num_processes", "2", "train.py"])
