@@ -358,3 +358,33 @@ def test_config_file_precision_conflicts_with_trainer() -> None:
     with pytest.raises(ValueError, match="precision=bf16 from the config conflicts with precision=16-mixed"):
         S.apply_lightning_arguments(cfg, precision="16-mixed", gradient_clip_val=None, gradient_clip_algorithm=None,
                                     accumulate_grad_batches=1, source="Trainer")  # fmt: skip
+
+
+def _run_script(cmd: list[str], timeout: float) -> str:
+    """Run ``cmd`` in its own process group; kill the whole group at the timeout."""
+    import signal
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout} s:\n{out[-3000:]}") from None
+    assert proc.returncode == 0 or "rank 1: model state" in out and "terminate called" in out, out[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_example_runs_with_two_processes(launcher: str) -> None:
+    example = str(Path(__file__).parents[2] / "examples" / "train_lightning_gpt.py")
+    tiny = ["--steps", "4", "--d-model", "32", "--layers", "1", "--seq-len", "16", "--batch", "2"]
+    if launcher == "lightning":  # devices=2 in a script: Lightning's subprocess launcher starts rank 1
+        cmd = [sys.executable, example, "--devices", "2", *tiny]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", example, *tiny]
+    out = _run_script(cmd, timeout=240)
+    assert "rank 0: model state" in out and "rank 1: model state" in out, out[-3000:]
+    assert "step    4  loss" in out, out[-3000:]
