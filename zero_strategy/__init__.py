@@ -1,6 +1,14 @@
 """zero-strategy: ZeRO (Zero Redundancy Optimizer) for PyTorch in one small core."""
 
-from zero_strategy.api import backward, clip_grad_norm_, full_grad, gathered_parameters, initialize, memory_stats
+from zero_strategy.api import (
+    backward,
+    clip_grad_norm_,
+    full_grad,
+    gathered_parameters,
+    initialize,
+    memory_stats,
+    replace_optimizer,
+)
 from zero_strategy.checkpoint import load_checkpoint, read_checkpoint_object, save_checkpoint
 from zero_strategy.collectives import CollectiveError, comm_stats, reset_comm_stats
 from zero_strategy.config import ZeroConfig, resolve_overrides
@@ -27,6 +35,7 @@ __all__ = [
     "load_full_state_dict",
     "memory_stats",
     "read_checkpoint_object",
+    "replace_optimizer",
     "reset_comm_stats",
     "resolve_overrides",
     "save_checkpoint",

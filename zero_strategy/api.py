@@ -13,7 +13,7 @@ from zero_strategy.engine import ZeroEngine, get_engine, live_engines, swap_modu
 from zero_strategy.optimizer import bind_optimizer, build_optimizer, check_optimizer
 from zero_strategy.partition import UnitPolicy
 
-__all__ = ["backward", "clip_grad_norm_", "full_grad", "gathered_parameters", "initialize", "memory_stats"]
+__all__ = ["backward", "clip_grad_norm_", "full_grad", "gathered_parameters", "initialize", "memory_stats", "replace_optimizer"]
 
 ConfigLike = ZeroConfig | Mapping[str, Any] | str | None
 
@@ -51,6 +51,27 @@ def initialize(
     swap_module_class(model, engine)
     engine.optimizer = bind_optimizer(opt, engine)  # type: ignore[attr-defined]
     return model, engine.optimizer  # type: ignore[attr-defined]
+
+
+def replace_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+) -> torch.optim.Optimizer:
+    """Bind a new optimizer (built on ``model.parameters()``) to a model that ``initialize``
+    already manages, and return it, as a fresh optimizer would start under DDP: the previous
+    optimizer's state is dropped and stepping the previous optimizer raises. For front-ends
+    that set a model up for evaluation first and for training later (Lightning's
+    ``validate`` then ``fit``)."""
+    engine = get_engine(model)
+    opt = build_optimizer(optimizer, model)
+    if getattr(opt, "zero_engine", None) is not None:
+        raise ValueError("replace_optimizer(optimizer=...): this optimizer is already bound to a zero_strategy model; build a new one")
+    check_optimizer(opt, model)
+    old = getattr(engine, "optimizer", None)
+    if old is not None:
+        old._zero_retired = True  # type: ignore[attr-defined]
+    engine.zero_grad(set_to_none=True)
+    engine.optimizer = bind_optimizer(opt, engine)  # type: ignore[attr-defined]
+    return engine.optimizer  # type: ignore[attr-defined]
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

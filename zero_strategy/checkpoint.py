@@ -21,6 +21,7 @@ versioned subdirectory itself. A truncated file fails the load with an error nam
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from typing import Any, Callable
@@ -120,21 +121,55 @@ def save_checkpoint(
     directories under ``root``."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint(keep_last={keep_last}): keep at least 1 checkpoint, or pass None to keep all")
+    for name in objects or {}:
+        if not name.isidentifier():
+            raise ValueError(f"save_checkpoint(objects={{{name!r}: ...}}): use a plain identifier as the name")
     engine = get_engine(model)
     engine.reducer.wait_all()
+    explicit = tag is not None
     tag = tag or f"step-{engine.step_count}"
     if os.sep in tag or tag in ("", ".", "..", LATEST):
         raise ValueError(f"save_checkpoint(tag={tag!r}): use a plain directory name such as 'step-1000'")
-    path = os.path.join(os.fspath(root), tag)
+    root = os.fspath(root)
+    if os.path.exists(os.path.join(root, tag)):
+        if explicit:
+            raise ValueError(
+                f"save_checkpoint(tag={tag!r}): {os.path.join(root, tag)!r} exists; a save never writes into an "
+                "existing checkpoint (it could be the one `latest` names). Pick a new tag or remove it"
+            )
+        k = 1
+        while os.path.exists(os.path.join(root, f"{tag}.{k}")):  # a second save at the same step
+            k += 1
+        tag = f"{tag}.{k}"
+    path = os.path.join(root, tag)
     rank = engine.ctx.rank
+    # Rank 0 pickles the objects before any rank writes, and every rank learns whether that
+    # worked, so an unpicklable object fails the save everywhere instead of hanging the others.
+    blobs: dict[str, bytes] = {}
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            for name, obj in (objects or {}).items():
+                buf = io.BytesIO()
+                torch.save(obj, buf)
+                blobs[name] = buf.getvalue()
+        except Exception as exc:  # reported on every rank below
+            failure = exc
+    if objects:
+        flag = torch.tensor([1 if failure is not None else 0], dtype=torch.int32, device=engine.ctx.device)
+        C.all_reduce(engine.ctx, flag, op="max", what="save_checkpoint objects check").wait()
+        if bool(flag.item()):
+            raise RuntimeError(
+                f"save_checkpoint(objects=...): rank 0 could not pickle the objects ({failure!r}); save only "
+                "picklable objects"
+            ) from failure
     _fault("before_write", rank)
     dcp.save(_state(engine, optimizer, None), checkpoint_id=path, process_group=engine.ctx.group)
     if rank == 0:
-        for name, obj in (objects or {}).items():
-            if not name.isidentifier():
-                raise ValueError(f"save_checkpoint(objects={{{name!r}: ...}}): use a plain identifier as the name")
+        for name, blob in blobs.items():
             tmp = os.path.join(path, f".{name}.pt.tmp")
-            torch.save(obj, tmp)
+            with open(tmp, "wb") as f:
+                f.write(blob)
             os.replace(tmp, os.path.join(path, f"{name}.pt"))
     _fault("after_write", rank)
     C.barrier(engine.ctx)  # every rank's files are complete before their sizes are recorded
@@ -163,9 +198,9 @@ def save_checkpoint(
         }
         _write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
         _fault("before_latest", rank)
-        _write_atomic(os.path.join(os.fspath(root), LATEST), tag + "\n")
+        _write_atomic(os.path.join(root, LATEST), tag + "\n")
         if keep_last is not None:
-            _prune(os.fspath(root), tag, keep_last)
+            _prune(root, tag, keep_last)
     C.barrier(engine.ctx)  # the checkpoint is complete before anyone reads it
     return path
 
@@ -226,13 +261,13 @@ def read_checkpoint_object(path: str | os.PathLike[str], name: str, *, weights_o
     path = _resolve(os.fspath(path))
     meta_path = os.path.join(path, META)
     if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"read_checkpoint_object(): {path!r} is not a zero_strategy checkpoint (no {META})")
+        raise ValueError(f"read_checkpoint_object(): {path!r} is not a zero_strategy checkpoint (no {META})")
     with open(meta_path) as f:
         meta = json.load(f)
     file = f"{name}.pt"
     if file not in meta.get("files", {}):
         saved = sorted(n[:-3] for n in meta.get("files", {}) if n.endswith(".pt"))
-        raise KeyError(f"read_checkpoint_object(): checkpoint {path!r} has no object {name!r} (it has {saved})")
+        raise ValueError(f"read_checkpoint_object(): checkpoint {path!r} has no object {name!r} (it has {saved})")
     _check_files(path, {"files": {file: meta["files"][file]}})
     return torch.load(os.path.join(path, file), map_location="cpu", weights_only=weights_only)
 
@@ -280,7 +315,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
     path = _resolve(os.fspath(path))
     meta_path = os.path.join(path, META)
     if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"load_checkpoint(): {path!r} is not a zero_strategy checkpoint (no {META})")
+        raise ValueError(f"load_checkpoint(): {path!r} is not a zero_strategy checkpoint (no {META})")
     with open(meta_path) as f:
         meta = json.load(f)
     shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from zero_strategy import collectives as C
 from zero_strategy._swap import swap_class
 from zero_strategy.config import ZeroConfig, unsupported_features
-from zero_strategy.init import check_placeholder, forget_pieces, materialize_full, placeholder, sharded_init_piece
+from zero_strategy.init import check_placeholder, forget_pieces, is_placeholder, materialize_full, placeholder, sharded_init_piece
 from zero_strategy.grads import GradReducer, GradSchedule, ReduceAtStep, ReduceAtUnitEnd, ReduceInBackward
 from zero_strategy.group import InPlaceMasters, SeparateMasters, ShardGroup, build_groups, build_unit_groups
 from zero_strategy.partition import UnitPolicy, find_units
@@ -105,6 +105,8 @@ class ZeroEngine:
         if not trainable:
             raise ValueError("initialize(): the model has no parameter with requires_grad=True; nothing to train")
         mixed = isinstance(self.precision, MixedPrecision)
+        if mixed:
+            _refuse_norm_layers_with_running_stats(module, config)
         make_kw = dict(
             world_size=self.ctx.world_size,
             rank=self.ctx.rank,
@@ -182,6 +184,7 @@ class ZeroEngine:
         if self.zero3 is not None:
             self._hooks.extend(self.zero3.install())
             self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
+            self._hooks.append(m._register_state_dict_hook(self._refuse_sharded_state_dict))
         else:  # masters that are not views of the parameters must follow a load
             self._hooks.append(m.register_load_state_dict_post_hook(lambda mod, incompatible: self._refresh_masters()))
 
@@ -190,6 +193,35 @@ class ZeroEngine:
             "model.load_state_dict() cannot write into a ZeRO-3 model: each rank holds only pieces of the "
             "parameters. Use zero_strategy.load_full_state_dict(model, state_dict_or_path) instead."
         )
+
+    def _refuse_sharded_state_dict(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        """Outside gathering, a sharded value would be a placeholder: raise. Inside
+        ``gathered_parameters`` the values are copied, because the gathered storage is freed
+        when the block exits (a view kept past it would read freed memory). ``keep_vars=True``
+        (the Parameter objects themselves, e.g. for their names) is left alone."""
+        assert isinstance(self.params, ShardedParams), f"rank {self.ctx.rank}: ZeRO-3 state_dict hook without units"
+        gathered = {f.untyped_storage().data_ptr() for u in self.params.units for f in u.full if f.untyped_storage().nbytes()}
+        for name, value in list(state_dict.items()):
+            if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+                continue
+            if is_placeholder(value):
+                raise RuntimeError(
+                    f"model.state_dict() of a ZeRO-3 model: '{name}' is sharded (this rank holds only a piece), so "
+                    "its value would be a placeholder. Use zero_strategy.full_state_dict(model) (a collective: call "
+                    "it on every rank; Accelerate: accelerator.get_state_dict(model)), or call state_dict() inside "
+                    "`with zero_strategy.gathered_parameters(model):` on every rank"
+                )
+            if value.untyped_storage().data_ptr() in gathered:
+                state_dict[name] = value.clone()
+
+    def interrupted(self, depth: int) -> None:
+        """A BaseException that is not an Exception (KeyboardInterrupt) left a root call: the
+        forward hooks did not run, so put the nesting and the state back."""
+        self._root_depth = depth
+        if depth == 0 and self.training_state is TrainingState.FORWARD:
+            self.training_state = TrainingState.IDLE
+            if self.zero3 is not None:
+                self.zero3.root_post_forward()
 
     def _refresh_masters(self) -> None:
         with torch.no_grad():
@@ -531,6 +563,15 @@ class ZeroModule:
     def zero_engine(self) -> ZeroEngine:
         return self._zero_engine
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        eng, depth = self._zero_engine, self._zero_engine._root_depth
+        try:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # the forward hooks run on Exceptions only
+                eng.interrupted(depth)
+            raise
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         eng = self._zero_engine
         with eng.precision.forward_context(eng.ctx.device.type):
@@ -560,6 +601,19 @@ def get_engine(module: nn.Module) -> ZeroEngine:
             f"{type(module).__name__} is not managed by zero_strategy; call zero_strategy.initialize(model, optimizer) first"
         )
     return eng
+
+
+def _refuse_norm_layers_with_running_stats(module: nn.Module, config: ZeroConfig) -> None:
+    """Mixed precision stores parameters in 16 bits; a BatchNorm's fp32 running statistics
+    next to 16-bit weights fail in its kernel (FSDP keeps such modules in fp32; not done here)."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.affine:
+            raise ValueError(
+                f"initialize(): mixed precision ({config.precision.param_dtype}) stores parameters in 16 bits, but "
+                f"'{name or type(m).__name__}' ({type(m).__name__}) keeps fp32 running statistics beside its weights; "
+                "train this model in fp32 (precision '32-true' / no bf16/fp16 in the config), or replace the "
+                "BatchNorm layers (e.g. GroupNorm/LayerNorm)"
+            )
 
 
 def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

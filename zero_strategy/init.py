@@ -57,6 +57,11 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
     return torch.full((1,), value, dtype=dtype, device=device).expand(shape)
 
 
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (a view of) a memory-less placeholder of a sharded parameter."""
+    return t.numel() > 1 and t.stride() == (0,) * t.dim() and t.untyped_storage().nbytes() == t.element_size()
+
+
 def check_placeholder(t: torch.Tensor, name: str) -> None:
     """Raise if ``t`` is a placeholder that something wrote into (that write is lost)."""
     if t.numel() <= 1 or t.stride() != (0,) * t.dim() or t.untyped_storage().nbytes() != t.element_size():

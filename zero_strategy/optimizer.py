@@ -134,6 +134,10 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, engine: "ZeroEngine") -> to
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if getattr(optimizer, "_zero_retired", False):
+        raise RuntimeError(
+            "optimizer.step(): this optimizer was replaced by zero_strategy.replace_optimizer(); step the new one"
+        )
     if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:  # args[0]: the optimizer
         raise RuntimeError(
             "optimizer.step(closure) is not supported by zero_strategy: the closure's backward would run after "

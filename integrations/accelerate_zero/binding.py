@@ -213,6 +213,9 @@ def prepare_with_zero(plugin: ZeroPlugin, accelerator: Any, objects: tuple[Any, 
             "pass the plain model and optimizer to ZeroPlugin.prepare instead"
         )
     config = plugin.resolved_config(accelerator)
+    steps = config.gradient_accumulation_steps
+    if steps not in (None, 1) and accelerator.gradient_accumulation_steps == 1:
+        accelerator.gradient_accumulation_steps = steps  # the file's setting, which accumulate() runs
     # The Accelerator owns accumulation (loss division, no_sync, skipped steps); the engine
     # only needs to agree with it, which resolved_config checked.
     engine_config = config.replace(gradient_accumulation_steps=None)

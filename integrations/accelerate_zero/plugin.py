@@ -127,7 +127,8 @@ class ZeroPlugin:
     def resolved_config(self, accelerator: Any) -> zs.ZeroConfig:
         """The engine's config with the Accelerator's settings applied: its ``mixed_precision``
         becomes the engine's precision and its ``gradient_accumulation_steps`` must agree with
-        the file's (a different value raises)."""
+        the file's (a different value raises). Accelerate's defaults (``"no"``, 1) count as "not
+        given", as Lightning's do: the file's values then apply."""
         mp = str(accelerator.mixed_precision)
         if mp not in _PRECISIONS:
             raise ValueError(
@@ -135,7 +136,9 @@ class ZeroPlugin:
             )
         gas = int(accelerator.gradient_accumulation_steps)
         source = f"Accelerator(mixed_precision={mp!r}, gradient_accumulation_steps={gas})"
-        return resolve_overrides(self.config, source=source, precision=_PRECISIONS[mp], gradient_accumulation_steps=gas)
+        return resolve_overrides(
+            self.config, source=source, precision=_PRECISIONS[mp], gradient_accumulation_steps=gas if gas != 1 else None
+        )
 
     def prepare(self, accelerator: Any, *objects: Any) -> Any:
         """Like ``accelerator.prepare(*objects)``, with the one model and its optimizer handed to

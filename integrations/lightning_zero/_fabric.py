@@ -29,6 +29,7 @@ def build(ns: str) -> tuple[type, type]:
     dist = importlib.import_module(f"{ns}.utilities.distributed")
     rank_zero = importlib.import_module(f"{ns}.utilities.rank_zero")
     stateful = importlib.import_module(f"{ns}.utilities.types")._Stateful
+    apply_to_collection = importlib.import_module("lightning_utilities.core.apply_func").apply_to_collection
     Precision = precision_mod.Precision
 
     class ZeroFabricPrecision(Precision):
@@ -48,6 +49,13 @@ def build(ns: str) -> tuple[type, type]:
             if self.dtype is None:
                 return contextlib.nullcontext()
             return torch.autocast(self.device_type, dtype=self.dtype)
+
+        @override
+        def convert_output(self, data: Any) -> Any:
+            # as Fabric's own mixed precision: outputs come back in the default (fp32) dtype
+            if self.dtype is None:
+                return data
+            return apply_to_collection(data, torch.Tensor, lambda t: t.to(torch.get_default_dtype()) if t.is_floating_point() else t)
 
         @override
         def backward(self, tensor: torch.Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
@@ -178,22 +186,23 @@ def build(ns: str) -> tuple[type, type]:
         def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None) -> Any:
             if len(optimizers) != 1:
                 raise ValueError(f"ZeroFabricStrategy: fabric.setup got {len(optimizers)} optimizers; the zero strategies shard exactly one")
-            cfg = S.apply_lightning_arguments(self.zero_config, precision=self.precision.precision, gradient_clip_val=None,
-                                              gradient_clip_algorithm=None, accumulate_grad_batches=1, source="Fabric(precision=...)")  # fmt: skip
-            self.zero_config = cfg
-            module, optimizer = zs.initialize(module, optimizers[0], config=S.engine_config(cfg), policy=self._policy)
-            self.precision.dtype = S.autocast_dtype(cfg)
-            self.precision.device_type = self.root_device.type
+            module, optimizer = self._initialize(module, optimizers[0])
             self.precision.optimizer = optimizer
             return module, [optimizer], scheduler
 
         @override
         def setup_module(self, module: nn.Module) -> nn.Module:
             # no optimizer: evaluation only (an SGD with lr 0 carries no state)
-            module, _ = zs.initialize(module, lambda params: torch.optim.SGD(params, lr=0.0), config=S.engine_config(self.zero_config), policy=self._policy)
-            self.precision.dtype = S.autocast_dtype(self.zero_config)
+            return self._initialize(module, lambda params: torch.optim.SGD(params, lr=0.0))[0]
+
+        def _initialize(self, module: nn.Module, optimizer: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+            cfg = S.apply_lightning_arguments(self.zero_config, precision=self.precision.precision, gradient_clip_val=None,
+                                              gradient_clip_algorithm=None, accumulate_grad_batches=1, source="Fabric(precision=...)")  # fmt: skip
+            self.zero_config = cfg
+            module, optimizer = zs.initialize(module, optimizer, config=S.engine_config(cfg, lightning_clips=False), policy=self._policy)
+            self.precision.dtype = S.autocast_dtype(cfg)
             self.precision.device_type = self.root_device.type
-            return module
+            return module, optimizer
 
         @override
         def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -84,9 +84,15 @@ def apply_lightning_arguments(
     )
 
 
-def engine_config(cfg: ZeroConfig) -> ZeroConfig:
-    """The config the engine gets: Lightning runs the accumulation loop itself."""
-    return cfg.replace(gradient_accumulation_steps=None)
+def engine_config(cfg: ZeroConfig, *, lightning_clips: bool) -> ZeroConfig:
+    """The config the engine gets: Lightning runs the accumulation loop itself and, when the
+    Trainer has ``gradient_clip_val``, clipping too (through the precision plugin), so the
+    engine must not clip again on a step the user's ``configure_gradient_clipping`` skipped.
+    A file's ``gradient_clipping`` without a Trainer value is applied by the engine at step."""
+    changes: dict[str, Any] = {"gradient_accumulation_steps": None}
+    if lightning_clips:
+        changes["gradient_clipping"] = None
+    return cfg.replace(**changes)
 
 
 def autocast_dtype(cfg: ZeroConfig) -> torch.dtype | None:

@@ -247,15 +247,16 @@ def build(ns: str) -> tuple[type, type]:
                         f"ZeroStrategy: configure_optimizers returned {len(self.optimizers)} optimizers; the zero "
                         "strategies shard exactly one optimizer (put several parameter groups into one optimizer)"
                     )
-                if engine_ready and getattr(self.optimizers[0], "zero_engine", None) is None:
-                    raise RuntimeError(
-                        "ZeroStrategy: this LightningModule was already set up by a zero strategy with another "
-                        "optimizer; fit a fresh module (or reuse the same Trainer for validate/test/predict only)"
-                    )
+                if self._layer_sync is not None and not engine_ready:
+                    self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True
             if not engine_ready:
                 self.model_to_device()
                 optimizer = self.optimizers[0] if fitting else (lambda params: torch.optim.SGD(params, lr=0.0))
-                zs.initialize(self.model, optimizer, config=S.engine_config(resolved), policy=self._policy)
+                lightning_clips = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
+                zs.initialize(self.model, optimizer, config=S.engine_config(resolved, lightning_clips=lightning_clips), policy=self._policy)
+            elif fitting and getattr(self.optimizers[0], "zero_engine", None) is None:
+                # set up before for validate/test/predict (or an earlier fit): a fresh optimizer, as under DDP
+                zs.replace_optimizer(self.model, self.optimizers[0])
             self._bind_precision()
             self.setup_precision_plugin()
 
@@ -336,14 +337,14 @@ def build(ns: str) -> tuple[type, type]:
             path = Path(self.broadcast(os.fspath(filepath)))
             if self.state_dict_type == "full":
                 if path.is_dir():
-                    raise IsADirectoryError(f"ZeroStrategy(state_dict_type='full'): {path} is a directory; choose a file name")
+                    raise ValueError(f"ZeroStrategy(state_dict_type='full'): {path} is a directory; choose a file name")
                 checkpoint.pop("optimizer_states", None)
                 if self.is_global_zero:
                     self.checkpoint_io.save_checkpoint(checkpoint, path)
                 self.barrier()
                 return
             if path.is_file():
-                raise FileExistsError(f"ZeroStrategy: {path} is a file; sharded checkpoints are directories (remove it or pick another name)")
+                raise ValueError(f"ZeroStrategy: {path} is a file; sharded checkpoints are directories (remove it or pick another name)")
             state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             optimizer = self.optimizers[0] if self.optimizers else None
             zs.save_checkpoint(path, self.model, optimizer, objects={LIGHTNING_OBJECT: state}, keep_last=1)
@@ -381,6 +382,7 @@ def build(ns: str) -> tuple[type, type]:
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()
+            self.checkpoint_io.teardown()  # full checkpoints go through it (sharded ones do not)
 
         @classmethod
         @override

@@ -87,6 +87,8 @@ def test_accelerator_settings_map_onto_the_engine(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4 from the config conflicts.*gradient_accumulation_steps=2"):
         ZeroPlugin({"gradient_accumulation_steps": 4}).resolved_config(fake_accelerator(gas=2))
     assert ZeroPlugin({"gradient_accumulation_steps": 2}).resolved_config(fake_accelerator(gas=2)).gradient_accumulation_steps == 2
+    # Accelerate's default (1) counts as "not given": the file's value applies
+    assert ZeroPlugin({"gradient_accumulation_steps": 4}).resolved_config(fake_accelerator(gas=1)).gradient_accumulation_steps == 4
     with pytest.raises(ValueError, match="mixed_precision='fp8'.*use 'no', 'bf16' or 'fp16'"):
         ZeroPlugin().resolved_config(fake_accelerator("fp8"))
 

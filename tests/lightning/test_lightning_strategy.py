@@ -57,6 +57,9 @@ def _lit_class():
         def validation_step(self, batch, batch_idx):
             self.log("val_loss", self._loss(batch), sync_dist=True)
 
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self._loss(batch), sync_dist=True)
+
         def predict_step(self, batch, batch_idx):
             return self(batch[0]).float()
 
@@ -91,8 +94,16 @@ class _Losses:
             def __init__(self) -> None:
                 self.losses: list[float] = []
 
+                self.norms: list[float] = []
+
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
                 self.losses.append(float(trainer.callback_metrics["loss"]))
+
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+                import torch
+
+                if not hasattr(pl_module, "zero_engine"):  # DDP: full gradients, before clipping
+                    self.norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in pl_module.parameters() if p.grad is not None])))
 
         return Rec()
 
@@ -113,27 +124,38 @@ def _parity_worker(rank: int, world: int) -> dict:
 
     LitGPT = _lit_class()
     out: dict = {}
-    for name in ("ddp", "zero1", "zero2", "zero3", "zero3_sharded_init"):
+    for name in ("ddp", "zero1", "zero2", "zero3", "zero3_sharded_init", "ddp_bf16", "zero2_bf16"):
         sharded = name.endswith("sharded_init")
-        strategy = lightning_zero.ZeroStrategy(stage=3) if sharded else (name if name != "zero1" else lightning_zero.ZeroStrategy(stage=1))
+        stage_name = name.split("_")[0]
+        strategy = lightning_zero.ZeroStrategy(stage=3) if sharded else (stage_name if stage_name != "zero1" else lightning_zero.ZeroStrategy(stage=1))
         rec = _Losses()
-        trainer = _trainer(strategy, world, max_steps=10, accumulate_grad_batches=2, gradient_clip_val=0.3,
-                           callbacks=[rec], enable_checkpointing=False, num_sanity_val_steps=1, limit_val_batches=2)  # fmt: skip
+        trainer = _trainer(strategy, world, max_steps=10, accumulate_grad_batches=2, gradient_clip_val=0.3, callbacks=[rec],
+                           enable_checkpointing=False, num_sanity_val_steps=1, limit_val_batches=2,
+                           precision="bf16-mixed" if name.endswith("bf16") else "32-true")  # fmt: skip
         model = LitGPT(sharded=sharded)
+        if name == "zero2":  # set up for evaluation first, then fit: a fresh optimizer, as under DDP
+            trainer.validate(model, _data(8, 2, seed=1), verbose=False)
         trainer.fit(model, _data(80, 2), _data(8, 2, seed=1))
+        if name.endswith("bf16"):
+            dtype = next(model.parameters()).dtype
+            out[name] = {"losses": rec.losses, "dtype": str(dtype)}
+            continue
         sampler = type(trainer.train_dataloader.sampler).__name__
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         if name.startswith("zero"):
             assert isinstance(trainer.strategy, lightning_zero.ZeroStrategy)
             engine = model.zero_engine
-            assert engine.config.stage == int(name[4]) and engine.config.gradient_clipping == 0.3
+            assert engine.config.stage == int(name[4]) and trainer.strategy.zero_config.gradient_clipping == 0.3
+            assert engine.config.gradient_clipping is None  # Lightning clips (global norm); the engine does not again
             if sharded:  # configure_model under sharded_init: no rank held the full parameters
                 assert model.built_bytes < sum(p.numel() * 4 for p in _gpt().parameters()) / 10, model.built_bytes
         val = trainer.validate(model, _data(8, 2, seed=2), verbose=False)[0]["val_loss"]
+        test = trainer.test(model, _data(8, 2, seed=4), verbose=False)[0]["test_loss"]
         preds = torch.cat(trainer.predict(model, _data(8, 2, seed=3)))
         with zs.gathered_parameters(model) if name != "ddp" else torch.no_grad():
             params = {k: v.detach().clone() for k, v in model.gpt.state_dict().items()}
-        out[name] = {"losses": rec.losses, "val": val, "preds": preds, "params": params, "sampler": sampler, "lr": lr}
+        out[name] = {"losses": rec.losses, "val": val, "test": test, "preds": preds, "params": params, "sampler": sampler,
+                     "lr": lr, "norms": rec.norms}  # fmt: skip
     return out
 
 
@@ -149,13 +171,20 @@ def test_ddp_parity_with_accumulation_clipping_and_scheduler(launch) -> None:
             assert got["sampler"] == "DistributedSampler", got["sampler"]
             for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
                 assert abs(a - b) <= 1e-6 * abs(b), (rank, name, i, a, b)
-            assert abs(got["val"] - ref["val"]) <= 1e-6 * abs(ref["val"]), (name, got["val"], ref["val"])
+            for key in ("val", "test"):
+                assert abs(got[key] - ref[key]) <= 1e-6 * abs(ref[key]), (name, key, got[key], ref[key])
             assert torch.allclose(got["preds"], ref["preds"], rtol=1e-5, atol=1e-6), name
             assert got["lr"] == ref["lr"] == pytest.approx(1e-2 * 0.5**3)
             for k, v in ref["params"].items():
                 assert torch.allclose(got["params"][k], v, rtol=1e-5, atol=1e-6), (name, k)
-    # the first step's weights moved: clipping and the scheduler did something the check can see
-    assert results[0]["ddp"]["losses"][0] != results[0]["ddp"]["losses"][-1]
+    # clipping was active on every step (DDP's full-gradient norms before clipping)
+    assert len(results[0]["ddp"]["norms"]) == 10 and min(results[0]["ddp"]["norms"]) > 0.3
+    # bf16-mixed: the engine keeps 16-bit parameters (fp32 masters), Lightning's DDP fp32 ones
+    # under autocast, so the losses agree to bf16 rounding only
+    bf16, ddp_bf16 = results[0]["zero2_bf16"], results[0]["ddp_bf16"]
+    assert bf16["dtype"] == "torch.bfloat16" and ddp_bf16["dtype"] == "torch.float32"
+    for a, b in zip(bf16["losses"], ddp_bf16["losses"], strict=True):
+        assert abs(a - b) <= 2e-2 * abs(b), (bf16["losses"], ddp_bf16["losses"])
 
 
 GLOBAL_BATCH, EPOCH_STEPS = 12, 4
@@ -388,3 +417,14 @@ def test_example_runs_with_two_processes(launcher: str) -> None:
     out = _run_script(cmd, timeout=240)
     assert "rank 0: model state" in out and "rank 1: model state" in out, out[-3000:]
     assert "step    4  loss" in out, out[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_example_on_gpu_with_mixed_precision(precision: str) -> None:
+    """fp16 runs through the engine's loss scaler; only where CUDA is present."""
+    example = str(Path(__file__).parents[2] / "examples" / "train_lightning_gpt.py")
+    out = _run_script([sys.executable, example, "--accelerator", "gpu", "--devices", "1", "--precision", precision,
+                       "--steps", "20", "--d-model", "64", "--layers", "2"], timeout=300)  # fmt: skip
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step") and " loss " in line]
+    assert len(losses) >= 2 and losses[-1] < losses[0], out[-3000:]

@@ -307,7 +307,7 @@ def test_checkpoint_objects_and_keep_last(tmp_path) -> None:
     state = zs.read_checkpoint_object(root, "trainer")
     assert state["step"] == 2 and torch.equal(state["t"], torch.arange(3))
     assert zs.read_checkpoint_object(root / "step-2", "trainer", weights_only=True)["step"] == 1
-    with pytest.raises(KeyError, match="has no object 'loops'"):
+    with pytest.raises(ValueError, match="has no object 'loops'"):
         zs.read_checkpoint_object(root, "loops")
     with open(root / "step-3" / "trainer.pt", "ab") as f:
         f.write(b"x")
@@ -328,3 +328,86 @@ def test_checkpoint_restores_param_group_settings(tmp_path) -> None:
     model2, opt2 = zs.initialize(GPT(CFG), lambda params: torch.optim.AdamW(params, lr=1e-2), stage=1)
     zs.load_checkpoint(tmp_path, model2, opt2)
     assert opt2.param_groups[0]["lr"] == 5e-3 and opt2.param_groups[0]["betas"] == (0.8, 0.9)
+
+
+def _zero3(seed: int = 0, **cfg):
+    torch.manual_seed(seed)
+    return zs.initialize(GPT(CFG), lambda params: torch.optim.AdamW(params, lr=1e-2), stage=3,
+                         stage3_param_persistence_threshold=0, **cfg)  # fmt: skip
+
+
+def test_zero3_state_dict_outside_gathering_raises_instead_of_placeholders() -> None:
+    model, _ = _zero3()
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) of a ZeRO-3 model.*full_state_dict"):
+        model.state_dict()
+    assert len(model.state_dict(keep_vars=True)) > 0  # names (and Parameter objects) stay available
+    with zs.gathered_parameters(model):
+        sd = model.state_dict()
+    assert all(not torch.isnan(v).any() for v in sd.values() if v.is_floating_point())
+
+
+def test_keyboard_interrupt_in_forward_leaves_the_engine_usable() -> None:
+    model, opt = _zero3()
+    ref, ref_opt = _zero3()
+    block = model.blocks[0]
+    orig = block.forward
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    block.forward = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        _loss(model, 0)
+    del block.forward
+    assert block.forward == orig
+    with zs.gathered_parameters(model):  # refused while a forward is (still) running
+        pass
+    for m, o in ((model, opt), (ref, ref_opt)):
+        _loss(m, 0).backward()
+        o.step()
+        o.zero_grad()
+    with zs.gathered_parameters(model), zs.gathered_parameters(ref):
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), n
+
+
+def test_replace_optimizer_starts_fresh_as_ddp_would() -> None:
+    torch.manual_seed(0)
+    plain = GPT(CFG)
+    model = copy.deepcopy(plain)
+    model, old = zs.initialize(model, lambda params: torch.optim.SGD(params, lr=0.0), stage=3)
+    with torch.no_grad():
+        _loss(model, 0)  # evaluated first, as Lightning's validate() before fit()
+    new = zs.replace_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for step in range(2):
+        for m, o in ((model, new), (plain, plain_opt)):
+            _loss(m, step).backward()
+            o.step()
+            o.zero_grad()
+    with zs.gathered_parameters(model):
+        for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
+    with pytest.raises(RuntimeError, match="replaced by zero_strategy.replace_optimizer"):
+        old.step()
+    with pytest.raises(ValueError, match="already bound"):
+        zs.replace_optimizer(model, new)
+
+
+def test_mixed_precision_refuses_batchnorm_with_running_stats() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match=r"'1' \(BatchNorm1d\) keeps fp32 running statistics.*fp32"):
+        zs.initialize(net, lambda p: torch.optim.SGD(p, lr=0.1), stage=2, precision="bf16")
+
+
+def test_save_never_writes_into_an_existing_checkpoint_and_checks_objects(tmp_path) -> None:
+    model, opt = _zero3()
+    first = zs.save_checkpoint(tmp_path, model, opt)
+    second = zs.save_checkpoint(tmp_path, model, opt)  # the same step again
+    assert first.endswith("step-0") and second.endswith("step-0.1")
+    assert (tmp_path / "latest").read_text().strip() == "step-0.1"
+    with pytest.raises(ValueError, match="step-0' exists"):
+        zs.save_checkpoint(tmp_path, model, opt, tag="step-0")
+    with pytest.raises(RuntimeError, match="could not pickle"):
+        zs.save_checkpoint(tmp_path, model, opt, objects={"bad": lambda: 0})
+    assert (tmp_path / "latest").read_text().strip() == "step-0.1"
