@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+from types import MethodType
 from typing import Any, Callable, Iterator
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from torch import nn
 
 import zero_strategy as zs
@@ -222,6 +223,11 @@ def prepare_with_zero(plugin: ZeroPlugin, accelerator: Any, objects: tuple[Any, 
     if accelerator.device_placement:
         model.to(accelerator.device)
     model, optimizer = zs.initialize(model, optimizer, config=engine_config, policy=plugin.policy)
+    if config.precision.param_dtype is not None:
+        # as Accelerate's own mixed precision: the engine autocasts inside forward, the outputs
+        # come back in fp32 (a loss computed from them outside forward is computed in fp32)
+        model._original_forward = model.forward
+        model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
     wrapped = ZeroAcceleratedOptimizer(optimizer, model)
     model._is_accelerate_prepared = True  # tracked by the Accelerator, not wrapped in DDP or autocast
     wrapped._is_accelerate_prepared = True

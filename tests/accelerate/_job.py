@@ -160,6 +160,8 @@ def job_precision(out: dict[str, Any]) -> None:
         res["mixed_precision"] = acc.mixed_precision
         res["param_dtype"] = str(next(model.parameters()).dtype)
         res["scaler_off"] = acc.scaler is None
+        with torch.no_grad():
+            res["output_dtype"] = str(model(torch.zeros(1, 4, dtype=torch.long)).dtype)
         out[mode] = res
 
 

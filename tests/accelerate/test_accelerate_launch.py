@@ -150,6 +150,7 @@ def test_mixed_precision(tmp_path: Path, precision: str) -> None:
     assert zero["mixed_precision"] == precision
     assert zero["param_dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
     assert zero["scaler_off"]
+    assert zero["output_dtype"] == "torch.float32"  # outputs converted to fp32, as Accelerate does
     # parameters rounded to 16 bits: the README's tolerance against DDP under autocast. (On CPU
     # Accelerate ignores fp16 and its DDP run is fp32; the engine trains in fp16 as asked.)
     assert rel_diff(zero["losses"], ddp["losses"]) < 1e-2
