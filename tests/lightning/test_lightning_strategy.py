@@ -72,6 +72,25 @@ def _lit_class():
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
             return [opt], [{"scheduler": sched, "interval": "step"}]
 
+    class ManualGPT(LitGPT):
+        """Manual optimization: manual_backward, clip_gradients, step every 2 batches."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = self._loss(batch)
+            self.log("loss", loss, sync_dist=True, on_step=True)
+            self.manual_backward(loss / 2)
+            if batch_idx % 2 == 1:
+                self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+                opt.step()
+                opt.zero_grad()
+                self.lr_schedulers().step()
+
+    LitGPT.Manual = ManualGPT
     return LitGPT
 
 
@@ -156,6 +175,12 @@ def _parity_worker(rank: int, world: int) -> dict:
             params = {k: v.detach().clone() for k, v in model.gpt.state_dict().items()}
         out[name] = {"losses": rec.losses, "val": val, "test": test, "preds": preds, "params": params, "sampler": sampler,
                      "lr": lr, "norms": rec.norms}  # fmt: skip
+    for name in ("ddp", "zero3"):  # manual optimization
+        rec = _Losses()
+        trainer = _trainer(name, world, max_steps=10, callbacks=[rec], enable_checkpointing=False, num_sanity_val_steps=0)
+        model = LitGPT.Manual()
+        trainer.fit(model, _data(80, 2))
+        out[f"manual_{name}"] = rec.losses
     return out
 
 
@@ -177,6 +202,10 @@ def test_ddp_parity_with_accumulation_clipping_and_scheduler(launch) -> None:
             assert got["lr"] == ref["lr"] == pytest.approx(1e-2 * 0.5**3)
             for k, v in ref["params"].items():
                 assert torch.allclose(got["params"][k], v, rtol=1e-5, atol=1e-6), (name, k)
+    manual, manual_ddp = results[0]["manual_zero3"], results[0]["manual_ddp"]
+    assert len(manual_ddp) == 20  # 10 optimizer steps, 2 batches each
+    for a, b in zip(manual, manual_ddp, strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b), (manual, manual_ddp)
     # clipping was active on every step (DDP's full-gradient norms before clipping)
     assert len(results[0]["ddp"]["norms"]) == 10 and min(results[0]["ddp"]["norms"]) > 0.3
     # bf16-mixed: the engine keeps 16-bit parameters (fp32 masters), Lightning's DDP fp32 ones
@@ -207,7 +236,8 @@ def _resume_worker(rank: int, world: int, root: str, phase: str) -> dict:
     rec = _Losses()
     if phase == "save":  # the uninterrupted run; checkpoints every epoch
         ckpt = pl.callbacks.ModelCheckpoint(dirpath=root, filename="ep{epoch}", save_top_k=-1, every_n_epochs=1, auto_insert_metric_name=False)
-        trainer = _trainer(lightning_zero.ZeroStrategy(stage=stage), world, max_epochs=2, callbacks=[rec, ckpt], gradient_clip_val=0.3)
+        best = pl.callbacks.ModelCheckpoint(dirpath=f"{root}/best", monitor="loss", save_top_k=1, every_n_train_steps=1, save_last=True)
+        trainer = _trainer(lightning_zero.ZeroStrategy(stage=stage), world, max_epochs=2, callbacks=[rec, ckpt, best], gradient_clip_val=0.3)
         model = LitGPT()
         trainer.fit(model, data)
         out["losses"] = rec.losses
@@ -232,7 +262,10 @@ def test_checkpoint_resumes_on_other_device_counts(launch, tmp_path) -> None:
 
     ref = launch(_resume_worker, 2, args=(str(tmp_path), "save"), timeout=300)[0]
     assert len(ref["losses"]) == 2 * EPOCH_STEPS
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ep0.ckpt", "ep1.ckpt", "full.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "ep0.ckpt", "ep1.ckpt", "full.ckpt"]
+    # save_top_k=1 removed the sharded directories it replaced; last.ckpt is one too
+    kept = sorted(p.name for p in (tmp_path / "best").iterdir())
+    assert len(kept) == 2 and "last.ckpt" in kept and all((tmp_path / "best" / k / "latest").is_file() for k in kept), kept
     assert (tmp_path / "ep0.ckpt" / "latest").is_file()  # a sharded directory
     for world, phase in ((3, "slurm"), (1, "one")):
         got = launch(_resume_worker, world, args=(str(tmp_path), phase), timeout=300)[0]
