@@ -258,12 +258,7 @@ def read_checkpoint_object(path: str | os.PathLike[str], name: str, *, weights_o
     """An object saved with ``save_checkpoint(..., objects={name: obj})`` (``path``: the root,
     whose ``latest`` is followed, or a versioned directory). Not collective. The file is a
     pickle: load only checkpoints you trust, or pass ``weights_only=True``."""
-    path = _resolve(os.fspath(path))
-    meta_path = os.path.join(path, META)
-    if not os.path.exists(meta_path):
-        raise ValueError(f"read_checkpoint_object(): {path!r} is not a zero_strategy checkpoint (no {META})")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    path, meta = _read_meta(path, "read_checkpoint_object()")
     file = f"{name}.pt"
     if file not in meta.get("files", {}):
         saved = sorted(n[:-3] for n in meta.get("files", {}) if n.endswith(".pt"))
@@ -295,6 +290,16 @@ def _resolve(path: str) -> str:
     return path
 
 
+def _read_meta(path: str | os.PathLike[str], caller: str) -> tuple[str, dict[str, Any]]:
+    """The versioned directory ``path`` names (following ``latest``) and its metadata."""
+    path = _resolve(os.fspath(path))
+    meta_path = os.path.join(path, META)
+    if not os.path.exists(meta_path):
+        raise ValueError(f"{caller}: {path!r} is not a zero_strategy checkpoint (no {META})")
+    with open(meta_path) as f:
+        return path, json.load(f)
+
+
 def _check_files(path: str, meta: dict[str, Any]) -> None:
     for name, size in meta.get("files", {}).items():
         full = os.path.join(path, name)
@@ -312,12 +317,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
     ``latest`` is followed, or a versioned subdirectory) at any world size and stage into this
     model (and optimizer). Returns the ``extra`` dict that was saved. Collective."""
     engine = get_engine(model)
-    path = _resolve(os.fspath(path))
-    meta_path = os.path.join(path, META)
-    if not os.path.exists(meta_path):
-        raise ValueError(f"load_checkpoint(): {path!r} is not a zero_strategy checkpoint (no {META})")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    path, meta = _read_meta(path, "load_checkpoint()")
     shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
     for name, shape in shapes.items():
         if meta["shapes"].get(name) != shape:

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 import zero_strategy as zs
 from lightning_zero import _settings as S
+from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin
 from lightning_zero._trainer import register_names
 
 FABRIC_OBJECT = "fabric"  # the non-model entries of Fabric's state dict (fabric.pt)
@@ -32,23 +33,8 @@ def build(ns: str) -> tuple[type, type]:
     apply_to_collection = importlib.import_module("lightning_utilities.core.apply_func").apply_to_collection
     Precision = precision_mod.Precision
 
-    class ZeroFabricPrecision(Precision):
+    class ZeroFabricPrecision(ZeroPrecisionMixin, Precision):
         """Autocast to the engine's training dtype and the engine's fp16 loss scale."""
-
-        def __init__(self, precision: str = "32-true") -> None:
-            S.training_dtype(precision)
-            self.precision = precision
-            self.dtype: torch.dtype | None = S.autocast_dtype(S.apply_lightning_arguments(
-                zs.ZeroConfig(), precision=precision, gradient_clip_val=None, gradient_clip_algorithm=None,
-                accumulate_grad_batches=1, source="Fabric(precision=...)"))  # fmt: skip
-            self.device_type = "cpu"
-            self.optimizer: Optional[torch.optim.Optimizer] = None
-
-        @override
-        def forward_context(self) -> contextlib.AbstractContextManager:
-            if self.dtype is None:
-                return contextlib.nullcontext()
-            return torch.autocast(self.device_type, dtype=self.dtype)
 
         @override
         def convert_output(self, data: Any) -> Any:
@@ -59,9 +45,7 @@ def build(ns: str) -> tuple[type, type]:
 
         @override
         def backward(self, tensor: torch.Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
-            if self.optimizer is not None:
-                tensor = self.optimizer.scale_loss(tensor)
-            tensor.backward(*args, **kwargs)
+            self._scaled(tensor).backward(*args, **kwargs)
 
     class BackwardSync(strategy_mod._BackwardSyncControl):
         @override
@@ -72,11 +56,12 @@ def build(ns: str) -> tuple[type, type]:
                 raise TypeError(f"Fabric.no_backward_sync: {type(module).__name__} was not set up by the zero strategy; pass the module fabric.setup returned")
             return module.no_sync()
 
-    class ZeroFabricStrategy(strategies.ParallelStrategy):
+    class ZeroFabricStrategy(ZeroParallelMixin, strategies.ParallelStrategy):
         """ZeRO stages 1-3 from ``zero_strategy`` for ``Fabric(strategy=...)``; arguments as
         for the Trainer's ``ZeroStrategy``. Set up the module and its one optimizer together."""
 
         is_distributed = True
+        _zero_dist, _zero_rank_zero = dist, rank_zero
 
         def __init__(
             self,
@@ -100,10 +85,7 @@ def build(ns: str) -> tuple[type, type]:
                 checkpoint_io=checkpoint_io,
                 precision=precision,
             )
-            self.zero_config: zs.ZeroConfig = S.strategy_config(config, stage, offload, "ZeroFabricStrategy")
-            self._policy = policy
-            self._process_group_backend = process_group_backend
-            self._timeout = timeout
+            self._zero_init("ZeroFabricStrategy", config, stage, offload, policy, process_group_backend, timeout)
             self._num_nodes = 1
             self._backward_sync_control = BackwardSync()
 
@@ -118,21 +100,7 @@ def build(ns: str) -> tuple[type, type]:
         @precision.setter
         @override
         def precision(self, plugin: Any) -> None:
-            if plugin is None or isinstance(plugin, ZeroFabricPrecision):
-                self._zero_precision = plugin
-                return
-            if type(plugin).__name__ not in ("Precision", "MixedPrecision"):
-                raise TypeError(
-                    f"ZeroFabricStrategy: the precision plugin {type(plugin).__name__} cannot be combined with the "
-                    "zero strategies; pass Fabric(precision='32-true' | 'bf16-mixed' | '16-mixed') instead"
-                )
-            self._zero_precision = ZeroFabricPrecision(str(plugin.precision))
-
-        @property
-        @override
-        def root_device(self) -> torch.device:
-            assert self.parallel_devices is not None, "ZeroFabricStrategy: parallel_devices is not set yet"
-            return self.parallel_devices[self.local_rank]
+            self._zero_precision = self._zero_precision_from(plugin, ZeroFabricPrecision, "ZeroFabricStrategy", "Fabric")
 
         @property
         def num_nodes(self) -> int:
@@ -141,15 +109,6 @@ def build(ns: str) -> tuple[type, type]:
         @num_nodes.setter
         def num_nodes(self, num_nodes: int) -> None:
             self._num_nodes = num_nodes
-
-        @property
-        def num_processes(self) -> int:
-            return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-        @property
-        @override
-        def distributed_sampler_kwargs(self) -> dict[str, Any]:
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
         @override
         def _configure_launcher(self) -> None:
@@ -160,19 +119,7 @@ def build(ns: str) -> tuple[type, type]:
         @override
         def setup_environment(self) -> None:
             super().setup_environment()
-            self._set_world_ranks()
-            backend = self._process_group_backend or dist._get_default_process_group_backend_for_device(self.root_device)
-            self._process_group_backend = backend
-            kwargs: dict[str, Any] = {"timeout": self._timeout}
-            if self.root_device.type != "cpu":
-                kwargs["device_id"] = self.root_device
-            dist._init_dist_connection(self.cluster_environment, backend, **kwargs)
-
-        def _set_world_ranks(self) -> None:
-            if self.cluster_environment is not None:
-                self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-                self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-            rank_zero.rank_zero_only.rank = self.global_rank
+            self._zero_setup_process_group()
 
         @override
         def module_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
@@ -229,19 +176,6 @@ def build(ns: str) -> tuple[type, type]:
             if isinstance(tensor, torch.Tensor):
                 return dist._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
             return tensor
-
-        @override
-        def barrier(self, *args: Any, **kwargs: Any) -> None:
-            if dist._distributed_is_initialized():
-                torch.distributed.barrier()
-
-        @override
-        def broadcast(self, obj: Any, src: int = 0) -> Any:
-            if not dist._distributed_is_initialized():
-                return obj
-            box = [obj]
-            torch.distributed.broadcast_object_list(box, src)
-            return box[0]
 
         # -- checkpoints: the model and its optimizer go to shards, the rest to fabric.pt --------
         @override

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 import zero_strategy as zs
 from lightning_zero import _settings as S
+from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin
 
 log = logging.getLogger(__name__)
 
@@ -43,28 +44,15 @@ def build(ns: str) -> tuple[type, type]:
     Precision = precision_mod.Precision
     ParallelStrategy = strategies.ParallelStrategy
 
-    class ZeroPrecision(Precision):
+    class ZeroPrecision(ZeroPrecisionMixin, Precision):
         """Precision for the zero strategies: autocast to the engine's training dtype, the
         engine's fp16 loss scale, global-norm clipping over the shards, and a step that runs
         the closure first (the engine reduces gradients before the optimizer sees them)."""
 
-        def __init__(self, precision: str = "32-true") -> None:
-            S.training_dtype(precision)  # refuses what the engine cannot do
-            self.precision = precision
-            self.dtype: torch.dtype | None = None  # set by the strategy from the resolved config
-            self.device_type = "cpu"
-            self.optimizer: Optional[torch.optim.Optimizer] = None
-
-        @override
-        def forward_context(self) -> contextlib.AbstractContextManager:
-            if self.dtype is None:
-                return contextlib.nullcontext()
-            return torch.autocast(self.device_type, dtype=self.dtype)
-
         @override
         def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
             tensor = super().pre_backward(tensor, module)
-            return self.optimizer.scale_loss(tensor) if self.optimizer is not None else tensor
+            return self._scaled(tensor)
 
         @override
         def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
@@ -84,7 +72,7 @@ def build(ns: str) -> tuple[type, type]:
         def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
             _zero_optimizer(optimizer, "gradient_clip_val").clip_grad_value_(float(clip_val))
 
-    class ZeroStrategy(ParallelStrategy):
+    class ZeroStrategy(ZeroParallelMixin, ParallelStrategy):
         """ZeRO stages 1-3 from ``zero_strategy`` for ``Trainer(strategy=...)``.
 
         Args:
@@ -100,6 +88,7 @@ def build(ns: str) -> tuple[type, type]:
         """
 
         strategy_name = "zero"
+        _zero_dist, _zero_rank_zero = fabric_dist, rank_zero
         is_distributed = True  # Lightning adds the DistributedSampler only for distributed strategies
 
         def __init__(
@@ -127,11 +116,8 @@ def build(ns: str) -> tuple[type, type]:
             )
             if state_dict_type not in ("sharded", "full"):
                 raise ValueError(f"ZeroStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or 'full'")
-            self.zero_config: zs.ZeroConfig = S.strategy_config(config, stage, offload, "ZeroStrategy")
+            self._zero_init("ZeroStrategy", config, stage, offload, policy, process_group_backend, timeout)
             self.state_dict_type = state_dict_type
-            self._policy = policy
-            self._process_group_backend = process_group_backend
-            self._timeout = timeout
             self.num_nodes = 1
 
         # -- precision: whatever plugin Lightning picked becomes a ZeroPrecision ---------------
@@ -146,35 +132,7 @@ def build(ns: str) -> tuple[type, type]:
         @precision_plugin.setter
         @override
         def precision_plugin(self, plugin: Any) -> None:
-            if plugin is None or isinstance(plugin, ZeroPrecision):
-                self._zero_precision = plugin
-                return
-            if type(plugin).__name__ not in ("Precision", "MixedPrecision", "DoublePrecision", "HalfPrecision"):
-                raise TypeError(
-                    f"ZeroStrategy: the precision plugin {type(plugin).__name__} cannot be combined with the zero "
-                    "strategies; pass Trainer(precision='32-true' | 'bf16-mixed' | '16-mixed') instead"
-                )
-            self._zero_precision = ZeroPrecision(str(plugin.precision))
-
-        # -- devices and processes ----------------------------------------------------------------
-        @property
-        @override
-        def root_device(self) -> torch.device:
-            assert self.parallel_devices is not None, "ZeroStrategy: parallel_devices is not set yet"
-            return self.parallel_devices[self.local_rank]
-
-        @property
-        def num_processes(self) -> int:
-            return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-        @property
-        @override
-        def distributed_sampler_kwargs(self) -> dict[str, Any]:
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-        @property
-        def process_group_backend(self) -> Optional[str]:
-            return self._process_group_backend
+            self._zero_precision = self._zero_precision_from(plugin, ZeroPrecision, "ZeroStrategy", "Trainer")
 
         @property
         @override
@@ -195,18 +153,10 @@ def build(ns: str) -> tuple[type, type]:
         @override
         def setup_environment(self) -> None:
             super().setup_environment()
-            self.set_world_ranks()
-            self._process_group_backend = self._process_group_backend or fabric_dist._get_default_process_group_backend_for_device(self.root_device)
-            kwargs: dict[str, Any] = {"timeout": self._timeout}
-            if self.root_device.type != "cpu":
-                kwargs["device_id"] = self.root_device
-            fabric_dist._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+            self._zero_setup_process_group()
 
-        def set_world_ranks(self) -> None:
-            if self.cluster_environment is not None:
-                self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-                self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-            rank_zero.rank_zero_only.rank = self.global_rank
+        def set_world_ranks(self) -> None:  # Lightning's connector calls it by this name
+            self._zero_set_world_ranks()
 
         # -- model ------------------------------------------------------------------------------
         @contextlib.contextmanager
@@ -299,20 +249,7 @@ def build(ns: str) -> tuple[type, type]:
         def predict_step(self, *args: Any, **kwargs: Any) -> Any:
             return self._redirect(self.precision_plugin.predict_step_context(), "predict_step", *args, **kwargs)
 
-        # -- collectives Lightning asks for -------------------------------------------------------
-        @override
-        def barrier(self, name: Optional[str] = None) -> None:
-            if fabric_dist._distributed_is_initialized():
-                torch.distributed.barrier()
-
-        @override
-        def broadcast(self, obj: Any, src: int = 0) -> Any:
-            if not fabric_dist._distributed_is_initialized():
-                return obj
-            box = [obj]
-            torch.distributed.broadcast_object_list(box, src)
-            return box[0]
-
+        # -- collectives Lightning asks for (barrier and broadcast: the mixin) -------------------
         @override
         def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
             if isinstance(tensor, torch.Tensor):
