@@ -145,6 +145,8 @@ def save_checkpoint(
     rank = engine.ctx.rank
     # Rank 0 pickles the objects before any rank writes, and every rank learns whether that
     # worked, so an unpicklable object fails the save everywhere instead of hanging the others.
+    # The same all-reduce keeps every rank from writing (DCP creates the directory on each rank)
+    # before all have chosen the directory above.
     blobs: dict[str, bytes] = {}
     failure: BaseException | None = None
     if rank == 0:
@@ -155,14 +157,13 @@ def save_checkpoint(
                 blobs[name] = buf.getvalue()
         except Exception as exc:  # reported on every rank below
             failure = exc
-    if objects:
-        flag = torch.tensor([1 if failure is not None else 0], dtype=torch.int32, device=engine.ctx.device)
-        C.all_reduce(engine.ctx, flag, op="max", what="save_checkpoint objects check").wait()
-        if bool(flag.item()):
-            raise RuntimeError(
-                f"save_checkpoint(objects=...): rank 0 could not pickle the objects ({failure!r}); save only "
-                "picklable objects"
-            ) from failure
+    flag = torch.tensor([1 if failure is not None else 0], dtype=torch.int32, device=engine.ctx.device)
+    C.all_reduce(engine.ctx, flag, op="max", what="save_checkpoint start").wait()
+    if bool(flag.item()):
+        raise RuntimeError(
+            f"save_checkpoint(objects=...): rank 0 could not pickle the objects ({failure!r}); save only "
+            "picklable objects"
+        ) from failure
     _fault("before_write", rank)
     dcp.save(_state(engine, optimizer, None), checkpoint_id=path, process_group=engine.ctx.group)
     if rank == 0:
