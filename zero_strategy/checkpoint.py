@@ -58,7 +58,21 @@ def _mesh(engine: ZeroEngine) -> DeviceMesh | None:
     return DeviceMesh.from_group(group, engine.ctx.device.type)
 
 
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` over exactly its own memory, without a copy, where ``t`` is a view into a larger CPU
+    storage (a master piece inside a unit row or a full parameter). DCP's writer clones such a
+    view before writing it and keeps every clone until the rank's file is closed: one extra
+    copy of the rank's shard. Dtypes numpy lacks (bf16) stay views."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    try:
+        return torch.from_numpy(t.detach().numpy())
+    except (TypeError, RuntimeError):
+        return t
+
+
 def _piece(engine: ZeroEngine, mesh: DeviceMesh | None, local: torch.Tensor, numel: int) -> torch.Tensor:
+    local = _compact(local)
     if mesh is None:  # one process without a group: the piece is the whole flattened tensor
         return local
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
