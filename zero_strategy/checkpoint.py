@@ -145,25 +145,20 @@ def save_checkpoint(
     if os.sep in tag or tag in ("", ".", "..", LATEST):
         raise ValueError(f"save_checkpoint(tag={tag!r}): use a plain directory name such as 'step-1000'")
     root = os.fspath(root)
-    if os.path.exists(os.path.join(root, tag)):
-        if explicit:
-            raise ValueError(
-                f"save_checkpoint(tag={tag!r}): {os.path.join(root, tag)!r} exists; a save never writes into an "
-                "existing checkpoint (it could be the one `latest` names). Pick a new tag or remove it"
-            )
-        k = 1
-        while os.path.exists(os.path.join(root, f"{tag}.{k}")):  # a second save at the same step
-            k += 1
-        tag = f"{tag}.{k}"
-    path = os.path.join(root, tag)
     rank = engine.ctx.rank
-    # Rank 0 pickles the objects before any rank writes, and every rank learns whether that
-    # worked, so an unpicklable object fails the save everywhere instead of hanging the others.
-    # The same all-reduce keeps every rank from writing (DCP creates the directory on each rank)
-    # before all have chosen the directory above.
+    # Rank 0 alone chooses the directory (a second save at the same step gets a suffix; a save
+    # never writes into an existing checkpoint) and pickles the objects; one all-reduce tells
+    # every rank its choice and whether it worked, before any rank writes (DCP creates the
+    # directory on each rank), so a failure raises everywhere instead of hanging the others.
+    suffix, conflict = 0, 0
     blobs: dict[str, bytes] = {}
     failure: BaseException | None = None
     if rank == 0:
+        if os.path.exists(os.path.join(root, tag)):
+            conflict = int(explicit)
+            suffix = 1
+            while os.path.exists(os.path.join(root, f"{tag}.{suffix}")):
+                suffix += 1
         try:
             for name, obj in (objects or {}).items():
                 buf = io.BytesIO()
@@ -171,53 +166,83 @@ def save_checkpoint(
                 blobs[name] = buf.getvalue()
         except Exception as exc:  # reported on every rank below
             failure = exc
-    flag = torch.tensor([1 if failure is not None else 0], dtype=torch.int32, device=engine.ctx.device)
-    C.all_reduce(engine.ctx, flag, op="max", what="save_checkpoint start").wait()
-    if bool(flag.item()):
+    flags = torch.tensor([int(failure is not None), suffix, conflict], dtype=torch.int64, device=engine.ctx.device)
+    C.all_reduce(engine.ctx, flags, op="max", what="save_checkpoint start").wait()
+    failed, suffix, conflict = (int(v) for v in flags.tolist())
+    if conflict:
+        raise ValueError(
+            f"save_checkpoint(tag={tag!r}): {os.path.join(root, tag)!r} exists; a save never writes into an "
+            "existing checkpoint (it could be the one `latest` names). Pick a new tag or remove it"
+        )
+    if failed:
         raise RuntimeError(
             f"save_checkpoint(objects=...): rank 0 could not pickle the objects ({failure!r}); save only "
             "picklable objects"
         ) from failure
+    tag = f"{tag}.{suffix}" if suffix else tag
+    path = os.path.join(root, tag)
     _fault("before_write", rank)
     dcp.save(_state(engine, optimizer, None), checkpoint_id=path, process_group=engine.ctx.group)
+    failure = None
     if rank == 0:
-        for name, blob in blobs.items():
-            tmp = os.path.join(path, f".{name}.pt.tmp")
-            with open(tmp, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, os.path.join(path, f"{name}.pt"))
+        try:
+            for name, blob in blobs.items():
+                tmp = os.path.join(path, f".{name}.pt.tmp")
+                with open(tmp, "wb") as f:
+                    f.write(blob)
+                os.replace(tmp, os.path.join(path, f"{name}.pt"))
+        except Exception as exc:
+            failure = exc
     _fault("after_write", rank)
-    C.barrier(engine.ctx)  # every rank's files are complete before their sizes are recorded
+    # every rank's files are complete before their sizes are recorded
+    _agree(engine, failure, "save_checkpoint: writing the objects")
+    failure = None
     if rank == 0:
-        shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
-        names = engine.param_names()
-        tensors = engine.module.state_dict(keep_vars=True)
-        aliases = {n: names[id(t)] for n, t in tensors.items() if id(t) in names and names[id(t)] != n}
-        meta = {
-            "format": FORMAT,
-            "stage": engine.config.stage,
-            "world_size": engine.ctx.world_size,
-            "torch": torch.__version__,
-            "zero_strategy": _version(),
-            "config": engine.config.to_dict(),
-            "shapes": shapes,
-            "extra": extra or {},
-            # optimizer hyperparameters by group (lr as an LR scheduler left it, betas, ...)
-            "param_groups": _group_settings(optimizer),
-            # for export: every state_dict name (tied weights under each), its shape, and the
-            # saved name it is an alias of
-            "state_names": list(tensors),
-            "state_shapes": {n: list(t.shape) for n, t in tensors.items()},
-            "aliases": aliases,
-            "files": {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))},
-        }
-        _write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
-        _fault("before_latest", rank)
-        _write_atomic(os.path.join(root, LATEST), tag + "\n")
-        if keep_last is not None:
-            _prune(root, tag, keep_last)
-    C.barrier(engine.ctx)  # the checkpoint is complete before anyone reads it
+        try:
+            _write_meta(engine, optimizer, extra, path)
+            _fault("before_latest", rank)
+            _write_atomic(os.path.join(root, LATEST), tag + "\n")
+            if keep_last is not None:
+                _prune(root, tag, keep_last)
+        except Exception as exc:
+            failure = exc
+    _agree(engine, failure, "save_checkpoint: writing the metadata")  # complete before anyone reads it
     return path
+
+
+def _agree(engine: ZeroEngine, failure: BaseException | None, what: str) -> None:
+    """A collective: raise on every rank if ``failure`` happened on any (here: rank 0)."""
+    flag = torch.tensor([int(failure is not None)], dtype=torch.int32, device=engine.ctx.device)
+    C.all_reduce(engine.ctx, flag, op="max", what=what).wait()
+    if bool(flag.item()):
+        detail = f": {failure!r}" if failure is not None else " on rank 0 (its log has the cause)"
+        raise RuntimeError(f"{what} failed{detail}; the previous checkpoint and `latest` are unchanged") from failure
+
+
+def _write_meta(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None, path: str) -> None:
+    shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
+    names = engine.param_names()
+    tensors = engine.module.state_dict(keep_vars=True)
+    aliases = {n: names[id(t)] for n, t in tensors.items() if id(t) in names and names[id(t)] != n}
+    meta = {
+        "format": FORMAT,
+        "stage": engine.config.stage,
+        "world_size": engine.ctx.world_size,
+        "torch": torch.__version__,
+        "zero_strategy": _version(),
+        "config": engine.config.to_dict(),
+        "shapes": shapes,
+        "extra": extra or {},
+        # optimizer hyperparameters by group (lr as an LR scheduler left it, betas, ...)
+        "param_groups": _group_settings(optimizer),
+        # for export: every state_dict name (tied weights under each), its shape, and the
+        # saved name it is an alias of
+        "state_names": list(tensors),
+        "state_shapes": {n: list(t.shape) for n, t in tensors.items()},
+        "aliases": aliases,
+        "files": {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))},
+    }
+    _write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
 
 
 def _group_settings(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
@@ -235,7 +260,7 @@ def _group_settings(optimizer: torch.optim.Optimizer | None) -> list[dict[str, A
                 value = list(value)
             try:
                 json.dumps(value)
-            except TypeError:
+            except (TypeError, ValueError):
                 continue  # not a plain setting; the optimizer's construction provides it
             kept[key] = value
         out.append(kept)
@@ -243,16 +268,12 @@ def _group_settings(optimizer: torch.optim.Optimizer | None) -> list[dict[str, A
 
 
 def _restore_group_settings(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], path: str) -> None:
-    if len(saved) != len(optimizer.param_groups):
-        raise ValueError(
-            f"load_checkpoint(): the optimizer has {len(optimizer.param_groups)} parameter groups but the checkpoint "
-            f"{path!r} has {len(saved)}; build the optimizer with the same groups as the saved run"
-        )
     for group, values in zip(optimizer.param_groups, saved):
         for key, value in values.items():
             current = group.get(key)
             if isinstance(current, torch.Tensor):
-                current.fill_(value)
+                if value is not None:
+                    current.fill_(value)
             elif isinstance(current, tuple):
                 group[key] = tuple(value)
             else:
@@ -260,12 +281,24 @@ def _restore_group_settings(optimizer: torch.optim.Optimizer, saved: list[dict[s
 
 
 def _prune(root: str, current: str, keep_last: int) -> None:
-    """Remove the oldest complete versioned directories beyond ``keep_last`` (never ``current``)."""
+    """Remove the oldest complete versioned directories beyond ``keep_last`` (never ``current``),
+    and the remains of saves that died before their metadata (a directory holding DCP files
+    but no ``zero_meta.json``, older than ``current``)."""
     import shutil
 
-    versions = [d for d in os.listdir(root) if d != current and os.path.exists(os.path.join(root, d, META))]
+    def complete(d: str) -> bool:
+        return os.path.exists(os.path.join(root, d, META))
+
+    def partial(d: str) -> bool:
+        full = os.path.join(root, d)
+        return os.path.isdir(full) and not complete(d) and any(n.endswith(".distcp") for n in os.listdir(full))
+
+    now = os.path.getmtime(os.path.join(root, current, META))
+    versions = [d for d in os.listdir(root) if d != current and complete(d)]
     versions.sort(key=lambda d: os.path.getmtime(os.path.join(root, d, META)))
-    for d in versions[: max(0, len(versions) - (keep_last - 1))]:
+    doomed = versions[: max(0, len(versions) - (keep_last - 1))]
+    doomed += [d for d in os.listdir(root) if d != current and partial(d) and os.path.getmtime(os.path.join(root, d)) < now]
+    for d in doomed:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
@@ -330,7 +363,9 @@ def _check_files(path: str, meta: dict[str, Any]) -> None:
 def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (``path``: its root, whose
     ``latest`` is followed, or a versioned subdirectory) at any world size and stage into this
-    model (and optimizer). Returns the ``extra`` dict that was saved. Collective."""
+    model (and optimizer). The optimizer's param-group settings (lr as a scheduler left it,
+    betas, weight decay, ...) are restored too, replacing the ones it was built with. Returns
+    the ``extra`` dict that was saved. Collective."""
     engine = get_engine(model)
     path, meta = _read_meta(path, "load_checkpoint()")
     shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
@@ -341,6 +376,12 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
                 f"{meta['shapes'].get(name, 'no entry')} in the checkpoint {path!r}; load a checkpoint of this model"
             )
     _check_files(path, meta)
+    groups = meta.get("param_groups")
+    if optimizer is not None and groups is not None and len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"load_checkpoint(): the optimizer has {len(optimizer.param_groups)} parameter groups but the checkpoint "
+            f"{path!r} has {len(groups)}; build the optimizer with the same groups as the saved run"
+        )
     engine.reducer.wait_all()
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     want = {k for k in saved if k.startswith("optim.")} if optimizer is not None else None

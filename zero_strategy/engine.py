@@ -18,6 +18,7 @@ What ``p.grad`` holds (``p`` a model parameter):
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from typing import Any, Callable, Iterator
@@ -184,7 +185,11 @@ class ZeroEngine:
         if self.zero3 is not None:
             self._hooks.extend(self.zero3.install())
             self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
-            self._hooks.append(m._register_state_dict_hook(self._refuse_sharded_state_dict))
+            sharded = {id(p) for u in self.params.units for p in u.group.params}  # type: ignore[union-attr]
+            for sub in m.modules():
+                local = [n for n, p in sub._parameters.items() if p is not None and id(p) in sharded]
+                if local:
+                    self._hooks.append(sub._register_state_dict_hook(functools.partial(self._refuse_sharded_state_dict, local)))
         else:  # masters that are not views of the parameters must follow a load
             self._hooks.append(m.register_load_state_dict_post_hook(lambda mod, incompatible: self._refresh_masters()))
 
@@ -194,30 +199,34 @@ class ZeroEngine:
             "parameters. Use zero_strategy.load_full_state_dict(model, state_dict_or_path) instead."
         )
 
-    def _refuse_sharded_state_dict(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
-        """Outside gathering, a sharded value would be a placeholder: raise. Inside
-        ``gathered_parameters`` the values are copied, because the gathered storage is freed
-        when the block exits (a view kept past it would read freed memory). ``keep_vars=True``
-        (the Parameter objects themselves, e.g. for their names) is left alone."""
-        assert isinstance(self.params, ShardedParams), f"rank {self.ctx.rank}: ZeRO-3 state_dict hook without units"
-        gathered = {f.untyped_storage().data_ptr() for u in self.params.units for f in u.full if f.untyped_storage().nbytes()}
-        for name, value in list(state_dict.items()):
+    def _refuse_sharded_state_dict(self, local_names: list[str], module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        """On every module that owns sharded parameters. Outside gathering, a sharded value
+        would be a placeholder: raise. Inside ``gathered_parameters`` the values are copied,
+        because the gathered storage is freed when the block exits (a view kept past it would
+        read freed memory). ``keep_vars=True`` (the Parameter objects, e.g. for their names) is
+        left alone."""
+        for local in local_names:
+            name = prefix + local
+            value = state_dict.get(name)
             if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
                 continue
             if is_placeholder(value):
                 raise RuntimeError(
-                    f"model.state_dict() of a ZeRO-3 model: '{name}' is sharded (this rank holds only a piece), so "
+                    f"state_dict() of a ZeRO-3 model: '{name}' is sharded (this rank holds only a piece), so "
                     "its value would be a placeholder. Use zero_strategy.full_state_dict(model) (a collective: call "
                     "it on every rank; Accelerate: accelerator.get_state_dict(model)), or call state_dict() inside "
                     "`with zero_strategy.gathered_parameters(model):` on every rank"
                 )
-            if value.untyped_storage().data_ptr() in gathered:
+            if value.untyped_storage().nbytes() and value.untyped_storage().data_ptr() in self._gathered_storages():
                 state_dict[name] = value.clone()
 
+    def _gathered_storages(self) -> set[int]:
+        assert isinstance(self.params, ShardedParams), f"rank {self.ctx.rank}: ZeRO-3 state_dict hook without units"
+        return {f.untyped_storage().data_ptr() for u in self.params.units for f in u.full if f.untyped_storage().nbytes()}
+
     def interrupted(self, depth: int) -> None:
-        """A BaseException that is not an Exception (KeyboardInterrupt) left a root call: the
-        forward hooks did not run, so put the nesting and the state back."""
-        self._root_depth = depth
+        """A BaseException that is not an Exception (KeyboardInterrupt) left the outermost root
+        call at ``depth`` 0: the forward hooks did not run, so put the state back."""
         if depth == 0 and self.training_state is TrainingState.FORWARD:
             self.training_state = TrainingState.IDLE
             if self.zero3 is not None:
@@ -229,9 +238,8 @@ class ZeroEngine:
                 refresh_masters(g)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._root_depth += 1
         if self._root_depth > 1:  # the root called inside its own forward (Lightning's training_step
-            return  # calling self(x)): the outermost call gathers and records
+            return  # calling self(x)): the outermost call gathers and records (depth: ZeroModule.__call__)
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 "torch.compile of a model wrapped by zero_strategy.initialize is not supported yet (the engine's "
@@ -250,8 +258,7 @@ class ZeroEngine:
             self.zero3.root_pre_forward()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        self._root_depth -= 1
-        if self._root_depth > 0:
+        if self._root_depth > 1:
             return output
         # As DDP: buffers are broadcast before a forward that follows a synced training forward.
         self._sync_buffers_next = torch.is_grad_enabled() and self._sync
@@ -564,13 +571,19 @@ class ZeroModule:
         return self._zero_engine
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        eng, depth = self._zero_engine, self._zero_engine._root_depth
+        # The nesting of root calls is counted here (not in the hooks), so a hook that raises
+        # or a KeyboardInterrupt cannot leave it wrong; the root hooks act at depth 1 only.
+        eng = self._zero_engine
+        depth = eng._root_depth
+        eng._root_depth = depth + 1
         try:
             return super().__call__(*args, **kwargs)  # type: ignore[misc]
         except BaseException as exc:
             if not isinstance(exc, Exception):  # the forward hooks run on Exceptions only
                 eng.interrupted(depth)
             raise
+        finally:
+            eng._root_depth = depth
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         eng = self._zero_engine

@@ -54,6 +54,8 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
     into it raise ("more than one element ... refers to a single memory location"); a fill
     (``zero_``, ``fill_``) changes the element, which :func:`check_placeholder` reports."""
     value = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+    if len(shape) == 0:  # a 0-dim parameter: its one element is the placeholder
+        return torch.full((), value, dtype=dtype, device=device)
     return torch.full((1,), value, dtype=dtype, device=device).expand(shape)
 
 

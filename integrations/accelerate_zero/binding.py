@@ -137,7 +137,8 @@ class _Binding:
     # -- save_state / load_state -------------------------------------------------------------
     def save_hook(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
         weights[:] = [w for w in weights if w is not self.marker]
-        zs.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, self.optimizer, extra=self._extra())
+        # keep_last=1: saving again into the same directory replaces it, as plain Accelerate does
+        zs.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, self.optimizer, extra=self._extra(), keep_last=1)
 
     def load_hook(self, models: list[nn.Module], input_dir: str) -> None:
         models[:] = [m for m in models if m is not self.model]

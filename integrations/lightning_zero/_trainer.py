@@ -197,16 +197,25 @@ def build(ns: str) -> tuple[type, type]:
                         f"ZeroStrategy: configure_optimizers returned {len(self.optimizers)} optimizers; the zero "
                         "strategies shard exactly one optimizer (put several parameter groups into one optimizer)"
                     )
-                if self._layer_sync is not None and not engine_ready:
-                    self.model = self._layer_sync.apply(self.model)  # sync_batchnorm=True
+            lightning_clips = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
+            wanted = S.engine_config(resolved, lightning_clips=lightning_clips)
             if not engine_ready:
+                if self._layer_sync is not None:  # sync_batchnorm=True, before the engine sees the modules
+                    self.model = self._layer_sync.apply(self.model)
                 self.model_to_device()
                 optimizer = self.optimizers[0] if fitting else (lambda params: torch.optim.SGD(params, lr=0.0))
-                lightning_clips = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
-                zs.initialize(self.model, optimizer, config=S.engine_config(resolved, lightning_clips=lightning_clips), policy=self._policy)
-            elif fitting and getattr(self.optimizers[0], "zero_engine", None) is None:
-                # set up before for validate/test/predict (or an earlier fit): a fresh optimizer, as under DDP
-                zs.replace_optimizer(self.model, self.optimizers[0])
+                zs.initialize(self.model, optimizer, config=wanted, policy=self._policy)
+            else:
+                current = self.model.zero_engine.config
+                if current != wanted:
+                    diff = [f for f in current.to_dict() if current.to_dict()[f] != wanted.to_dict()[f]]
+                    raise ValueError(
+                        f"ZeroStrategy: this LightningModule was set up before with other zero settings ({diff}); "
+                        "use the same strategy, precision and clipping for every Trainer call on it, or a fresh module"
+                    )
+                if fitting and getattr(self.optimizers[0], "zero_engine", None) is None:
+                    # set up before for validate/test/predict (or an earlier fit): a fresh optimizer, as under DDP
+                    zs.replace_optimizer(self.model, self.optimizers[0])
             self._bind_precision()
             self.setup_precision_plugin()
 

@@ -340,6 +340,8 @@ def test_zero3_state_dict_outside_gathering_raises_instead_of_placeholders() -> 
     model, _ = _zero3()
     with pytest.raises(RuntimeError, match=r"state_dict\(\) of a ZeRO-3 model.*full_state_dict"):
         model.state_dict()
+    with pytest.raises(RuntimeError, match=r"'ln1.weight' is sharded"):
+        model.blocks[0].state_dict()  # a submodule too
     assert len(model.state_dict(keep_vars=True)) > 0  # names (and Parameter objects) stay available
     with zs.gathered_parameters(model):
         sd = model.state_dict()
@@ -361,6 +363,13 @@ def test_keyboard_interrupt_in_forward_leaves_the_engine_usable() -> None:
     del block.forward
     assert block.forward == orig
     with zs.gathered_parameters(model):  # refused while a forward is (still) running
+        pass
+    # a forward pre-hook placed before the engine's raises: the nesting count stays right
+    handle = model.register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(ValueError("hook")), prepend=True)
+    with pytest.raises(ValueError, match="hook"):
+        _loss(model, 0)
+    handle.remove()
+    with zs.gathered_parameters(model):
         pass
     for m, o in ((model, opt), (ref, ref_opt)):
         _loss(m, 0).backward()
@@ -411,3 +420,32 @@ def test_save_never_writes_into_an_existing_checkpoint_and_checks_objects(tmp_pa
     with pytest.raises(RuntimeError, match="could not pickle"):
         zs.save_checkpoint(tmp_path, model, opt, objects={"bad": lambda: 0})
     assert (tmp_path / "latest").read_text().strip() == "step-0.1"
+
+
+def test_zero3_zero_dim_parameter_and_partial_saves_pruned(tmp_path) -> None:
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+            self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x * self.scale
+
+    torch.manual_seed(0)
+    ref = Scaled()
+    model = copy.deepcopy(ref)
+    model, opt = zs.initialize(model, lambda p: torch.optim.SGD(p, lr=0.1), stage=3, stage3_param_persistence_threshold=0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(torch.ones(2, 4)).sum().backward()
+        o.step()
+    with zs.gathered_parameters(model):
+        assert torch.equal(model.scale, ref.scale) and torch.equal(model.blocks[1].weight, ref.blocks[1].weight)
+    (tmp_path / "step-0").mkdir()  # the remains of a save killed before its metadata
+    (tmp_path / "step-0" / "__0_0.distcp").write_bytes(b"x")
+    (tmp_path / "notes").mkdir()  # not ours: kept
+    zs.save_checkpoint(tmp_path, model, opt, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes", "step-1"]
