@@ -66,9 +66,6 @@ def replace_optimizer(
     if getattr(opt, "zero_engine", None) is not None:
         raise ValueError("replace_optimizer(optimizer=...): this optimizer is already bound to a zero_strategy model; build a new one")
     check_optimizer(opt, model)
-    old = getattr(engine, "optimizer", None)
-    if old is not None:
-        old._zero_retired = True  # type: ignore[attr-defined]
     engine.zero_grad(set_to_none=True)
     engine.optimizer = bind_optimizer(opt, engine)  # type: ignore[attr-defined]
     return engine.optimizer  # type: ignore[attr-defined]

@@ -289,6 +289,18 @@ def all_reduce(ctx: CommContext, t: torch.Tensor, *, op: str = "sum", what: str)
     return Handle(ctx, "all_reduce", what, works, 2 * t.numel(), t.element_size(), time.perf_counter() - t0)
 
 
+def init_default_group(backend: str, timeout_s: float) -> None:
+    """Start the default process group from the environment (RANK, WORLD_SIZE, MASTER_*)."""
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def destroy_default_group() -> None:
+    """Barrier, then destroy the default group (if any): gloo aborts less often at exit this way."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def barrier(ctx: CommContext) -> None:
     if ctx.distributed:
         dist.barrier(group=ctx.group)

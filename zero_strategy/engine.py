@@ -201,10 +201,9 @@ class ZeroEngine:
 
     def _refuse_sharded_state_dict(self, local_names: list[str], module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
         """On every module that owns sharded parameters. Outside gathering, a sharded value
-        would be a placeholder: raise. Inside ``gathered_parameters`` the values are copied,
-        because the gathered storage is freed when the block exits (a view kept past it would
-        read freed memory). ``keep_vars=True`` (the Parameter objects, e.g. for their names) is
-        left alone."""
+        would be a placeholder: raise. A gathered value is copied, because the gathered storage
+        is freed at the next release (a view kept past it would read freed memory).
+        ``keep_vars=True`` (the Parameter objects, e.g. for their names) is left alone."""
         for local in local_names:
             name = prefix + local
             value = state_dict.get(name)
@@ -217,12 +216,7 @@ class ZeroEngine:
                     "it on every rank; Accelerate: accelerator.get_state_dict(model)), or call state_dict() inside "
                     "`with zero_strategy.gathered_parameters(model):` on every rank"
                 )
-            if value.untyped_storage().nbytes() and value.untyped_storage().data_ptr() in self._gathered_storages():
-                state_dict[name] = value.clone()
-
-    def _gathered_storages(self) -> set[int]:
-        assert isinstance(self.params, ShardedParams), f"rank {self.ctx.rank}: ZeRO-3 state_dict hook without units"
-        return {f.untyped_storage().data_ptr() for u in self.params.units for f in u.full if f.untyped_storage().nbytes()}
+            state_dict[name] = value.clone()
 
     def interrupted(self, depth: int) -> None:
         """A BaseException that is not an Exception (KeyboardInterrupt) left the outermost root

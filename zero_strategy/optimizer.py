@@ -134,7 +134,7 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, engine: "ZeroEngine") -> to
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if getattr(optimizer, "_zero_retired", False):
+    if optimizer.zero_engine.optimizer is not optimizer:  # type: ignore[attr-defined]
         raise RuntimeError(
             "optimizer.step(): this optimizer was replaced by zero_strategy.replace_optimizer(); step the new one"
         )

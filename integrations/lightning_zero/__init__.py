@@ -58,11 +58,11 @@ def __getattr__(name: str) -> Any:
 
 def register() -> list[str]:
     """Register the strategy names in every installed namespace (idempotent); returns the namespaces."""
-    from lightning_zero._trainer import register_names
+    from lightning_zero._common import register_names
 
     done = []
     for ns, (module, registry, cls_name) in _REGISTRIES.items():
-        if not _installed(ns.split(".")[0]) or not _installed(ns):
+        if not _installed(ns):  # find_spec of a submodule: False when its package is missing too
             continue
         register_names(getattr(importlib.import_module(module), registry), __getattr__(cls_name))
         done.append(ns)

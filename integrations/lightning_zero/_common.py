@@ -1,8 +1,9 @@
 """What the Trainer's and Fabric's zero strategies do alike: the config, devices and ranks, the
 process group, barrier and broadcast, and turning Lightning's precision plugin into ours.
 
-A mixin placed before each namespace's ``ParallelStrategy``; the builder sets ``_zero_dist``
-(that namespace's ``utilities.distributed``) and ``_zero_rank_zero``."""
+A mixin placed before each namespace's ``ParallelStrategy``; each built class sets
+``_zero_dist`` (that namespace's ``utilities.distributed``), ``_zero_rank_zero`` and
+``_zero_launcher`` (its ``_SubprocessScriptLauncher``)."""
 
 from __future__ import annotations
 
@@ -42,9 +43,26 @@ class ZeroPrecisionMixin:
         return self.optimizer.scale_loss(tensor) if self.optimizer is not None else tensor
 
 
+def zero_optimizer(optimizer: Any, what: str) -> Any:
+    """The zero_strategy optimizer inside Lightning's or Fabric's optimizer wrapper."""
+    opt = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None) or optimizer
+    if getattr(opt, "zero_engine", None) is None:
+        raise RuntimeError(f"{what}: the optimizer is not managed by zero_strategy; use the one the strategy set up")
+    return opt
+
+
+def register_names(registry: Any, cls: type) -> None:
+    """Register zero1 ... zero3_offload_nvme; importing twice registers once."""
+    for entry in S.NAMES:
+        if entry.name in registry:
+            continue
+        registry.register(entry.name, cls, description=entry.description, stage=entry.stage, offload=dict(entry.offload) or None)
+
+
 class ZeroParallelMixin:
     _zero_dist: ModuleType
     _zero_rank_zero: ModuleType
+    _zero_launcher: type
     parallel_devices: Optional[list[torch.device]]
     cluster_environment: Any
     num_nodes: int
@@ -64,6 +82,13 @@ class ZeroParallelMixin:
         self._process_group_backend = process_group_backend
         self._timeout = timeout
 
+    def _zero_precision_plugin(self, zero_cls: type) -> Any:
+        """The strategy's precision plugin (a ``zero_cls``; the default one until Lightning sets it)."""
+        plugin = getattr(self, "_zero_precision", None)
+        if plugin is None:
+            plugin = self._zero_precision = zero_cls()
+        return plugin
+
     def _zero_precision_from(self, plugin: Any, zero_cls: type, caller: str, flag: str) -> Any:
         """``plugin`` (what Lightning picked from ``precision=``) as a ``zero_cls`` instance."""
         if plugin is None or isinstance(plugin, zero_cls):
@@ -75,10 +100,18 @@ class ZeroParallelMixin:
             )
         return zero_cls(str(plugin.precision))
 
+    def _zero_sharded_init(self) -> contextlib.AbstractContextManager:
+        """Where modules are built (``configure_model``, ``fabric.init_module()``): at stage 3
+        each module is cut into shards as its ``__init__`` returns, so no rank holds the whole model."""
+        if self.zero_config.stage != 3:
+            return contextlib.nullcontext()
+        return zs.sharded_init(comm_timeout=self.zero_config.comm_timeout)
+
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None, f"{type(self).__name__}: parallel_devices is not set yet"
+        if self.parallel_devices is None:
+            raise RuntimeError(f"{type(self).__name__}.root_device: the devices are not set yet; create the Trainer/Fabric first")
         return self.parallel_devices[self.local_rank]  # type: ignore[attr-defined]
 
     @property
@@ -94,8 +127,17 @@ class ZeroParallelMixin:
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
-    def _zero_setup_process_group(self) -> None:
+    @override
+    def _configure_launcher(self) -> None:
+        if self.cluster_environment is None:
+            raise RuntimeError(f"{type(self).__name__}: no cluster environment; Lightning sets it when it creates the strategy")
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self._zero_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
         """Ranks from the cluster environment, then the process group (kept if one exists)."""
+        super().setup_environment()  # type: ignore[misc]
         self._zero_set_world_ranks()
         dist = self._zero_dist
         self._process_group_backend = self._process_group_backend or dist._get_default_process_group_backend_for_device(self.root_device)
@@ -109,6 +151,12 @@ class ZeroParallelMixin:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)  # type: ignore[attr-defined]
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         self._zero_rank_zero.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def _zero_reduce(self, tensor: Any, group: Optional[Any], reduce_op: Optional[Any]) -> Any:
+        """Lightning's ``reduce`` (Trainer) / ``all_reduce`` (Fabric): tensors only, as DDP does."""
+        if isinstance(tensor, torch.Tensor):
+            return self._zero_dist._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

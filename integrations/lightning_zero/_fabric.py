@@ -16,8 +16,7 @@ from typing_extensions import override
 
 import zero_strategy as zs
 from lightning_zero import _settings as S
-from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin
-from lightning_zero._trainer import register_names
+from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, register_names, zero_optimizer
 
 FABRIC_OBJECT = "fabric"  # the non-model entries of Fabric's state dict (fabric.pt)
 
@@ -61,7 +60,7 @@ def build(ns: str) -> tuple[type, type]:
         for the Trainer's ``ZeroStrategy``. Set up the module and its one optimizer together."""
 
         is_distributed = True
-        _zero_dist, _zero_rank_zero = dist, rank_zero
+        _zero_dist, _zero_rank_zero, _zero_launcher = dist, rank_zero, launchers._SubprocessScriptLauncher
 
         def __init__(
             self,
@@ -92,10 +91,7 @@ def build(ns: str) -> tuple[type, type]:
         @property
         @override
         def precision(self) -> Any:
-            plugin = getattr(self, "_zero_precision", None)
-            if plugin is None:
-                plugin = self._zero_precision = ZeroFabricPrecision()
-            return plugin
+            return self._zero_precision_plugin(ZeroFabricPrecision)
 
         @precision.setter
         @override
@@ -111,22 +107,10 @@ def build(ns: str) -> tuple[type, type]:
             self._num_nodes = num_nodes
 
         @override
-        def _configure_launcher(self) -> None:
-            assert self.cluster_environment is not None
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = launchers._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-        @override
-        def setup_environment(self) -> None:
-            super().setup_environment()
-            self._zero_setup_process_group()
-
-        @override
         def module_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
             stack = contextlib.ExitStack()
             stack.enter_context(self.root_device)
-            if self.zero_config.stage == 3:  # fabric.init_module(): shards as each module is built
-                stack.enter_context(zs.sharded_init(comm_timeout=self.zero_config.comm_timeout))
+            stack.enter_context(self._zero_sharded_init())  # fabric.init_module()
             return stack
 
         @override
@@ -162,20 +146,18 @@ def build(ns: str) -> tuple[type, type]:
         @override
         def clip_gradients_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Union[float, int],
                                 norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:  # fmt: skip
-            total = _zero_optimizer(optimizer).clip_grad_norm_(float(max_norm), float(norm_type))
+            total = zero_optimizer(optimizer, "Fabric.clip_gradients").clip_grad_norm_(float(max_norm), float(norm_type))
             if error_if_nonfinite and not bool(torch.isfinite(total)):
                 raise RuntimeError(f"Fabric.clip_gradients: the total gradient norm is {total.item()}; pass error_if_nonfinite=False to skip this check")
             return total
 
         @override
         def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: Union[float, int]) -> None:
-            _zero_optimizer(optimizer).clip_grad_value_(float(clip_val))
+            zero_optimizer(optimizer, "Fabric.clip_gradients").clip_grad_value_(float(clip_val))
 
         @override
         def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-            if isinstance(tensor, torch.Tensor):
-                return dist._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-            return tensor
+            return self._zero_reduce(tensor, group, reduce_op)
 
         # -- checkpoints: the model and its optimizer go to shards, the rest to fabric.pt --------
         @override
@@ -220,13 +202,6 @@ def build(ns: str) -> tuple[type, type]:
     for cls, name in ((ZeroFabricStrategy, "ZeroFabricStrategy"), (ZeroFabricPrecision, "ZeroFabricPrecision")):
         cls.__module__, cls.__name__, cls.__qualname__ = "lightning_zero", prefix + name, prefix + name
     return ZeroFabricStrategy, ZeroFabricPrecision
-
-
-def _zero_optimizer(optimizer: Any) -> Any:
-    opt = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper
-    if getattr(opt, "zero_engine", None) is None:
-        raise RuntimeError("Fabric.clip_gradients: the optimizer was not set up by the zero strategy; pass the one fabric.setup returned")
-    return opt
 
 
 def _split(state: Mapping[str, Any]) -> tuple[str, Optional[str]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 import os
 import warnings
 from datetime import timedelta
@@ -24,9 +23,7 @@ from typing_extensions import override
 
 import zero_strategy as zs
 from lightning_zero import _settings as S
-from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin
-
-log = logging.getLogger(__name__)
+from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, register_names, zero_optimizer
 
 LIGHTNING_OBJECT = "lightning"  # the Trainer's state, saved beside the shards (lightning.pt)
 
@@ -36,7 +33,7 @@ def build(ns: str) -> tuple[type, type]:
     pl: ModuleType = importlib.import_module(ns)
     strategies = importlib.import_module(f"{ns}.strategies")
     precision_mod = importlib.import_module(f"{ns}.plugins.precision")
-    launchers = importlib.import_module(f"{ns}.strategies.launchers")
+    launchers = importlib.import_module(f"{ns}.strategies.launchers.subprocess_script")
     fabric_ns = "lightning.fabric" if ns.startswith("lightning.") else "lightning_fabric"
     fabric_dist = importlib.import_module(f"{fabric_ns}.utilities.distributed")
     trainer_fn = importlib.import_module(f"{ns}.trainer.states").TrainerFn
@@ -66,11 +63,11 @@ def build(ns: str) -> tuple[type, type]:
 
         @override
         def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-            _zero_optimizer(optimizer, "gradient_clip_val").clip_grad_norm_(float(clip_val))
+            zero_optimizer(optimizer, "gradient_clip_val").clip_grad_norm_(float(clip_val))
 
         @override
         def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
-            _zero_optimizer(optimizer, "gradient_clip_val").clip_grad_value_(float(clip_val))
+            zero_optimizer(optimizer, "gradient_clip_val").clip_grad_value_(float(clip_val))
 
     class ZeroStrategy(ZeroParallelMixin, ParallelStrategy):
         """ZeRO stages 1-3 from ``zero_strategy`` for ``Trainer(strategy=...)``.
@@ -88,7 +85,7 @@ def build(ns: str) -> tuple[type, type]:
         """
 
         strategy_name = "zero"
-        _zero_dist, _zero_rank_zero = fabric_dist, rank_zero
+        _zero_dist, _zero_rank_zero, _zero_launcher = fabric_dist, rank_zero, launchers._SubprocessScriptLauncher
         is_distributed = True  # Lightning adds the DistributedSampler only for distributed strategies
 
         def __init__(
@@ -124,10 +121,7 @@ def build(ns: str) -> tuple[type, type]:
         @property
         @override
         def precision_plugin(self) -> Any:
-            plugin = getattr(self, "_zero_precision", None)
-            if plugin is None:
-                plugin = self._zero_precision = ZeroPrecision()
-            return plugin
+            return self._zero_precision_plugin(ZeroPrecision)
 
         @precision_plugin.setter
         @override
@@ -144,17 +138,6 @@ def build(ns: str) -> tuple[type, type]:
         def lightning_restore_optimizer(self) -> bool:
             return False  # load_checkpoint restores the optimizer shards itself
 
-        @override
-        def _configure_launcher(self) -> None:
-            assert self.cluster_environment is not None
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = launchers._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
-        @override
-        def setup_environment(self) -> None:
-            super().setup_environment()
-            self._zero_setup_process_group()
-
         def set_world_ranks(self) -> None:  # Lightning's connector calls it by this name
             self._zero_set_world_ranks()
 
@@ -162,17 +145,13 @@ def build(ns: str) -> tuple[type, type]:
         @contextlib.contextmanager
         @override
         def model_sharded_context(self) -> Generator[None, None, None]:
-            """``configure_model`` runs here: at stage 3 each module is cut into shards as its
-            ``__init__`` returns, so no rank holds the whole model."""
-            if self.zero_config.stage != 3:
-                yield
-                return
-            with zs.sharded_init(comm_timeout=self.zero_config.comm_timeout):
+            with self._zero_sharded_init():  # configure_model runs here
                 yield
 
         @override
         def setup(self, trainer: Any) -> None:
-            assert self.accelerator is not None and self.model is not None, "ZeroStrategy.setup: connect a model first"
+            if self.accelerator is None or self.model is None:
+                raise RuntimeError("ZeroStrategy.setup: no accelerator or model; the Trainer connects them before setup")
             self.accelerator.setup(trainer)
             fitting = trainer.state.fn == trainer_fn.FITTING
             resolved = S.apply_lightning_arguments(
@@ -208,7 +187,8 @@ def build(ns: str) -> tuple[type, type]:
             else:
                 current = self.model.zero_engine.config
                 if current != wanted:
-                    diff = [f for f in current.to_dict() if current.to_dict()[f] != wanted.to_dict()[f]]
+                    have, want = current.to_dict(), wanted.to_dict()
+                    diff = [f for f in have if have[f] != want[f]]
                     raise ValueError(
                         f"ZeroStrategy: this LightningModule was set up before with other zero settings ({diff}); "
                         "use the same strategy, precision and clipping for every Trainer call on it, or a fresh module"
@@ -227,8 +207,7 @@ def build(ns: str) -> tuple[type, type]:
 
         @override
         def model_to_device(self) -> None:
-            assert self.model is not None
-            self.model.to(self.root_device)
+            self.model.to(self.root_device)  # called from setup, which checked the model
 
         @contextlib.contextmanager
         @override
@@ -261,9 +240,7 @@ def build(ns: str) -> tuple[type, type]:
         # -- collectives Lightning asks for (barrier and broadcast: the mixin) -------------------
         @override
         def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-            if isinstance(tensor, torch.Tensor):
-                return fabric_dist._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-            return tensor
+            return self._zero_reduce(tensor, group, reduce_op)
 
         # -- checkpoints ----------------------------------------------------------------------------
         @override
@@ -324,10 +301,11 @@ def build(ns: str) -> tuple[type, type]:
         @override
         def teardown(self) -> None:
             # the engine keeps the module's shards where they are (no move to CPU)
-            assert self.cluster_environment is not None and self.accelerator is not None
-            self.cluster_environment.teardown()
+            if self.cluster_environment is not None:
+                self.cluster_environment.teardown()
             self.precision_plugin.teardown()
-            self.accelerator.teardown()
+            if self.accelerator is not None:
+                self.accelerator.teardown()
             self.checkpoint_io.teardown()  # full checkpoints go through it (sharded ones do not)
 
         @classmethod
@@ -339,18 +317,3 @@ def build(ns: str) -> tuple[type, type]:
     for cls, name in ((ZeroStrategy, "ZeroStrategy"), (ZeroPrecision, "ZeroPrecision")):
         cls.__module__, cls.__name__, cls.__qualname__ = "lightning_zero", prefix + name, prefix + name
     return ZeroStrategy, ZeroPrecision
-
-
-def _zero_optimizer(optimizer: Any, what: str) -> Any:
-    opt = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer wraps it
-    if getattr(opt, "zero_engine", None) is None:
-        raise RuntimeError(f"{what}: the optimizer is not managed by zero_strategy; use the one configure_optimizers returned")
-    return opt
-
-
-def register_names(registry: Any, cls: type) -> None:
-    """Register zero1 ... zero3_offload_nvme; importing twice registers once."""
-    for entry in S.NAMES:
-        if entry.name in registry:
-            continue
-        registry.register(entry.name, cls, description=entry.description, stage=entry.stage, offload=dict(entry.offload) or None)

@@ -11,6 +11,7 @@ import torch
 
 import zero_strategy as zs
 from accelerate_zero import CONFIG_ENV, ZeroPlugin
+from accelerate_zero import launch
 from accelerate_zero.plugin import find_model_and_optimizer
 from zero_strategy import cli
 
@@ -110,9 +111,9 @@ def test_cli_launch_refuses_bad_config_before_launching(tmp_path: Path, capsys: 
     assert "the file does not exist" in capsys.readouterr().err
     bad = write(tmp_path, "zero_optimization:\n  stag: 3\n")
     with pytest.raises(ValueError, match="did you mean 'stage'"):
-        cli.launch(["--zero-config", bad, "train.py"])
+        launch.launch(["--zero-config", bad, "train.py"])
     with pytest.raises(ValueError, match="--zero-config FILE is required"):
-        cli.launch(["--num_processes", "2", "train.py"])
+        launch.launch(["--num_processes", "2", "train.py"])
     good = write(tmp_path, "zero_optimization:\n  stage: 3\n", "good.yaml")
     with pytest.raises(ValueError, match="--cpu with --num_processes 2 starts ONE process"):
-        cli.launch(["--zero-config", good, "--cpu", "--num_processes", "2", "train.py"])
+        launch.launch(["--zero-config", good, "--cpu", "--num_processes", "2", "train.py"])

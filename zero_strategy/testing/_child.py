@@ -14,7 +14,6 @@ import pickle
 import signal
 import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -61,13 +60,14 @@ def _resolve(module: ModuleType, qualname: str, source: str) -> Any:
 
 def _run(launch_dir: str, rank: int, world_size: int) -> None:
     import torch
-    import torch.distributed as dist
+
+    from zero_strategy import collectives
 
     torch.set_num_threads(1)
     with open(Path(launch_dir, SPEC_FILE), "rb") as f:
         spec: dict[str, Any] = pickle.load(f)
     fn = _resolve(_load_module(spec["source"]), spec["qualname"], spec["source"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=spec["pg_timeout"]))
+    collectives.init_default_group("gloo", spec["pg_timeout"])
     result = fn(rank, world_size, *spec["args"], **spec["kwargs"])
     try:
         payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
@@ -77,11 +77,9 @@ def _run(launch_dir: str, rank: int, world_size: int) -> None:
 
 
 def _teardown() -> None:
-    import torch.distributed as dist
+    from zero_strategy import collectives
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    collectives.destroy_default_group()
 
 
 def _report_failure(launch_dir: str, rank: int, exc: BaseException) -> None:
