@@ -20,13 +20,13 @@ ConfigLike = ZeroConfig | Mapping[str, Any] | str | None
 
 def initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
     *,
     config: ConfigLike = None,
     process_group: Any = None,
     policy: UnitPolicy = None,
     **overrides: Any,
-) -> tuple[nn.Module, torch.optim.Optimizer]:
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Shard ``optimizer`` (and, with stage 2, gradients) of ``model`` across the ranks of
     ``process_group`` (default: the default group; none needed for a single process).
 
@@ -35,6 +35,12 @@ def initialize(
     value in the file raises). Returns the same ``model`` and ``optimizer`` objects, changed in
     place: call ``model(...)``, ``loss.backward()``, ``optimizer.step()`` and
     ``optimizer.zero_grad()`` as usual.
+
+    ``optimizer=None`` sets the model up without one (evaluation, inference, or gradients
+    read by other code), as ``DistributedDataParallel(model)`` would: at ZeRO-1/2 a backward
+    outside ``no_sync()`` leaves the full averaged gradient in every ``p.grad``; at ZeRO-3 the
+    parameters are sharded. All parameters may be frozen then. Bind an optimizer later with
+    :func:`replace_optimizer`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
@@ -45,12 +51,19 @@ def initialize(
         from zero_strategy.config import resolve_overrides
 
         cfg = resolve_overrides(cfg, source="initialize() keyword arguments", **overrides)
-    opt = build_optimizer(optimizer, model)
-    check_optimizer(opt, model)  # before anything is changed
+    opt = None if optimizer is None else build_optimizer(optimizer, model)
+    if opt is not None:
+        check_optimizer(opt, model)  # before anything is changed
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                "initialize(): the model has no parameter with requires_grad=True, so the optimizer has nothing to "
+                "train; pass optimizer=None to set it up for evaluation or inference"
+            )
     engine = ZeroEngine(model, cfg, process_group, policy)
     swap_module_class(model, engine)
-    engine.optimizer = bind_optimizer(opt, engine)  # type: ignore[attr-defined]
-    return model, engine.optimizer  # type: ignore[attr-defined]
+    if opt is not None:
+        engine.set_optimizer(bind_optimizer(opt, engine))
+    return model, engine.optimizer
 
 
 def replace_optimizer(
@@ -66,9 +79,8 @@ def replace_optimizer(
     if getattr(opt, "zero_engine", None) is not None:
         raise ValueError("replace_optimizer(optimizer=...): this optimizer is already bound to a zero_strategy model; build a new one")
     check_optimizer(opt, model)
-    engine.zero_grad(set_to_none=True)
-    engine.optimizer = bind_optimizer(opt, engine)  # type: ignore[attr-defined]
-    return engine.optimizer  # type: ignore[attr-defined]
+    engine.set_optimizer(bind_optimizer(opt, engine))
+    return opt
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -5,7 +5,8 @@ the fp32 master of its *flattened* tensor, ``model.<fqn>``, as a DTensor ``Shard
 local piece is this rank's ``torch.chunk`` piece (the engine's layout at every stage), so DCP
 writes each piece once and reshards on load to any world size and stage. Per-element
 optimizer state is saved the same way (``optim.<fqn>.<key>``); other optimizer state
-(``step``), frozen parameters and buffers are plain, replicated tensors. The original shapes
+(``step``) and buffers (those ``state_dict()`` holds) are plain, replicated tensors. Frozen
+parameters are flattened too: ZeRO-3 pieces (DTensors) or, at ZeRO-1/2, the full flat tensor. The original shapes
 are in ``zero_meta.json`` beside the DCP files.
 
 DCP treats a plain tensor as replicated (a per-rank piece saved as a plain tensor would be
@@ -33,13 +34,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from zero_strategy import collectives as C
-from zero_strategy.engine import ZeroEngine, get_engine
+from zero_strategy.engine import ZeroEngine, get_engine, persistent_buffers
+from zero_strategy.unit import ShardedParams
 
 __all__ = ["load_checkpoint", "read_checkpoint_object", "save_checkpoint"]
 
 META = "zero_meta.json"
 LATEST = "latest"
-FORMAT = 1
+FORMAT = 2  # 2: frozen parameters saved flattened (sharded at ZeRO-3)
 
 # Fault injection for tests: called as FAULT_HOOK(point, rank) at "before_write",
 # "after_write" and "before_latest"; a test can kill the process there.
@@ -105,9 +107,16 @@ def _state(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, want_opt
                 sd[f"optim.{fqn}.{key}"] = _piece(engine, mesh, value, numel) if per_element else value
     managed = {id(p) for g in engine.groups for p in g.params}
     for fqn, p in engine.module.named_parameters():
-        if id(p) not in managed:
-            sd[f"model.{fqn}"] = p.data
-    for fqn, b in engine.module.named_buffers():
+        if id(p) in managed:
+            continue
+        # frozen: flattened too, so a ZeRO-3 run's pieces and a ZeRO-1/2 run's full tensor reshard
+        where = engine.params.unit_of(p) if isinstance(engine.params, ShardedParams) else None
+        if where is not None:
+            unit, i = where
+            sd[f"model.{fqn}"] = _piece(engine, mesh, unit.piece(i), p.numel())
+        else:
+            sd[f"model.{fqn}"] = p.data.view(-1)
+    for fqn, b in persistent_buffers(engine.module).items():  # what state_dict() holds
         sd[f"model.{fqn}"] = b
     sd["engine.step_count"] = torch.tensor(engine.step_count, dtype=torch.int64)
     sd["engine.loss_scale"] = torch.tensor(engine.scaler.scale, dtype=torch.float64)

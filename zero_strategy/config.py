@@ -124,35 +124,78 @@ _REDUCE_DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }  # fmt: skip
-# Training precision names, including Lightning's. ``None`` means plain fp32 training.
-_PARAM_DTYPES: dict[str, torch.dtype | None] = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bf16-mixed": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "16-mixed": torch.float16, "16": torch.float16,
-    "fp32": None, "float32": None, "32-true": None, "32": None,
+# Precision names -> (param_dtype, autocast_dtype): one table, read by the core, both front-ends
+# and the CLI. "mixed" keeps fp32 parameters and runs the forward under autocast (what DDP does
+# with Lightning's "*-mixed" and Accelerate's mixed_precision); the 16-bit names store the
+# parameters the model computes with in 16 bits, with fp32 master shards (DeepSpeed's
+# bf16/fp16.enabled, Lightning's "*-true"), and autocast too.
+PRECISION_NAMES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    "fp32": (None, None), "float32": (None, None), "32-true": (None, None), "32": (None, None),
+    "bf16-mixed": (None, torch.bfloat16), "16-mixed": (None, torch.float16),
+    "bf16": (torch.bfloat16, torch.bfloat16), "bfloat16": (torch.bfloat16, torch.bfloat16),
+    "bf16-true": (torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float16), "float16": (torch.float16, torch.float16),
+    "half": (torch.float16, torch.float16), "16-true": (torch.float16, torch.float16),
 }  # fmt: skip
-_PARAM_DTYPE_HINT = "use 'bf16', 'fp16' or 'fp32' (Lightning's 'bf16-mixed', '16-mixed' and '32-true' also work)"
+# Each front-end's precision flag -> a name above; None: the flag's default, "not given" (the
+# config file decides). Accelerate's "bf16"/"fp16" mean autocast over fp32 parameters.
+FRONTEND_PRECISION: dict[str, dict[str, str | None]] = {
+    "lightning": {"32-true": None, "32": None, "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed",
+                  "bf16-true": "bf16-true", "16-true": "16-true"},
+    "accelerate": {"no": None, "bf16": "bf16-mixed", "fp16": "16-mixed"},
+}  # fmt: skip
+_PRECISION_HINT = (
+    "use 'fp32', 'bf16-mixed' or '16-mixed' (fp32 parameters under autocast, as DDP), or 'bf16'/'bf16-true' or "
+    "'fp16'/'16-true' (16-bit parameters with fp32 master shards, as DeepSpeed's bf16/fp16.enabled)"
+)
 
 
-def _to_param_dtype(value: Any, where: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        if value is None or value == torch.float32:
+def frontend_precision(frontend: str, flag: str) -> str | None:
+    """The precision name for a front-end's flag (None: not given); unknown flags raise."""
+    table = FRONTEND_PRECISION[frontend]
+    if flag not in table:
+        raise ValueError(
+            f"precision={flag!r} is not supported by the zero strategies; use one of {sorted(table)}"
+        )
+    return table[flag]
+
+
+def _to_dtype16(value: Any, where: str) -> torch.dtype | None:
+    """A 16-bit dtype (bf16/fp16) or None for fp32, from a dtype or a dtype name."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        if value == torch.float32:
             return None
-        if value in _DTYPE_NAMES:
+        if value in (torch.bfloat16, torch.float16):
             return value
-        raise ValueError(f"{where}: {value} is not a supported training dtype; {_PARAM_DTYPE_HINT}")
-    if isinstance(value, int) and not isinstance(value, bool) and value in (16, 32):
-        value = str(value)
+        raise ValueError(f"{where}: {value} is not supported; use torch.bfloat16, torch.float16 or None (fp32)")
     if isinstance(value, str):
         key = value.strip().lower()
-        if key in _PARAM_DTYPES:
-            return _PARAM_DTYPES[key]
-        if key.endswith("-true"):
+        if key in _REDUCE_DTYPES:
+            dtype = _REDUCE_DTYPES[key]
+            return None if dtype == torch.float32 else dtype
+        if key in PRECISION_NAMES:
             raise ValueError(
-                f"{where}: {value!r} (pure low-precision weights without fp32 master copies) is not "
-                "supported; use 'bf16-mixed' or '16-mixed'"
+                f"{where}: {value!r} is a precision mode, not a dtype; pass it as precision={value!r}, "
+                "or give this field 'bf16', 'fp16' or 'fp32'"
             )
-        raise ValueError(f"{where}: unknown precision {value!r}; {_PARAM_DTYPE_HINT}")
+        raise ValueError(f"{where}: unknown dtype {value!r}; use 'bf16', 'fp16' or 'fp32'")
+    raise TypeError(f"{where}: expected a dtype name or torch.dtype, got {type(value).__name__} {value!r}")
+
+
+def _precision_pair(value: Any, where: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, autocast_dtype)`` for a precision name, or a torch.dtype (16-bit parameters)."""
+    if isinstance(value, torch.dtype) or value is None:
+        dtype = _to_dtype16(value, where)
+        return dtype, dtype
+    if isinstance(value, int) and not isinstance(value, bool) and value == 32:
+        value = "32"
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in PRECISION_NAMES:
+            return PRECISION_NAMES[key]
+        raise ValueError(f"{where}: unknown precision {value!r}; {_PRECISION_HINT}")
     raise TypeError(f"{where}: expected a precision name or torch.dtype, got {type(value).__name__} {value!r}")
 
 
@@ -164,8 +207,11 @@ def _to_reduce_dtype(value: Any, where: str) -> torch.dtype:
     raise ValueError(f"{where}: {value!r} is not a supported reduction dtype; use 'fp32', 'bf16' or 'fp16'")
 
 
-def _precision_name(param_dtype: torch.dtype | None) -> str:
-    return "fp32" if param_dtype is None else _DTYPE_NAMES[param_dtype]
+def _precision_name(cfg: "PrecisionConfig") -> str:
+    for name, pair in PRECISION_NAMES.items():
+        if pair == (cfg.param_dtype, cfg.autocast_dtype):
+            return name
+    return f"param_dtype={cfg.param_dtype}, autocast_dtype={cfg.autocast_dtype}"
 
 
 # --------------------------------------------------------------------------- mapping helpers
@@ -285,29 +331,54 @@ class OffloadConfig:
 
 
 _PRECISION_RULES: dict[str, _Rule] = {
-    "param_dtype": _to_param_dtype,
+    "param_dtype": _to_dtype16,
     "reduce_dtype": _to_reduce_dtype,
+    "autocast_dtype": _to_dtype16,
 }
 
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Training precision: ``param_dtype`` None is fp32 training; bf16/fp16 keep fp32 master weights.
+    """Training precision, three dtypes:
 
-    Accepts names ("bf16", "fp16", "half", "fp32", Lightning's "bf16-mixed", "16-mixed",
-    "32-true") as well as ``torch.dtype`` values; they are stored as ``torch.dtype``.
+    - ``param_dtype``: the dtype the model computes with (None: the parameters' own, fp32).
+      16 bits: full parameters (ZeRO-1/2) or gathered ones (ZeRO-3) are 16-bit, and each rank
+      keeps fp32 master pieces of its shard, which the optimizer updates.
+    - ``autocast_dtype``: the forward runs under ``torch.autocast`` with it (None: no autocast).
+    - ``reduce_dtype``: gradients are reduced in it (fp32 by default).
+
+    Built from a name (:data:`PRECISION_NAMES`: "bf16-mixed" is fp32 parameters under bf16
+    autocast, as DDP; "bf16"/"bf16-true" is 16-bit parameters, as DeepSpeed), a torch.dtype
+    (16-bit parameters) or the fields themselves.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype = torch.float32
+    autocast_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         _coerce_fields(self, _PRECISION_RULES, "PrecisionConfig")
+        p, a = self.param_dtype, self.autocast_dtype
+        if p is not None and a is not None and p != a:
+            raise ValueError(
+                f"PrecisionConfig: param_dtype={_DTYPE_NAMES[p]} with autocast_dtype={_DTYPE_NAMES[a]}; "
+                "autocast to the parameters' dtype (or leave autocast_dtype unset)"
+            )
+
+    @classmethod
+    def from_name(cls, name: Any, reduce_dtype: torch.dtype = torch.float32, where: str = "precision") -> "PrecisionConfig":
+        param, autocast = _precision_pair(name, where)
+        return cls(param_dtype=param, reduce_dtype=reduce_dtype, autocast_dtype=autocast)
 
     @property
-    def mixed(self) -> bool:
-        return self.param_dtype is not None
+    def enabled(self) -> bool:
+        """Whether a 16-bit training dtype was chosen (a reduce dtype alone does not count)."""
+        return self.param_dtype is not None or self.autocast_dtype is not None
 
+    @property
+    def low_dtype(self) -> torch.dtype | None:
+        """The 16-bit dtype in use (parameters or autocast), or None for fp32."""
+        return self.param_dtype or self.autocast_dtype
 
 
 _LOSS_SCALE_RULES: dict[str, _Rule] = {
@@ -343,10 +414,12 @@ class LossScaleConfig:
 
 
 def _nested_reader(
-    cls: type, rules: Mapping[str, _Rule], shorthand: str = "", scalars: tuple[type, ...] = ()
+    cls: type, rules: Mapping[str, _Rule], shorthand: str = "", scalars: tuple[type, ...] = (),
+    scalar: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """Reader for a sub-config field: an instance, None (defaults), a mapping, or a scalar of type
-    ``scalars`` that sets field ``shorthand`` (``offload_optimizer="cpu"``, ``precision="bf16"``)."""
+    ``scalars`` that sets field ``shorthand`` (``offload_optimizer="cpu"``) or is read by
+    ``scalar(value, where=...)`` (``precision="bf16-mixed"``)."""
 
     def read(value: Any, where: str, source: str | None = None) -> Any:
         if isinstance(value, cls):
@@ -357,6 +430,8 @@ def _nested_reader(
             return cls(**_read_block(value, where, source, rules))
         if not isinstance(value, scalars) or isinstance(value, bool):
             raise TypeError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}{_in(source)}")
+        if scalar is not None:
+            return _apply(lambda v, w: scalar(v, where=w), value, where, source)
         return cls(**{shorthand: _apply(rules[shorthand], value, where, source)})
 
     return read
@@ -401,7 +476,7 @@ _ZERO_RULES: dict[str, _Rule] = {
 _NESTED: dict[str, Callable[[Any, str, str | None], Any]] = {
     "offload_optimizer": _nested_reader(OffloadConfig, _OFFLOAD_RULES, "device", (str,)),
     "offload_param": _nested_reader(OffloadConfig, _OFFLOAD_RULES, "device", (str,)),
-    "precision": _nested_reader(PrecisionConfig, _PRECISION_RULES, "param_dtype", (str, torch.dtype, int)),
+    "precision": _nested_reader(PrecisionConfig, _PRECISION_RULES, scalar=PrecisionConfig.from_name, scalars=(str, torch.dtype, int)),
     "loss_scale": _nested_reader(LossScaleConfig, _LOSS_SCALE_RULES),
 }
 
@@ -464,7 +539,7 @@ class ZeroConfig:
         if self._explicit:
             return name in self._explicit
         if name == "precision":
-            return self.precision.param_dtype is not None
+            return self.precision.enabled
         return getattr(self, name) != _DEFAULTS[name]
 
     def replace(self, **changes: Any) -> ZeroConfig:
@@ -653,7 +728,7 @@ class _DeepSpeedReader:
         explicit = set(self.values)
         if precision is not None:
             self.values["precision"] = precision
-            if precision.mixed:
+            if precision.enabled:
                 explicit.add("precision")
         cfg = ZeroConfig(**self.values, _explicit=frozenset(explicit))
         self._warn(frontend)
@@ -697,8 +772,8 @@ class _DeepSpeedReader:
             )
         if not (bf16_on or fp16_on or reduce):
             return None
-        param = torch.bfloat16 if bf16_on else torch.float16 if fp16_on else None
-        return PrecisionConfig(param_dtype=param, reduce_dtype=next(iter(reduce.values()), torch.float32))
+        param = torch.bfloat16 if bf16_on else torch.float16 if fp16_on else None  # DeepSpeed: 16-bit parameters
+        return PrecisionConfig(param_dtype=param, autocast_dtype=param, reduce_dtype=next(iter(reduce.values()), torch.float32))
 
     def _warn(self, frontend: list[str]) -> None:
         reasons = (
@@ -729,7 +804,9 @@ def unsupported_features(cfg: ZeroConfig) -> list[str]:
 
 def _show(name: str, value: Any) -> str:
     if name == "precision":
-        return value if isinstance(value, str) else _precision_name(value)
+        if isinstance(value, PrecisionConfig):
+            return _precision_name(value)
+        return value if isinstance(value, str) else _DTYPE_NAMES.get(value, "fp32")
     return repr(value)
 
 
@@ -756,13 +833,18 @@ def resolve_overrides(cfg: ZeroConfig, *, source: str, **explicit: Any) -> ZeroC
             elif isinstance(value, (PrecisionConfig, Mapping)):
                 raise TypeError("precision: pass a name such as 'bf16-mixed' or a torch.dtype, not a config")
             else:
-                old, new = cfg.precision.param_dtype, _to_param_dtype(value, "precision")
-                applied = dataclasses.replace(cfg.precision, param_dtype=new)
+                applied = PrecisionConfig.from_name(value, cfg.precision.reduce_dtype)
+                # only the 16-bit dtype can conflict: with the same dtype, a config that chose
+                # 16-bit parameters (DeepSpeed's bf16.enabled) keeps them under a "*-mixed" flag
+                old, new = cfg.precision.low_dtype, applied.low_dtype
+                if old == new and cfg.explicitly_set(name):
+                    continue
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{exc} (from {source})") from None
         if old != new and cfg.explicitly_set(name):
             raise ValueError(
-                f"{name}={_show(name, old)} from the config conflicts with {name}={_show(name, value)} "
+                f"{name}={_show(name, cfg.precision if name == 'precision' else old)} from the config conflicts "
+                f"with {name}={_show(name, value)} "
                 f"from {source}; set it in one place only"
             )
         changes[name] = applied

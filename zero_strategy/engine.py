@@ -31,16 +31,16 @@ from torch.utils._pytree import tree_flatten
 from zero_strategy import collectives as C
 from zero_strategy._swap import swap_class
 from zero_strategy.config import ZeroConfig, unsupported_features
-from zero_strategy.init import check_placeholder, forget_pieces, is_placeholder, materialize_full, placeholder, sharded_init_piece
-from zero_strategy.grads import GradReducer, GradSchedule, ReduceAtStep, ReduceAtUnitEnd, ReduceInBackward
-from zero_strategy.group import InPlaceMasters, SeparateMasters, ShardGroup, build_groups, build_unit_groups
+from zero_strategy.init import check_placeholder, forget_pieces, is_placeholder, materialize_full, sharded_init_piece
+from zero_strategy.grads import AllReduceAtEnd, GradReducer, GradSchedule, ReduceAtStep, ReduceAtUnitEnd, ReduceInBackward
+from zero_strategy.group import InPlaceMasters, SeparateMasters, ShardGroup, build_groups
 from zero_strategy.partition import UnitPolicy, find_units
 from zero_strategy.unit import ReplicatedParams, ShardedParams, refresh_masters
-from zero_strategy.precision import LossScaler, MixedPrecision, select_precision
+from zero_strategy.precision import select_precision, select_scaler
 from zero_strategy.states import GradState, TrainingState
 from zero_strategy.zero3 import Zero3Hooks
 
-__all__ = ["GradState", "TrainingState", "ZeroEngine", "ZeroModule", "get_engine", "live_engines"]
+__all__ = ["GradState", "TrainingState", "ZeroEngine", "ZeroModule", "get_engine", "live_engines", "persistent_buffers"]
 
 
 
@@ -67,12 +67,15 @@ class ZeroEngine:
             process_group, config.comm_timeout, config.collective_impl, device=first.device if first is not None else None
         )
         self.precision = select_precision(config.precision)
-        self.scaler = LossScaler(config.loss_scale, enabled=self.precision.uses_loss_scaling)
-        self.schedule: GradSchedule = ReduceAtStep() if config.stage == 1 else ReduceInBackward()
+        self.scaler = select_scaler(config.loss_scale, self.precision, explicit=config.explicitly_set("loss_scale"))
+        self.optimizer: torch.optim.Optimizer | None = None  # set by set_optimizer (initialize binds it)
         self.training_state = TrainingState.IDLE
         self.grad_state = GradState.EMPTY
         self.step_count = 0
-        self._sync = True
+        self._sync = True  # False inside no_sync()
+        # Whether the next backward reduces: decided when the forward runs, as DDP does (a
+        # grad-enabled forward outside no_sync() sets it, a backward that reduced clears it).
+        self._backward_sync = False
         self._sync_buffers_next = True
         self._root_depth = 0  # nesting of calls of the root module (only the outermost one acts)
         self._backward_callback_queued = False
@@ -103,37 +106,34 @@ class ZeroEngine:
         full_params = [p.detach() for _, p in named if sharded_init_piece(p) is None]
         C.broadcast_coalesced(self.ctx, full_params + list(module.buffers()), what="initial module state")
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        if not trainable:
-            raise ValueError("initialize(): the model has no parameter with requires_grad=True; nothing to train")
-        mixed = isinstance(self.precision, MixedPrecision)
-        if mixed:
+        if self.precision.low_params:
             _refuse_norm_layers_with_running_stats(module, config)
-        make_kw = dict(
-            world_size=self.ctx.world_size,
-            rank=self.ctx.rank,
-            master_dtype_for=self.precision.master_dtype_for,
-            reduce_dtype_for=self.precision.grad_reduce_dtype,
-            # ZeRO-3 fp32 masters become views of the unit rows once those exist (below)
-            master_policy=SeparateMasters() if mixed or config.stage == 3 else InPlaceMasters(),
-        )
-        if config.stage == 3:
-            units, self.unit_rule = find_units(module, policy)
-            self.groups: list[ShardGroup] = build_unit_groups(module, units, trainable, **make_kw)
-        else:
-            self.unit_rule = "size buckets"
-            self.groups = build_groups(list(reversed(trainable)), bucket_numel=config.reduce_bucket_size, **make_kw)
-        with torch.no_grad():
-            for _, p in named:
-                target = self.precision.param_dtype_for(p)
-                if p.dtype != target:
-                    sharded_now = sharded_init_piece(p) is not None
-                    p.data = placeholder(p.shape, target, p.device) if sharded_now else p.data.to(target)
         self.params: ReplicatedParams | ShardedParams
         if config.stage == 3:
-            self.params = ShardedParams(self, masters_in_rows=not mixed)
-            self.schedule = ReduceAtUnitEnd()
+            plan = find_units(module, policy)
+            units, self.unit_rule = plan.units, plan.rule
+            # each unit's rows hold this rank's pieces; the fp32 masters are views of them
+            self.params = ShardedParams(
+                module, units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold
+            )
+            self.groups: list[ShardGroup] = self.params.groups
             forget_pieces(built_sharded)  # their pieces live in the unit rows now
         else:
+            self.unit_rule = "size buckets"
+            self.groups = build_groups(
+                list(reversed(trainable)),
+                bucket_numel=config.reduce_bucket_size,
+                world_size=self.ctx.world_size,
+                rank=self.ctx.rank,
+                master_dtype_for=self.precision.master_dtype_for,
+                reduce_dtype_for=self.precision.grad_reduce_dtype,
+                master_policy=SeparateMasters() if self.precision.low_params else InPlaceMasters(),
+            )
+            with torch.no_grad():  # 16-bit parameters, after the fp32 masters were taken from them
+                for _, p in named:
+                    target = self.precision.param_dtype_for(p)
+                    if p.dtype != target:
+                        p.data = p.data.to(target)
             self.params = ReplicatedParams()
         self._master: dict[int, torch.Tensor] = {}
         for g in self.groups:
@@ -146,9 +146,30 @@ class ZeroEngine:
             grad_factor=lambda: 1.0 / (self.ctx.world_size * self.scaler.scale),
             describe_step=lambda: f"step {self.step_count}",
         )
-        self.zero3 = Zero3Hooks(self, units) if config.stage == 3 else None
+        self.zero3 = Zero3Hooks(self, plan) if config.stage == 3 else None
+        self._schedule_hooks: list[Any] = []
+        self.schedule: GradSchedule = self._schedule_for(None)
         self._install_hooks()
         _LIVE.add(self)
+
+    def _schedule_for(self, optimizer: torch.optim.Optimizer | None) -> GradSchedule:
+        if self.config.stage == 3:
+            return ReduceAtUnitEnd()
+        if optimizer is None:  # model-only ZeRO-1/2: DDP's full averaged gradients in p.grad
+            return AllReduceAtEnd()
+        return ReduceAtStep() if self.config.stage == 1 else ReduceInBackward()
+
+    def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Bind (or, with None, drop) the optimizer whose masters this engine feeds; the
+        gradient schedule follows (without an optimizer ZeRO-1/2 reduce full gradients)."""
+        if self.training_state is not TrainingState.IDLE:
+            raise RuntimeError(f"set_optimizer() during {self.training_state.name.lower()}; call it between steps")
+        self.zero_grad(set_to_none=True)
+        for h in self._schedule_hooks:
+            h.remove()
+        self.optimizer = optimizer
+        self.schedule = self._schedule_for(optimizer)
+        self._schedule_hooks = list(self.schedule.install(self))
 
     # -- queries -------------------------------------------------------------------------
     def param_names(self) -> dict[int, str]:
@@ -181,11 +202,11 @@ class ZeroEngine:
         m = self.module
         self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
         self._hooks.append(m.register_forward_hook(self._post_forward, always_call=True))
-        self._hooks.extend(self.schedule.install(self))
+        self._schedule_hooks = list(self.schedule.install(self))
         if self.zero3 is not None:
             self._hooks.extend(self.zero3.install())
             self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
-            sharded = {id(p) for u in self.params.units for p in u.group.params}  # type: ignore[union-attr]
+            sharded = {id(p) for u in self.params.units for p in u.params}  # type: ignore[union-attr]
             for sub in m.modules():
                 local = [n for n, p in sub._parameters.items() if p is not None and id(p) in sharded]
                 if local:
@@ -218,13 +239,15 @@ class ZeroEngine:
                 )
             state_dict[name] = value.clone()
 
-    def interrupted(self, depth: int) -> None:
-        """A BaseException that is not an Exception (KeyboardInterrupt) left the outermost root
-        call at ``depth`` 0: the forward hooks did not run, so put the state back."""
-        if depth == 0 and self.training_state is TrainingState.FORWARD:
+    def root_call_done(self, ok: bool) -> None:
+        """The outermost call of the root module returned (``ok``) or raised. On success the
+        ZeRO-3 end-of-forward work runs here (a collective when lists are being checked); after
+        an exception only local state is put back: no collective, the other ranks may be anywhere
+        (and a KeyboardInterrupt skips the forward hooks, which reset the training state)."""
+        if not ok and self.training_state is TrainingState.FORWARD:
             self.training_state = TrainingState.IDLE
-            if self.zero3 is not None:
-                self.zero3.root_post_forward()
+        if self.zero3 is not None:
+            self.zero3.root_post_forward(agree=ok)
 
     def _refresh_masters(self) -> None:
         with torch.no_grad():
@@ -248,6 +271,8 @@ class ZeroEngine:
                 C.broadcast_coalesced(self.ctx, buffers, what=f"module buffers (step {self.step_count})")
         if self.training_state is TrainingState.IDLE:
             self.training_state = TrainingState.FORWARD
+        if torch.is_grad_enabled() and self._sync:
+            self._backward_sync = True  # the backward of this forward reduces (DDP's rule)
         if self.zero3 is not None:
             self.zero3.root_pre_forward()
 
@@ -258,8 +283,6 @@ class ZeroEngine:
         self._sync_buffers_next = torch.is_grad_enabled() and self._sync
         if self.training_state is TrainingState.FORWARD:
             self.training_state = TrainingState.IDLE
-        if self.zero3 is not None:
-            self.zero3.root_post_forward()
         if not torch.is_grad_enabled():
             return output
         for t in tree_flatten(output)[0]:
@@ -288,28 +311,52 @@ class ZeroEngine:
 
     def on_grad_accumulated(self, p: nn.Parameter) -> None:
         self._queue_end_of_backward()  # normally queued already by an output hook
-        self.reducer.on_grad_ready(p, sync=self._sync)
+        self.reducer.on_grad_ready(p, sync=self._backward_sync)
+
+    @property
+    def backward_sync(self) -> bool:
+        """Whether the backward now running (or the next one) reduces gradients."""
+        return self._backward_sync
+
+    def sync_next_backward(self) -> None:
+        """Make the next backward reduce even though its forward ran inside ``no_sync()``
+        (Accelerate's ``trigger_sync_in_backward``, DDP's ``prepare_for_backward``)."""
+        self._backward_sync = True
 
     def _end_of_backward(self) -> None:
         self._backward_callback_queued = False
         self.training_state = TrainingState.IDLE
-        self.schedule.end_of_backward(self, sync=self._sync)
+        sync = self._backward_sync
+        self.schedule.end_of_backward(self, sync=sync)
+        if sync:
+            self._backward_sync = False  # until a forward outside no_sync() (or sync_next_backward)
 
     # -- gradient accumulation ------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate full local gradients without communication (costs a full gradient's
-        memory at ZeRO-2); the first backward after the block reduces the sum."""
+        """Forwards run inside the block do not reduce in their backward: full local gradients
+        accumulate without communication (a full gradient's memory at ZeRO-2). As with DDP,
+        what counts is where the forward ran: the backward of the next forward outside the
+        block reduces the sum."""
         prev, self._sync = self._sync, False
         try:
             yield
         finally:
             self._sync = prev
 
+    def _need_optimizer(self, call: str) -> None:
+        if isinstance(self.schedule, AllReduceAtEnd):
+            raise RuntimeError(
+                f"{call}: this model was set up without an optimizer (initialize(model, None)), so there are no "
+                "gradient shards to work on; at ZeRO-1/2 p.grad holds the full averaged gradient (use "
+                "torch.nn.utils.clip_grad_norm_ on it), or bind an optimizer with zero_strategy.replace_optimizer()"
+            )
+
     def finalize_grads(self) -> None:
         """Finish reduction on every rank and set the master pieces' gradients. Collective."""
         if self.grad_state is GradState.FINAL:
             return
+        self._need_optimizer("finalize_grads()")
         unmanaged = [n for n, p in self.module.named_parameters() if p.grad is not None and not self.reducer.manages(p)]
         if unmanaged:
             raise RuntimeError(
@@ -412,13 +459,17 @@ class ZeroEngine:
         if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
             self._abort_backward()
         self.reducer.wait_all()
+        full_grads = isinstance(self.schedule, AllReduceAtEnd)  # model-only ZeRO-1/2: p.grad is DDP's
         for g in self.groups:
             for p in g.params:
-                p.grad = None
+                if full_grads and not set_to_none and p.grad is not None:
+                    p.grad.zero_()
+                else:
+                    p.grad = None
             if set_to_none:
                 for m in g.masters:
                     m.grad = None
-            else:
+            elif g.grad_shard_if_allocated is not None:
                 g.grad_shard.zero_()
         if set_to_none:
             self.reducer.reset_window()
@@ -437,19 +488,16 @@ class ZeroEngine:
             raise ValueError(
                 f"gathered_parameters(modifier_rank={modifier_rank}): use a rank of the group, 0..{self.ctx.world_size - 1}, or None"
             )
-        if params is None:
-            groups = self.groups
-        else:
-            plist = [params] if isinstance(params, torch.Tensor) else list(params)
-            groups = sorted({self.reducer.locate(p)[0].index for p in plist if self.reducer.manages(p)})
-            groups = [self.groups[i] for i in groups]
-        with self.params.gathered(self, groups, modifier_rank):
+        plist = None if params is None else [params] if isinstance(params, torch.Tensor) else list(params)
+        with self.params.gathered(self, plist, modifier_rank):
             yield
 
     def load_full_state_dict(self, get: Callable[[str], torch.Tensor], keys: list[str], *, strict: bool) -> None:
-        """Copy full tensors into this rank's parameters, rows and masters, one at a time."""
+        """Copy full tensors into this rank's parameters, rows and masters, one at a time (a
+        ZeRO-3 unit that is gathered, a persistent one say, is freed: its next use gathers the
+        new values). Expects what ``state_dict()`` holds: non-persistent buffers are left alone."""
         params = dict(self.module.named_parameters(remove_duplicate=False))
-        buffers = dict(self.module.named_buffers())
+        buffers = persistent_buffers(self.module)
         expected = set(params) | set(buffers)
         missing, unexpected = sorted(expected - set(keys)), sorted(set(keys) - expected)
         if strict and (missing or unexpected):
@@ -469,7 +517,7 @@ class ZeroEngine:
                         f"load_full_state_dict(): '{key}' has shape {tuple(t.shape)} in the weights but "
                         f"{tuple(target.shape)} in the model"
                     )
-                if key in params and self.reducer.manages(target):
+                if key in params:
                     self.params.load_full(self, target, t)
                 else:
                     target.copy_(t)
@@ -489,6 +537,8 @@ class ZeroEngine:
             raise ValueError(
                 f"full_grad(): parameter of shape {tuple(p.shape)} is not a trainable parameter of this model"
             )
+        if isinstance(self.schedule, AllReduceAtEnd):  # model-only ZeRO-1/2: p.grad is the full average already
+            return None if p.grad is None else p.grad.detach().clone()
         self.finalize_grads()
         g, i = self.reducer.locate(p)
         lay, n = g.layout, self.ctx.world_size
@@ -497,7 +547,7 @@ class ZeroEngine:
         C.all_reduce(self.ctx, flag, op="max", what=f"full_grad flag of {self._names[id(p)]}").wait()
         if not flag.item():
             return None
-        buf = torch.zeros(n * c, dtype=g.master_dtype, device=g.grad_shard.device)
+        buf = torch.zeros(n * c, dtype=g.master_dtype, device=g.device)
         row = buf.view(n, c)[self.ctx.rank]
         piece = lay.local_view(g.grad_shard, i)
         row[: piece.numel()].copy_(piece)
@@ -528,12 +578,12 @@ class ZeroEngine:
         sharded = isinstance(self.params, ShardedParams)
         if sharded:
             for u in self.params.units:
-                out["param_shards"] += nbytes(u.row)
+                out["param_shards"] += nbytes(u.row) + nbytes(u.frozen_row)
         for g in self.groups:
-            out["grad_shards"] += nbytes(g.grad_shard)
+            out["grad_shards"] += nbytes(g.grad_shard_if_allocated)
             for m in g.masters:
                 out["masters"] += nbytes(m)
-        opt = getattr(self, "optimizer", None)
+        opt = self.optimizer
         if opt is not None:
             for st in opt.state.values():
                 for v in st.values():
@@ -571,13 +621,16 @@ class ZeroModule:
         depth = eng._root_depth
         eng._root_depth = depth + 1
         try:
-            return super().__call__(*args, **kwargs)  # type: ignore[misc]
-        except BaseException as exc:
-            if not isinstance(exc, Exception):  # the forward hooks run on Exceptions only
-                eng.interrupted(depth)
-            raise
-        finally:
+            out = super().__call__(*args, **kwargs)  # type: ignore[misc]
+        except BaseException:
             eng._root_depth = depth
+            if depth == 0:
+                eng.root_call_done(ok=False)
+            raise
+        eng._root_depth = depth
+        if depth == 0:
+            eng.root_call_done(ok=True)
+        return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         eng = self._zero_engine
@@ -611,16 +664,24 @@ def get_engine(module: nn.Module) -> ZeroEngine:
 
 
 def _refuse_norm_layers_with_running_stats(module: nn.Module, config: ZeroConfig) -> None:
-    """Mixed precision stores parameters in 16 bits; a BatchNorm's fp32 running statistics
-    next to 16-bit weights fail in its kernel (FSDP keeps such modules in fp32; not done here)."""
+    """16-bit parameters: a BatchNorm's fp32 running statistics next to 16-bit weights fail in
+    its kernel (FSDP keeps such modules in fp32; not done here). Mixed precision keeps fp32
+    parameters, so BatchNorm is fine there."""
     for name, m in module.named_modules():
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.affine:
             raise ValueError(
-                f"initialize(): mixed precision ({config.precision.param_dtype}) stores parameters in 16 bits, but "
-                f"'{name or type(m).__name__}' ({type(m).__name__}) keeps fp32 running statistics beside its weights; "
-                "train this model in fp32 (precision '32-true' / no bf16/fp16 in the config), or replace the "
-                "BatchNorm layers (e.g. GroupNorm/LayerNorm)"
+                f"initialize(): precision with 16-bit parameters ({config.precision.param_dtype}) stores them in 16 "
+                f"bits, but '{name or type(m).__name__}' ({type(m).__name__}) keeps fp32 running statistics beside "
+                "its weights; use mixed precision instead ('bf16-mixed' / '16-mixed': fp32 parameters under "
+                "autocast), or replace the BatchNorm layers (e.g. GroupNorm/LayerNorm)"
             )
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``state_dict()`` holds (non-persistent ones, such as RoPE's recomputed
+    ``inv_freq``, are not saved or loaded)."""
+    names = set(module.state_dict(keep_vars=True))
+    return {n: b for n, b in module.named_buffers() if n in names}
 
 
 def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -74,7 +74,9 @@ def _checkpoint_entries(path: str, dtype: torch.dtype | None) -> tuple[list[tupl
     for name in names:
         key = f"model.{meta.get('aliases', {}).get(name, name)}"
         md = saved[key]
-        entries.append((name, list(meta.get("state_shapes", meta["shapes"])[name]), dtype or md.properties.dtype))
+        saved_dtype = md.properties.dtype
+        out_dtype = dtype if dtype is not None and saved_dtype.is_floating_point else saved_dtype  # ints, bools: as saved
+        entries.append((name, list(meta.get("state_shapes", meta["shapes"])[name]), out_dtype))
 
     def read(name: str) -> torch.Tensor:
         key = f"model.{meta.get('aliases', {}).get(name, name)}"
@@ -94,8 +96,8 @@ def _live_entries(model: nn.Module, dtype: torch.dtype | None) -> tuple[list[tup
 
     def read(name: str) -> torch.Tensor:  # collective: one gather per parameter, on every rank
         t = tensors[name]
-        if isinstance(t, nn.Parameter) and t.requires_grad:
-            with gathered_parameters(t):  # ZeRO-3: gathered for this tensor only
+        if isinstance(t, nn.Parameter):
+            with gathered_parameters(t):  # ZeRO-3: gathered for this tensor only (frozen ones too)
                 return t.detach().clone()
         return t.detach()
 

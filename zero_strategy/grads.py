@@ -34,7 +34,7 @@ from zero_strategy.group import ShardGroup
 if TYPE_CHECKING:
     from zero_strategy.engine import ZeroEngine
 
-__all__ = ["GradReducer", "GradSchedule", "ReduceAtStep", "ReduceAtUnitEnd", "ReduceInBackward"]
+__all__ = ["AllReduceAtEnd", "GradReducer", "GradSchedule", "ReduceAtStep", "ReduceAtUnitEnd", "ReduceInBackward"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,21 @@ class ReduceAtUnitEnd:
         engine.zero3.end_of_backward(sync=sync)
 
 
-GradSchedule = ReduceAtStep | ReduceInBackward | ReduceAtUnitEnd
+@dataclass(frozen=True)
+class AllReduceAtEnd:
+    """ZeRO-1/2 without an optimizer (``initialize(model, None)``): there is no sharded state to
+    reduce into, so a synchronising backward ends, as DDP's does, with every ``p.grad`` holding
+    the full gradient averaged over the ranks (bucketed all-reduces, in group order)."""
+
+    def install(self, engine: "ZeroEngine") -> list[Any]:
+        return []
+
+    def end_of_backward(self, engine: "ZeroEngine", *, sync: bool) -> None:
+        if sync:
+            engine.reducer.all_reduce_full()
+
+
+GradSchedule = ReduceAtStep | ReduceInBackward | ReduceAtUnitEnd | AllReduceAtEnd
 
 
 @dataclass
@@ -159,7 +173,7 @@ class GradReducer:
     def _launch(self, g: ShardGroup) -> None:
         self._launched[g.index] = True
         lay, n = g.layout, self.ctx.world_size
-        inp = self.ctx.pool.get(n * lay.shard_numel, g.reduce_dtype, g.grad_shard.device)
+        inp = self.ctx.pool.get(n * lay.shard_numel, g.reduce_dtype, g.device)
         grads = []
         for p in g.params:
             if p.grad is not None:
@@ -170,7 +184,7 @@ class GradReducer:
         lay.pack_full(grads, inp)
         for p in g.params:
             p.grad = None  # the full gradient is not kept once it is in the bucket
-        out = self.ctx.pool.get(lay.shard_numel, g.reduce_dtype, g.grad_shard.device)
+        out = self.ctx.pool.get(lay.shard_numel, g.reduce_dtype, g.device)
         while self._in_flight and len(self._in_flight) >= max(self.max_in_flight, 1):  # bounded scratch
             self._complete(self._in_flight.popleft())
         handle = C.reduce_scatter(self.ctx, out, inp, what=f"gradients of {g.name} ({self._describe_step()})")
@@ -215,6 +229,57 @@ class GradReducer:
         self.wait_all()
         self._launched = [False] * len(self.groups)
         return flags[self.num_params :].bool()
+
+    def all_reduce_full(self) -> None:
+        """DDP's reduction of full gradients: ``p.grad`` becomes the average over the ranks. A
+        parameter with a gradient on some rank gets one everywhere (zeros where it had none);
+        one without a gradient anywhere keeps ``None``. One flag all-reduce, then one all-reduce
+        per group that has a gradient somewhere."""
+        flags = torch.tensor([int(p.grad is not None) for g in self.groups for p in g.params], dtype=torch.int32)
+        if not self.num_params:
+            return
+        flags = flags.to(self.ctx.device)
+        C.all_reduce(self.ctx, flags, op="max", what=f"gradient flags ({self._describe_step()})").wait()
+        used = flags.cpu().bool().tolist()
+        pending: deque[tuple[ShardGroup, C.Handle, torch.Tensor, list[bool]]] = deque()
+
+        def complete(entry: tuple[ShardGroup, C.Handle, torch.Tensor, list[bool]]) -> None:
+            g, h, buf, mask = entry
+            h.wait()
+            buf.mul_(1.0 / self.ctx.world_size)
+            off = 0
+            for p, m in zip(g.params, mask):
+                n = p.numel()
+                if m:
+                    flat = buf[off : off + n].view(p.shape)
+                    if p.grad is None:
+                        p.grad = flat.to(p.dtype).clone()
+                    else:
+                        p.grad.copy_(flat)
+                off += n
+            self.ctx.pool.put(buf)
+
+        start = 0
+        for g in self.groups:
+            mask = used[start : start + len(g.params)]
+            start += len(g.params)
+            if not any(mask):
+                continue
+            total = sum(p.numel() for p in g.params)
+            buf = self.ctx.pool.get(total, g.reduce_dtype, g.device)
+            off = 0
+            for p in g.params:
+                n = p.numel()
+                if p.grad is None:
+                    buf[off : off + n].zero_()
+                else:
+                    buf[off : off + n].copy_(p.grad.reshape(-1))
+                off += n
+            pending.append((g, C.all_reduce(self.ctx, buf, op="sum", what=f"gradients of {g.name} ({self._describe_step()})"), buf, mask))
+            while len(pending) > max(self.max_in_flight, 1) - 1 and len(pending) > 1:
+                complete(pending.popleft())
+        while pending:
+            complete(pending.popleft())
 
     def abort_backward(self) -> None:
         """Forget a backward that never reached its end (it raised): readiness and launches."""

@@ -5,8 +5,11 @@ Where a master piece lives is a policy chosen by type:
 
 - :class:`InPlaceMasters`: the master piece *is* this rank's slice of the parameter's own
   storage (same dtype, no offload). The optimizer updates the model in place; no extra bytes.
-- :class:`SeparateMasters`: the master piece is its own tensor in the master dtype (fp32 under
-  mixed precision). Offload backends will be further policies of this shape.
+- :class:`SeparateMasters`: the master piece is its own tensor in the master dtype (fp32 with
+  16-bit parameters). Offload backends will be further policies of this shape.
+
+ZeRO-3 builds its groups from its units instead (``unit.py``): there the master pieces are
+views of each unit's persistent row.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch import nn
 from zero_strategy.init import piece_of
 from zero_strategy.layout import ShardLayout
 
-__all__ = ["InPlaceMasters", "MasterPolicy", "SeparateMasters", "ShardGroup", "build_groups", "build_unit_groups"]
+__all__ = ["InPlaceMasters", "MasterPolicy", "SeparateMasters", "ShardGroup", "build_groups"]
 
 
 class MasterPolicy(Protocol):
@@ -68,9 +71,22 @@ class ShardGroup:
         self.masters = list(masters)
         self.reduce_dtype = reduce_dtype
         self.master_dtype = self.masters[0].dtype
-        # This rank's reduced gradient pieces, side by side like the layout's flat row.
-        self.grad_shard = torch.zeros(layout.shard_numel, dtype=self.master_dtype, device=self.masters[0].device)
+        self.device = self.masters[0].device
+        self._grad_shard: torch.Tensor | None = None
         self.grad_valid = False  # False: the next reduction overwrites instead of adding
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """This rank's reduced gradient pieces, side by side like the layout's flat row
+        (allocated on first use: a model set up without an optimizer never needs it)."""
+        if self._grad_shard is None:
+            with torch.inference_mode(False):
+                self._grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=self.device)
+        return self._grad_shard
+
+    @property
+    def grad_shard_if_allocated(self) -> torch.Tensor | None:
+        return self._grad_shard
 
     @property
     def name(self) -> str:
@@ -100,41 +116,6 @@ def _make_group(
         masters.append(master_policy.make(p, lo, hi, master_dtype_for(p)))
     params, fqns = [p for _, p in pending], [n for n, _ in pending]
     return ShardGroup(index, params, fqns, layout, masters, reduce_dtype_for(pending[0][1]), label)
-
-
-def build_unit_groups(
-    root: nn.Module,
-    units: Sequence[tuple[str, nn.Module]],
-    trainable: Sequence[tuple[str, nn.Parameter]],
-    **make_kw,
-) -> list[ShardGroup]:
-    """One group per ZeRO-3 unit (in ``units`` order) plus a last group, the root unit, for the
-    trainable parameters outside every unit. A parameter reachable from two units, or from a
-    unit and outside it (tied weights), belongs to the root unit, which stays gathered for the
-    whole forward and backward."""
-    prefixes = [(f"{fqn}.", k) for k, (fqn, _) in enumerate(units)]
-    owners: dict[int, set[int | None]] = {}
-    for name, p in root.named_parameters(remove_duplicate=False):
-        owner = next((k for pre, k in prefixes if name.startswith(pre)), None)
-        owners.setdefault(id(p), set()).add(owner)
-    members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(units) + 1)]
-    for name, p in trainable:
-        o = owners[id(p)]
-        k = next(iter(o)) if len(o) == 1 else None
-        members[len(units) if k is None else k].append((name, p))
-    labels = [fqn for fqn, _ in units] + ["<root>"]
-    groups: list[ShardGroup] = []
-    for k, pending in enumerate(members):
-        if not pending:
-            continue
-        dtypes = {p.dtype for _, p in pending}
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"initialize(): ZeRO-3 unit '{labels[k]}' mixes parameter dtypes {sorted(map(str, dtypes))}; "
-                "cast the model to one dtype before initialize()"
-            )
-        groups.append(_make_group(len(groups), pending, label=labels[k], **make_kw))
-    return groups
 
 
 def build_groups(

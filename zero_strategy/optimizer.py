@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
-from zero_strategy._swap import swap_class
+from zero_strategy._swap import swap_class, swapped_by
 
 if TYPE_CHECKING:
     from zero_strategy.engine import ZeroEngine
@@ -85,7 +85,7 @@ _NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon", "Shampoo", "SOAP", "Distribute
 
 def check_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> None:
     """Validate before anything is changed: element-wise update, parameters of ``module``."""
-    if isinstance(optimizer, ZeroOptimizer):
+    if swapped_by(optimizer) is ZeroOptimizer:
         raise RuntimeError("initialize(): this optimizer is already bound to a zero_strategy engine; build a new one")
     name = type(optimizer).__name__
     if name in _NOT_ELEMENTWISE:

@@ -9,8 +9,10 @@ Resolution, first match wins:
    FSDP auto-wrapping use;
 4. the default: the children of the *outermost* ``nn.ModuleList``/``nn.Sequential`` whose
    children are all of one class (a transformer's block list). Nested lists, such as the
-   experts inside an MoE block, stay inside their block's unit: the default never makes a
-   unit of a module it cannot see run unconditionally.
+   experts inside an MoE block, stay inside their block's unit. The default cannot see
+   whether every member of such a list runs on every rank (an MoE whose experts are the
+   outermost list skips the experts no token picked), so ZeRO-3 checks it as it runs: see
+   ``zero3.py``.
 
 A module chosen as a unit owns every parameter below it that no inner unit owns; parameters
 outside every unit form the root unit. Units never nest in the default policy; with an
@@ -19,11 +21,12 @@ explicit policy an inner match inside an outer match is ignored (the outer unit 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from torch import nn
 
-__all__ = ["UnitPolicy", "find_units", "is_zero_unit_class", "zero_auto_partition"]
+__all__ = ["UnitPlan", "UnitPolicy", "find_units", "is_zero_unit_class", "zero_auto_partition"]
 
 _MARK = "_zero_auto_partition"
 
@@ -45,10 +48,21 @@ def is_zero_unit_class(cls: type) -> bool:
     return bool(getattr(cls, _MARK, False))
 
 
-def _policy_fn(root: nn.Module, policy: UnitPolicy) -> tuple[Callable[[nn.Module, str], bool], str]:
+@dataclass(frozen=True)
+class UnitPlan:
+    """Which modules form units, by which rule, and which of them belong to lists that might run
+    conditionally (the default policy's block lists): ZeRO-3 checks, before each such unit
+    runs, that every rank is entering the same one (see ``zero3.py``)."""
+
+    units: list[tuple[str, nn.Module]]
+    rule: str
+    conditional_lists: list[list[str]] = field(default_factory=list)
+
+
+def _policy_fn(root: nn.Module, policy: UnitPolicy) -> tuple[Callable[[nn.Module, str], bool], str, list[list[nn.Module]]]:
     if policy is not None:
         if callable(policy) and not isinstance(policy, type):
-            return policy, "the policy callable"
+            return policy, "the policy callable", []
         try:
             classes = tuple(policy)  # type: ignore[arg-type]
         except TypeError:
@@ -58,28 +72,30 @@ def _policy_fn(root: nn.Module, policy: UnitPolicy) -> tuple[Callable[[nn.Module
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if bad:
             raise TypeError(f"initialize(policy=...): {bad!r} are not nn.Module classes")
-        return (lambda m, _n: isinstance(m, classes)), f"policy classes {[c.__name__ for c in classes]}"
+        return (lambda m, _n: isinstance(m, classes)), f"policy classes {[c.__name__ for c in classes]}", []
     if any(is_zero_unit_class(type(m)) for m in root.modules()):
-        return (lambda m, _n: is_zero_unit_class(type(m))), "@zero_auto_partition"
+        return (lambda m, _n: is_zero_unit_class(type(m))), "@zero_auto_partition", []
     names = set(getattr(root, "_no_split_modules", None) or ())
     if names:
-        return (lambda m, _n: type(m).__name__ in names), f"_no_split_modules {sorted(names)}"
-    blocks = _outermost_block_list(root)
-    ids = {id(m) for m in blocks}
-    return (lambda m, _n: id(m) in ids), "the default (repeated blocks)"
+        return (lambda m, _n: type(m).__name__ in names), f"_no_split_modules {sorted(names)}", []
+    lists = _outermost_block_lists(root)
+    ids = {id(m) for members in lists for m in members}
+    return (lambda m, _n: id(m) in ids), "the default (repeated blocks)", lists
 
 
-def _outermost_block_list(root: nn.Module) -> list[nn.Module]:
+def _outermost_block_lists(root: nn.Module) -> list[list[nn.Module]]:
+    """The children of the outermost ``ModuleList``/``Sequential`` containers (one list per
+    container) whose children are all of one class with parameters."""
     frontier: list[nn.Module] = [root]
     while frontier:
-        found: list[nn.Module] = []
+        found: list[list[nn.Module]] = []
         nxt: list[nn.Module] = []
         for m in frontier:
             for child in m.children():
                 kids = list(child.children())
                 if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2 and len({type(k) for k in kids}) == 1:
                     if any(True for _ in kids[0].parameters()):
-                        found.extend(kids)
+                        found.append(kids)
                         continue
                 nxt.append(child)
         if found:
@@ -88,10 +104,10 @@ def _outermost_block_list(root: nn.Module) -> list[nn.Module]:
     return []
 
 
-def find_units(root: nn.Module, policy: UnitPolicy = None) -> tuple[list[tuple[str, nn.Module]], str]:
-    """The unit modules (name, module) in registration order, outermost matches only, and a
-    description of the rule that chose them."""
-    match, how = _policy_fn(root, policy)
+def find_units(root: nn.Module, policy: UnitPolicy = None) -> UnitPlan:
+    """The unit modules (name, module) in registration order, outermost matches only, the rule
+    that chose them, and (default policy) the lists they came from."""
+    match, how, lists = _policy_fn(root, policy)
     units: list[tuple[str, nn.Module]] = []
 
     def visit(m: nn.Module, prefix: str) -> None:
@@ -108,5 +124,6 @@ def find_units(root: nn.Module, policy: UnitPolicy = None) -> tuple[list[tuple[s
             "name the blocks inside it instead"
         )
     visit(root, "")
-    return units, how
-
+    fqn_of = {id(m): fqn for fqn, m in units}
+    conditional = [[fqn_of[id(m)] for m in members if id(m) in fqn_of] for members in lists]
+    return UnitPlan(units, how, [c for c in conditional if c])

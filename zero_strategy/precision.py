@@ -1,16 +1,25 @@
-"""Precision policies and the fp16 dynamic loss scaler.
+"""Precision policy and the fp16 loss scaler.
 
-- :class:`FullPrecision`: parameters, gradients and optimizer in fp32 (or whatever dtype the
-  model has, float64 included). No autocast.
-- :class:`MixedPrecision`: the model's parameters are stored in ``param_dtype`` (bf16 or fp16);
-  each rank keeps an fp32 master copy of its shard only. The forward runs under
-  ``torch.autocast(dtype=param_dtype)``, so the casts are exactly the ones autocast makes.
-  Gradients are reduced in ``reduce_dtype`` (fp32 by default).
+One policy, :class:`Precision`, from the config's three dtypes (see ``PrecisionConfig``):
 
-The loss scaler is used for fp16 only. ``scale_loss`` multiplies the loss; gradients are
-unscaled as they are reduced; an overflow on any rank makes every rank skip the step, and the
-scale is multiplied by 0.5 (after ``hysteresis`` overflows) and doubled after
-``loss_scale_window`` good steps.
+- fp32: parameters, gradients and optimizer in the model's own dtype (float64 included).
+- mixed (``autocast_dtype`` only, Lightning's "bf16-mixed", Accelerate's "bf16"): parameters,
+  masters, gathers and reductions stay fp32; the forward runs under ``torch.autocast``. The
+  numbers are DDP's under the same autocast.
+- 16-bit parameters (``param_dtype``, DeepSpeed's bf16/fp16.enabled, Lightning's "*-true"):
+  the parameters the model computes with are 16-bit and each rank keeps an fp32 master copy
+  of its shard only. At ZeRO-3 the persistent shard *is* the fp32 master and a gather casts
+  it to 16 bits (FSDP2's ``param_dtype``), so no separate 16-bit shard is stored.
+
+Gradients are reduced in ``reduce_dtype`` (fp32 unless ``communication_data_type`` says
+otherwise) and accumulated into shards of the master dtype.
+
+The loss scaler is used when fp16 is involved. ``scale_loss`` multiplies the loss; gradients
+are unscaled as they are reduced; an overflow on any rank makes every rank skip the step.
+Its schedule follows what the front-end's reference path does: DeepSpeed's (``hysteresis``,
+``loss_scale_window``, ``min_loss_scale``) for 16-bit parameters or an explicit fp16 block;
+``torch.amp.GradScaler``'s (halve on overflow, double after 2000 good steps, no floor) in mixed
+mode, so that "16-mixed" equals DDP with a GradScaler.
 """
 
 from __future__ import annotations
@@ -23,87 +32,106 @@ import torch
 
 from zero_strategy.config import LossScaleConfig, PrecisionConfig
 
-__all__ = ["FullPrecision", "LossScaler", "MixedPrecision", "PrecisionPolicy", "select_precision"]
+__all__ = ["DeepSpeedSchedule", "GradScalerSchedule", "LossScaler", "Precision", "select_precision", "select_scaler"]
 
 
 @dataclass(frozen=True)
-class FullPrecision:
-    reduce_dtype: torch.dtype | None = None  # None: the parameter's own dtype
+class Precision:
+    param_dtype: torch.dtype | None = None  # 16-bit compute dtype of floating parameters, None: their own
+    reduce_dtype: torch.dtype | None = None  # None: the master dtype
+    autocast_dtype: torch.dtype | None = None
 
     def param_dtype_for(self, p: torch.Tensor) -> torch.dtype:
-        return p.dtype
+        """The dtype ``p`` is computed in (full parameters at ZeRO-1/2, gathered at ZeRO-3)."""
+        return self.param_dtype if self.param_dtype is not None and p.is_floating_point() else p.dtype
 
     def master_dtype_for(self, p: torch.Tensor) -> torch.dtype:
-        return p.dtype
+        return torch.float32 if self.param_dtype is not None and p.is_floating_point() else p.dtype
 
     def grad_reduce_dtype(self, p: torch.Tensor) -> torch.dtype:
-        return self.reduce_dtype or p.dtype
+        return self.reduce_dtype or self.master_dtype_for(p)
+
+    @property
+    def low_params(self) -> bool:
+        """Whether parameters are computed in 16 bits (masters are then separate fp32 copies)."""
+        return self.param_dtype is not None
 
     def forward_context(self, device_type: str) -> ContextManager[None]:
-        return contextlib.nullcontext()
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=self.autocast_dtype)
 
     @property
     def uses_loss_scaling(self) -> bool:
-        return False
+        return torch.float16 in (self.param_dtype, self.autocast_dtype)
+
+
+def select_precision(cfg: PrecisionConfig) -> Precision:
+    reduce = cfg.reduce_dtype if (cfg.reduce_dtype != torch.float32 or cfg.param_dtype is not None) else None
+    return Precision(param_dtype=cfg.param_dtype, reduce_dtype=reduce, autocast_dtype=cfg.autocast_dtype)
 
 
 @dataclass(frozen=True)
-class MixedPrecision:
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype = torch.float32
-    master_dtype: torch.dtype = torch.float32
+class DeepSpeedSchedule:
+    """DeepSpeed's dynamic (or static, ``loss_scale > 0``) schedule: an overflow halves the
+    scale once ``hysteresis`` overflows have been absorbed (the allowance refills when the
+    scale grows, or after every good step with ``consecutive_hysteresis``), never below
+    ``min_loss_scale``; ``loss_scale_window`` good steps in a row double it."""
 
-    def param_dtype_for(self, p: torch.Tensor) -> torch.dtype:
-        return self.param_dtype if p.is_floating_point() else p.dtype
-
-    def master_dtype_for(self, p: torch.Tensor) -> torch.dtype:
-        return self.master_dtype if p.is_floating_point() else p.dtype
-
-    def grad_reduce_dtype(self, p: torch.Tensor) -> torch.dtype:
-        return self.reduce_dtype
-
-    def forward_context(self, device_type: str) -> ContextManager[None]:
-        return torch.autocast(device_type=device_type, dtype=self.param_dtype)
+    cfg: LossScaleConfig
 
     @property
-    def uses_loss_scaling(self) -> bool:
-        return self.param_dtype == torch.float16
+    def initial(self) -> float:
+        return float(self.cfg.loss_scale if self.cfg.loss_scale > 0 else 2.0**self.cfg.initial_scale_power)
 
 
-PrecisionPolicy = FullPrecision | MixedPrecision
+@dataclass(frozen=True)
+class GradScalerSchedule:
+    """``torch.amp.GradScaler``'s defaults: start at 2**16, multiply by 0.5 on an overflow,
+    by 2 after ``growth_interval`` good steps in a row."""
 
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
 
-def select_precision(cfg: PrecisionConfig) -> PrecisionPolicy:
-    if cfg.param_dtype is None:
-        explicit_reduce = cfg.reduce_dtype if cfg.reduce_dtype != torch.float32 else None
-        return FullPrecision(reduce_dtype=explicit_reduce)
-    return MixedPrecision(param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype)
+    @property
+    def initial(self) -> float:
+        return self.init_scale
 
 
 class LossScaler:
-    """Dynamic (or static, when ``loss_scale > 0``) loss scale for fp16, with DeepSpeed's
-    semantics: an overflow halves the scale once ``hysteresis`` overflows have been absorbed
-    (the allowance refills when the scale grows, or after every good step with
-    ``consecutive_hysteresis``); ``loss_scale_window`` good steps in a row double it."""
+    """The fp16 loss scale and its schedule (one of the two above, chosen by type)."""
 
-    def __init__(self, cfg: LossScaleConfig, enabled: bool) -> None:
+    def __init__(self, schedule: DeepSpeedSchedule | GradScalerSchedule, enabled: bool) -> None:
         self.enabled = enabled
-        self.dynamic = cfg.dynamic
-        self.scale = float(cfg.loss_scale if cfg.loss_scale > 0 else 2.0**cfg.initial_scale_power) if enabled else 1.0
-        self._cfg = cfg
+        self.schedule = schedule
+        self.scale = schedule.initial if enabled else 1.0
         self._good_steps = 0
-        self._hysteresis_left = cfg.hysteresis
+        self._hysteresis_left = schedule.cfg.hysteresis if isinstance(schedule, DeepSpeedSchedule) else 1
         self.skipped_steps = 0
 
     def update(self, found_inf: bool) -> None:
         """Called once per optimizer step, on every rank with the same ``found_inf``."""
         if not self.enabled:
             return
-        cfg = self._cfg
         if found_inf:
             self.skipped_steps += 1
+        s = self.schedule
+        if isinstance(s, GradScalerSchedule):
+            if found_inf:
+                self.scale *= s.backoff_factor
+                self._good_steps = 0
+                return
+            self._good_steps += 1
+            if self._good_steps == s.growth_interval:
+                self.scale *= s.growth_factor
+                self._good_steps = 0
+            return
+        cfg = s.cfg
+        if found_inf:
             self._good_steps = 0
-            if not self.dynamic:
+            if not cfg.dynamic:
                 return
             if self._hysteresis_left <= 1:
                 self.scale = max(self.scale / 2.0, cfg.min_loss_scale)
@@ -113,6 +141,13 @@ class LossScaler:
         self._good_steps += 1
         if cfg.consecutive_hysteresis:
             self._hysteresis_left = cfg.hysteresis
-        if self.dynamic and self._good_steps % cfg.loss_scale_window == 0:
+        if cfg.dynamic and self._good_steps % cfg.loss_scale_window == 0:
             self._hysteresis_left = cfg.hysteresis
             self.scale *= 2.0
+
+
+def select_scaler(config_loss_scale: LossScaleConfig, precision: Precision, *, explicit: bool) -> LossScaler:
+    """DeepSpeed's schedule for 16-bit parameters or an explicit fp16 block, GradScaler's in mixed mode."""
+    mixed = not precision.low_params
+    schedule = GradScalerSchedule() if mixed and not explicit else DeepSpeedSchedule(config_loss_scale)
+    return LossScaler(schedule, enabled=precision.uses_loss_scaling)

@@ -5,7 +5,7 @@ Two policies, chosen by type:
 - :class:`ReplicatedParams` (ZeRO-1/2): every rank holds full parameters; after the optimizer
   step each group's updated pieces are all-gathered into them.
 - :class:`ShardedParams` (ZeRO-3): every rank holds only its flat row of each unit (its pieces
-  of every parameter, side by side). A unit moves SHARDED -> UNSHARDING -> UNSHARDED ->
+  of every parameter, trainable and frozen, side by side). A unit moves SHARDED -> UNSHARDING -> UNSHARDED ->
   SHARDED; the full parameters exist only while UNSHARDED (outside, each parameter keeps its
   shape but is a placeholder that holds no memory).
 
@@ -26,9 +26,11 @@ from torch import nn
 from zero_strategy import collectives as C
 from zero_strategy.group import ShardGroup
 from zero_strategy.init import check_placeholder, piece_of, placeholder
+from zero_strategy.layout import ShardLayout
 
 if TYPE_CHECKING:
     from zero_strategy.engine import ZeroEngine
+    from zero_strategy.precision import Precision
 
 __all__ = ["ReplicatedParams", "ShardedParams", "ShardedState", "UnitDivergence"]
 
@@ -48,22 +50,22 @@ class UnitDivergence(RuntimeError):
 class ReplicatedParams:
     """ZeRO-1/2: full parameters everywhere; refreshed by an all-gather after each step."""
 
-    sharded = False
-
     @contextlib.contextmanager
-    def gathered(self, engine: "ZeroEngine", groups: Sequence[ShardGroup], modifier_rank: int | None) -> Iterator[None]:
+    def gathered(self, engine: "ZeroEngine", params: Sequence[torch.Tensor] | None, modifier_rank: int | None) -> Iterator[None]:
         """Parameters are full already; with a modifier rank, its values are broadcast and
         the masters refreshed."""
         yield
         if modifier_rank is not None:
-            params = [p.detach() for g in groups for p in g.params]
-            C.broadcast_coalesced(engine.ctx, params, src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
+            plist = list(engine.module.parameters()) if params is None else list(params)
+            C.broadcast_coalesced(engine.ctx, [p.detach() for p in plist], src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
             with torch.no_grad():
-                for g in groups:
+                for g in engine.groups:
                     refresh_masters(g)
 
     def load_full(self, engine: "ZeroEngine", p: torch.Tensor, full: torch.Tensor) -> None:
         p.copy_(full)
+        if not engine.reducer.manages(p):  # frozen: no master
+            return
         g, i = engine.reducer.locate(p)
         m = g.masters[i]
         if m.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
@@ -82,7 +84,7 @@ class ReplicatedParams:
 
         for g in engine.groups:
             lay = g.layout
-            buf = ctx.pool.get(n * lay.shard_numel, g.params[0].dtype, g.grad_shard.device)
+            buf = ctx.pool.get(n * lay.shard_numel, g.params[0].dtype, g.device)
             row = buf.view(n, lay.shard_numel)[ctx.rank]
             with torch.no_grad():
                 lay.pack_local([m.detach() for m in g.masters], row)
@@ -114,58 +116,118 @@ class GatherMeter:
 
 
 class UnitStorage:
-    """One ZeRO-3 unit's persistent row and the full parameters' storages."""
+    """One ZeRO-3 unit: this rank's persistent pieces of the unit's parameters, and the full
+    parameters while the unit is gathered.
 
-    def __init__(self, group: ShardGroup, ctx: C.CommContext, tag: int, meter: GatherMeter, persistent: bool = False) -> None:
-        self.meter = meter
+    The parameters are laid out trainable first, then frozen, in one :class:`ShardLayout`;
+    this rank's pieces of the trainable ones are ``row`` (in the master dtype: the optimizer's
+    master pieces are views of it), those of the frozen ones ``frozen_row`` (in the compute
+    dtype: they are never updated, so they need no master). A gather sends both, cast to the
+    compute dtype, plus a two-element tag, in one all-gather. ``group`` is the trainable part
+    as a :class:`ShardGroup` (the reducer's view), or None for a unit without trainable
+    parameters."""
+
+    def __init__(
+        self,
+        label: str,
+        tag: int,
+        trainable: Sequence[tuple[str, nn.Parameter]],
+        frozen: Sequence[tuple[str, nn.Parameter]],
+        ctx: C.CommContext,
+        precision: "Precision",
+        meter: GatherMeter,
+        persistence_threshold: int,
+        group_index: int,
+    ) -> None:
+        self.label, self.tag, self.ctx, self.meter = label, tag, ctx, meter
+        named = list(trainable) + list(frozen)
+        self.params = [p for _, p in named]
+        self.fqns = [n for n, _ in named]
+        self.n_trainable = len(trainable)
+        dtypes = {precision.param_dtype_for(p) for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"initialize(): ZeRO-3 unit '{label}' mixes parameter dtypes {sorted(map(str, dtypes))} (one gather per "
+                "unit needs one dtype); cast the model to one dtype before initialize()"
+            )
+        self.dtype = dtypes.pop()
+        self.layout = ShardLayout(tuple(p.numel() for p in self.params), ctx.world_size, ctx.rank)
+        lay = self.layout
+        t_numel = sum(lay.chunks[: self.n_trainable])
+        master_dtype = precision.master_dtype_for(self.params[0]) if trainable else self.dtype
+        with torch.no_grad(), torch.inference_mode(False):  # padding stays zero
+            self.row = torch.zeros(t_numel, dtype=master_dtype, device=ctx.device)
+            self.frozen_row = torch.zeros(lay.shard_numel - t_numel, dtype=self.dtype, device=ctx.device)
+            for i, p in enumerate(self.params):
+                self.piece(i).copy_(piece_of(p, *lay.local_range(i)))
+        self.group: ShardGroup | None = None
+        if trainable:
+            t_layout = ShardLayout(tuple(p.numel() for _, p in trainable), ctx.world_size, ctx.rank)
+            masters = [nn.Parameter(t_layout.local_view(self.row, i)) for i in range(len(trainable))]
+            self.group = ShardGroup(
+                group_index, [p for _, p in trainable], [n for n, _ in trainable], t_layout, masters,
+                precision.grad_reduce_dtype(self.params[0]), label,
+            )  # fmt: skip
         # a small unit stays gathered from its first use until the optimizer step changes it
-        self.persistent = persistent
-        self.group = group
-        self.ctx = ctx
-        self.tag = tag
-        lay = group.layout
-        dtype = group.params[0].dtype
-        self.row = torch.empty(lay.shard_numel, dtype=dtype, device=ctx.device)
-        with torch.no_grad():
-            pieces = [piece_of(p, *lay.local_range(i)) for i, p in enumerate(group.params)]
-            lay.pack_local(pieces, self.row)
+        self.persistent = sum(lay.numels) <= persistence_threshold
         # Each parameter gets a full-shaped tensor with a storage of its own that is resized to
         # 0 bytes while sharded; ``p.data`` points at it only while the unit is gathered and is
-        # a memory-less placeholder otherwise (reads give zeros, writes raise), so touching a
-        # sharded parameter never reads freed memory. Views autograd saved in forward keep the storage object and see the data
-        # again when the unit is gathered for backward.
-        self.full = [torch.empty(p.shape, dtype=dtype, device=ctx.device) for p in group.params]
-        for p, f in zip(group.params, self.full):
+        # a memory-less placeholder otherwise (reads give NaN, writes raise), so touching a
+        # sharded parameter never reads freed memory. Views autograd saved in forward keep the
+        # storage object and see the data again when the unit is gathered for backward.
+        self.full = [torch.empty(p.shape, dtype=self.dtype, device=ctx.device) for p in self.params]
+        for p, f in zip(self.params, self.full):
             f.untyped_storage().resize_(0)
-            p.data = placeholder(p.shape, dtype, ctx.device)
+            p.data = placeholder(p.shape, self.dtype, ctx.device)
         self.state = ShardedState.SHARDED
-        self._numel_bytes = [p.numel() * p.element_size() for p in group.params]
+        self._numel_bytes = [p.numel() * f.element_size() for p, f in zip(self.params, self.full)]
         self._handle: C.Handle | None = None
         self._buf: torch.Tensor | None = None
         self._step = ""
 
     @property
+    def name(self) -> str:
+        return f"unit '{self.label}'"
+
+    def _rows(self, offset: int) -> tuple[torch.Tensor, int]:
+        """The persistent row holding flat position ``offset`` of this rank's shard, and the
+        position inside it."""
+        t = self.row.numel()
+        return (self.row, offset) if offset < t else (self.frozen_row, offset - t)
+
+    def piece(self, i: int) -> torch.Tensor:
+        """This rank's piece of parameter ``i`` (a view of its persistent row, unpadded)."""
+        row, off = self._rows(self.layout.offsets[i])
+        return row[off : off + self.layout.local_numel(i)]
+
+    @property
     def full_bytes(self) -> int:
         return sum(self._numel_bytes)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.layout.numels)
 
     def _expect(self, what: str, *states: ShardedState) -> None:
         if self.state not in states:
             raise AssertionError(
-                f"rank {self.ctx.rank}: {what} of {self.group.name} needs state "
+                f"rank {self.ctx.rank}: {what} of {self.name} needs state "
                 f"{' or '.join(s.name for s in states)}, but it is {self.state.name}"
             )
 
     def unshard_async(self, step: str) -> None:
         if self.state is not ShardedState.SHARDED:
             return
-        n, s = self.ctx.world_size, self.group.layout.shard_numel + TAG
-        buf = self.ctx.pool.get(n * s, self.row.dtype, self.row.device)
-        row = buf.view(n, s)[self.ctx.rank]
-        row[:-TAG].copy_(self.row)
-        row[-TAG] = self.tag % 128
-        row[-1] = self.tag // 128
+        n, s = self.ctx.world_size, self.layout.shard_numel + TAG
+        buf = self.ctx.pool.get(n * s, self.dtype, self.ctx.device)
+        slot = buf.view(n, s)[self.ctx.rank]
+        t = self.row.numel()
+        slot[:t].copy_(self.row)  # cast to the compute dtype (16-bit parameters)
+        slot[t : s - TAG].copy_(self.frozen_row)
+        slot[-TAG] = self.tag % 128
+        slot[-1] = self.tag // 128
         self._buf, self._step = buf, step
-        self._handle = C.all_gather(self.ctx, buf, row, what=f"parameters of {self.group.name} ({step})")
+        self._handle = C.all_gather(self.ctx, buf, slot, what=f"parameters of {self.name} ({step})")
         self.state = ShardedState.UNSHARDING
         self.meter.add(self.full_bytes)  # counted from the moment its gather buffer exists
 
@@ -174,31 +236,27 @@ class UnitStorage:
             return
         self._expect("wait_unshard", ShardedState.UNSHARDING)
         if self._handle is None or self._buf is None:
-            raise AssertionError(f"rank {self.ctx.rank}: {self.group.name} is UNSHARDING without a gather in flight")
+            raise AssertionError(f"rank {self.ctx.rank}: {self.name} is UNSHARDING without a gather in flight")
         self._handle.wait()
-        n, s = self.ctx.world_size, self.group.layout.shard_numel + TAG
+        n, s = self.ctx.world_size, self.layout.shard_numel + TAG
         rows = self._buf.view(n, s)
         tags = (rows[:, -TAG] + 128 * rows[:, -1]).round().long().tolist()
         if any(t != self.tag for t in tags):
             self.ctx.pool.put(self._buf)
-            raise UnitDivergence(_divergence_message(self.group.name, self.tag, tags, names, self._step))
-        lay = self.group.layout
-        for p, fqn in zip(self.group.params, self.group.fqns):
+            self._handle, self._buf = None, None
+            self.state = ShardedState.SHARDED
+            self.meter.add(-self.full_bytes)
+            raise UnitDivergence(_divergence_message(self.name, self.tag, tags, names, self._step))
+        for p, fqn in zip(self.params, self.fqns):
             check_placeholder(p.data, fqn)
         with torch.no_grad():
-            for p, f, nbytes in zip(self.group.params, self.full, self._numel_bytes):
+            for p, f, nbytes in zip(self.params, self.full, self._numel_bytes):
                 f.untyped_storage().resize_(nbytes)
                 p.data = f
-            flats = [f.view(-1) for f in self.full]
-            # copy the rank rows (without their tags) into the parameters
-            lay.unpack_full(rows, flats)
+            self.layout.unpack_full(rows, [f.view(-1) for f in self.full])  # the rank rows, without their tags
         self.ctx.pool.put(self._buf)
         self._handle, self._buf = None, None
         self.state = ShardedState.UNSHARDED
-
-    @property
-    def numel(self) -> int:
-        return sum(self.group.layout.numels)
 
     def release(self) -> None:
         """Done with the parameters for now: free them unless the unit is persistent."""
@@ -210,11 +268,17 @@ class UnitStorage:
             return
         if self.state is ShardedState.UNSHARDING:  # a prefetch nobody used
             self.wait_unshard({})
-        for p, f in zip(self.group.params, self.full):
+        for p, f in zip(self.params, self.full):
             p.data = placeholder(p.shape, f.dtype, f.device)
             f.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
         self.meter.add(-self.full_bytes)
+
+    def store_full(self, i: int, full: torch.Tensor) -> None:
+        """Write this rank's piece of the full value ``full`` of parameter ``i`` into its row;
+        a gathered copy is dropped, so the next use gathers the new values."""
+        self.piece(i).copy_(full.reshape(-1)[slice(*self.layout.local_range(i))])
+        self.reshard()
 
 
 def _divergence_message(unit: str, tag: int, tags: list[int], names: dict[int, str], step: str) -> str:
@@ -232,26 +296,59 @@ def _divergence_message(unit: str, tag: int, tags: list[int], names: dict[int, s
 
 
 class ShardedParams:
-    """ZeRO-3: persistent rows per unit, full parameters only while a unit is gathered."""
+    """ZeRO-3: persistent rows per unit (frozen parameters included), full parameters only
+    while a unit is gathered."""
 
-    sharded = True
-
-    def __init__(self, engine: "ZeroEngine", *, masters_in_rows: bool) -> None:
+    def __init__(
+        self,
+        root: nn.Module,
+        units: Sequence[tuple[str, nn.Module]],
+        named: Sequence[tuple[str, nn.Parameter]],
+        ctx: C.CommContext,
+        precision: "Precision",
+        persistence_threshold: int,
+    ) -> None:
+        """One unit per module of ``units`` (in that order) plus the root unit (label
+        ``<root>``, last) for the parameters outside every unit. A parameter reachable from two
+        units, or from a unit and outside it (tied weights), belongs to the root unit, which
+        stays gathered for the whole forward and backward."""
         self.meter = GatherMeter()
-        small = engine.config.stage3_param_persistence_threshold
-        self.units = [
-            UnitStorage(g, engine.ctx, tag=g.index + 1, meter=self.meter, persistent=sum(g.layout.numels) <= small)
-            for g in engine.groups
-        ]
-        self.names = {g.index + 1: g.name for g in engine.groups}
-        if masters_in_rows:  # fp32: the optimizer updates the rows in place, no extra copy
-            for u in self.units:
-                lay = u.group.layout
-                u.group.masters = [nn.Parameter(lay.local_view(u.row, i)) for i in range(len(u.group.params))]
+        prefixes = [(f"{fqn}.", k) for k, (fqn, _) in enumerate(units)]
+        owners: dict[int, set[int | None]] = {}
+        for name, p in root.named_parameters(remove_duplicate=False):
+            owner = next((k for pre, k in prefixes if name.startswith(pre)), None)
+            owners.setdefault(id(p), set()).add(owner)
+        members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(units) + 1)]
+        for name, p in named:
+            o = owners[id(p)]
+            k = next(iter(o)) if len(o) == 1 else None
+            members[len(units) if k is None else k].append((name, p))
+        labels = [fqn for fqn, _ in units] + ["<root>"]
+        self.units: list[UnitStorage] = []
+        self.groups: list[ShardGroup] = []
+        for k, pending in enumerate(members):
+            if not pending:
+                continue
+            trainable = [(n, p) for n, p in pending if p.requires_grad]
+            frozen = [(n, p) for n, p in pending if not p.requires_grad]
+            u = UnitStorage(labels[k], len(self.units) + 1, trainable, frozen, ctx, precision, self.meter,
+                            persistence_threshold, group_index=len(self.groups))  # fmt: skip
+            self.units.append(u)
+            if u.group is not None:
+                self.groups.append(u.group)
+        self.names = {u.tag: u.name for u in self.units}
+        self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+
+    def unit_of(self, p: torch.Tensor) -> tuple[UnitStorage, int] | None:
+        return self._where.get(id(p))
 
     @contextlib.contextmanager
-    def gathered(self, engine: "ZeroEngine", groups: Sequence[ShardGroup], modifier_rank: int | None) -> Iterator[None]:
-        units = [self.units[g.index] for g in groups]
+    def gathered(self, engine: "ZeroEngine", params: Sequence[torch.Tensor] | None, modifier_rank: int | None) -> Iterator[None]:
+        if params is None:
+            units = self.units
+        else:
+            found = {id(w[0]): w[0] for p in params if (w := self.unit_of(p)) is not None}
+            units = [u for u in self.units if id(u) in found]
         was = [u.state for u in units]
         where = f"gathered_parameters (step {engine.step_count})"
         for u in units:
@@ -262,32 +359,25 @@ class ShardedParams:
             yield
         finally:
             if modifier_rank is not None:
-                params = [p.detach() for u in units for p in u.group.params]
-                C.broadcast_coalesced(engine.ctx, params, src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
+                flat = [p.detach() for u in units for p in u.params]
+                C.broadcast_coalesced(engine.ctx, flat, src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
                 with torch.no_grad():
                     for u in units:
-                        lay = u.group.layout
-                        lay.pack_local([p.detach().view(-1)[slice(*lay.local_range(i))] for i, p in enumerate(u.group.params)], u.row)
-                        refresh_masters(u.group)
+                        for i, p in enumerate(u.params):
+                            u.piece(i).copy_(p.detach().reshape(-1)[slice(*u.layout.local_range(i))])
             for u, state in zip(units, was):
                 if state is ShardedState.SHARDED:
                     u.reshard()
 
     def load_full(self, engine: "ZeroEngine", p: torch.Tensor, full: torch.Tensor) -> None:
-        g, i = engine.reducer.locate(p)
-        lay = g.layout
-        piece = full.reshape(-1)[slice(*lay.local_range(i))]
-        row = self.units[g.index].row
-        lay.local_view(row, i).copy_(piece)
-        m = g.masters[i]
-        if m.untyped_storage().data_ptr() != row.untyped_storage().data_ptr():
-            m.data.copy_(piece)
+        where = self.unit_of(p)
+        if where is None:
+            raise AssertionError(f"rank {engine.ctx.rank}: load_full of a parameter that no ZeRO-3 unit holds")
+        u, i = where
+        u.store_full(i, full)
 
     def after_step(self, engine: "ZeroEngine") -> None:
-        # In fp32 the masters are views of the rows: already updated. Otherwise copy them in.
-        with torch.no_grad():
-            for u in self.units:
-                u.reshard()  # persistent units hold the old values: gather them again when used
-                g = u.group
-                if g.masters and g.masters[0].untyped_storage().data_ptr() != u.row.untyped_storage().data_ptr():
-                    g.layout.pack_local([m.detach() for m in g.masters], u.row)
+        # The masters are views of the rows (already updated); gathered copies, persistent
+        # units' included, hold the old values: free them, so the next use gathers again.
+        for u in self.units:
+            u.reshard()

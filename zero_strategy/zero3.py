@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zero_strategy import collectives as C
+from zero_strategy.partition import UnitPlan
 from zero_strategy.unit import ShardedState, UnitStorage
 
 from zero_strategy.states import TrainingState
@@ -38,11 +39,15 @@ log = logging.getLogger(__name__)
 
 
 class Zero3Hooks:
-    def __init__(self, engine: "ZeroEngine", units: list[tuple[str, nn.Module]]) -> None:
+    def __init__(self, engine: "ZeroEngine", plan: UnitPlan) -> None:
         self.engine = engine
         storages = engine.params.units  # type: ignore[union-attr]
-        by_label = {u.group.label: u for u in storages}
-        self.module_units: list[tuple[nn.Module, UnitStorage]] = [(m, by_label[fqn]) for fqn, m in units if fqn in by_label]
+        by_label = {u.label: u for u in storages}
+        self.module_units: list[tuple[nn.Module, UnitStorage]] = [(m, by_label[fqn]) for fqn, m in plan.units if fqn in by_label]
+        # units of lists that might run conditionally (default policy): list index by unit tag
+        self.lists: list[list[UnitStorage]] = [[by_label[f] for f in fqns if f in by_label] for fqns in plan.conditional_lists]
+        self.list_of: dict[int, int] = {u.tag: k for k, members in enumerate(self.lists) for u in members}
+        self.pinned: set[int] = set()  # tags of units gathered with the root (their list diverged once)
         self.root: UnitStorage | None = by_label.get("<root>")
         self.all_units = storages
         self.names = engine.params.names  # type: ignore[union-attr]
@@ -103,21 +108,65 @@ class Zero3Hooks:
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and self.engine.module.training and not self._in_backward()
 
+    # -- agreement on lists that might run conditionally ------------------------------------
+    def _checking(self) -> bool:
+        return len(self.pinned) < len(self.list_of)
+
+    def _agree(self, tag: int) -> bool:
+        """Every rank says which list unit it is about to enter (0: the forward ends). If ranks
+        differ, every list involved is pinned, on every rank in the same order: its units are
+        gathered now and from then on together with the root unit (gathered for the whole
+        forward and backward, reduced at the end of backward). Returns whether all agreed."""
+        ctx = self.engine.ctx
+        out = torch.zeros(ctx.world_size, dtype=torch.int64, device=ctx.device)
+        mine = out[ctx.rank : ctx.rank + 1]
+        mine.fill_(tag)
+        C.all_gather(ctx, out, mine, what=f"list-unit agreement ({self._step()})").wait()
+        tags = out.tolist()
+        if len(set(tags)) == 1:
+            return True
+        lists = sorted({self.list_of[t] for t in tags if t in self.list_of})
+        log.warning(
+            "zero_strategy: ZeRO-3 ranks enter different blocks of a list at %s (%s); the list%s %s now stay%s "
+            "gathered with the root unit (more memory, no divergence). To keep them sharded, decorate the module "
+            "that owns the conditional branch with @zero_auto_partition or pass initialize(policy=...).",
+            self._step(),
+            ", ".join(f"rank {r}: {self.names.get(t, 'end of forward')}" for r, t in enumerate(tags)),
+            "s" if len(lists) > 1 else "",
+            [self.lists[k][0].label.rsplit(".", 1)[0] for k in lists],
+            "" if len(lists) > 1 else "s",
+        )
+        newly = [u for k in lists for u in self.lists[k] if u.tag not in self.pinned]
+        for u in newly:
+            self.pinned.add(u.tag)
+            self._gather(u)
+        for u in newly:
+            u.wait_unshard(self.names)
+        return False
+
     # -- root ------------------------------------------------------------------------------
     def root_pre_forward(self) -> None:
         self._seq = []
         self._on_path = True
-        if self.root is not None:
-            self._gather(self.root)
-            self.root.wait_unshard(self.names)
+        pinned = [u for u in self.all_units if u.tag in self.pinned]
+        for u in ([self.root] if self.root is not None else []) + pinned:
+            self._gather(u)
+        for u in ([self.root] if self.root is not None else []) + pinned:
+            u.wait_unshard(self.names)
 
-    def root_post_forward(self) -> None:
+    def root_post_forward(self, *, agree: bool = True) -> None:
+        if agree and self._checking():
+            self._agree(0)  # a rank that skipped the last list units meets the others here
         if not torch.is_grad_enabled():
             for u in self.all_units:  # eval / no_grad: nothing but persistent units stays gathered
                 u.release()
 
     # -- units -----------------------------------------------------------------------------
     def _pre_forward(self, u: UnitStorage) -> None:
+        if u.tag in self.list_of and not self._in_backward():
+            if u.tag in self.pinned or not self._agree(u.tag):
+                u.wait_unshard(self.names)  # gathered with the root
+                return
         if self._recording():
             pos = len(self._seq)
             self._seq.append(u.tag)
@@ -142,8 +191,8 @@ class Zero3Hooks:
 
     def _post_forward(self, u: UnitStorage, output: Any) -> Any:
         # a checkpoint's recomputation keeps it for the backward; a unit that runs again soon
-        # in this forward stays gathered (stage3_max_reuse_distance)
-        if not self._in_backward() and not self._reuse_soon(u, self._fwd_pos, +1):
+        # in this forward stays gathered (stage3_max_reuse_distance); a pinned one stays too
+        if not self._in_backward() and u.tag not in self.pinned and not self._reuse_soon(u, self._fwd_pos, +1):
             u.release()
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
@@ -153,6 +202,9 @@ class Zero3Hooks:
 
     def _pre_backward(self, u: UnitStorage) -> None:
         self.engine._queue_end_of_backward()
+        if u.tag in self.pinned:  # gathered with the root; reduced at the end of backward
+            u.wait_unshard(self.names)
+            return
         if self._active is u and u.state is ShardedState.UNSHARDED:
             return
         if self._active is not None and self._active is not u:
@@ -172,7 +224,7 @@ class Zero3Hooks:
         return next((j for j in range(start - 1, -1, -1) if self.order[j] == u.tag), None)
 
     def _finish_backward(self, u: UnitStorage) -> None:
-        if self.engine._sync:
+        if self.engine.backward_sync and u.group is not None:
             self.engine.reducer.launch(u.group)
         if not self._reuse_soon(u, self._bwd_pos, -1):
             u.release()

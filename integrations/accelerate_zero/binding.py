@@ -1,26 +1,33 @@
 """What ``ZeroPlugin.prepare`` does to one Accelerator instance.
 
 Accelerate 1.15 has no hook for another data-parallel engine, and several of its plain-path
-methods would give wrong results for a ZeRO model, so ``prepare`` binds replacements onto that
-Accelerator *instance* (the class is untouched, other Accelerators are unaffected):
+methods would give wrong results for a ZeRO model, so the first ``prepare`` binds replacements
+onto that Accelerator *instance* (the class is untouched, other Accelerators are unaffected).
+Any number of models may be prepared, each with its optimizer or without one (evaluation
+models, gradient checks: ``zero_strategy.initialize(model, None)``); the replacements act on
+the ZeRO models and hand everything else to the Accelerator's own methods:
 
-- The model is initialized by ``zero_strategy`` and flagged ``_is_accelerate_prepared``, so
+- Each model is initialized by ``zero_strategy`` and flagged ``_is_accelerate_prepared``, so
   Accelerate tracks it without DDP and without its autocast wrapper (the engine runs the
-  forward under autocast itself in bf16/fp16).
+  forward under the same autocast itself).
 - ``backward``: divides by ``gradient_accumulation_steps`` (as Accelerate does) and scales by
   the engine's fp16 loss scale; Accelerate's ``GradScaler`` is turned off (it would scale
   again and check overflows per rank; the engine checks on every rank at once).
 - ``clip_grad_norm_``: the global norm over all ranks' shards (Accelerate's plain path runs
   ``torch.nn.utils.clip_grad_norm_`` over ``p.grad``: a local or zero norm at ZeRO-2/3). It
-  clips at the micro-step that synchronises; on the others it returns None.
+  clips at the micro-step that synchronises; on the others it returns None. A model prepared
+  without an optimizer has DDP's full gradients in ``p.grad``: Accelerate's own clipping.
 - ``clip_grad_value_`` clips this rank's averaged gradient pieces; ``unscale_gradients`` is a
   no-op (gradients are unscaled as they are reduced).
+- ``trigger_sync_in_backward(model)``: the next backward reduces although its forward ran in
+  ``no_sync`` (Accelerate skips models that are not DDP; the engine decides at forward, as DDP).
 - ``get_state_dict``: the full weights gathered to rank 0 (other ranks get ``{}``), for
   ``save_pretrained``.
-- ``save_state``/``load_state``: save and load pre-hooks write the model and optimizer shards
-  through ``zero_strategy.save_checkpoint`` (subdirectory ``zero_strategy_model``), which
-  loads at any number of processes; Accelerate itself saves a small marker for the optimizer
-  (its own code would write rank 0's shard only) and no full model weights.
+- ``save_state``/``load_state``: save and load pre-hooks write each model's (and optimizer's)
+  shards through ``zero_strategy.save_checkpoint`` (subdirectories ``zero_strategy_model``,
+  ``zero_strategy_model_1``, ...), which load at any number of processes; Accelerate itself
+  saves a small marker for each optimizer (its own code would write rank 0's shard only) and
+  no full model weights.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from torch import nn
 
 import zero_strategy as zs
 
-from accelerate_zero.plugin import ZeroPlugin, find_model_and_optimizer
+from accelerate_zero.plugin import ZeroPlugin, pair_models_and_optimizers
 
 __all__ = ["CHECKPOINT_DIR", "OPTIMIZER_MARKER", "ZeroAcceleratedOptimizer", "prepare_with_zero"]
 
@@ -78,82 +85,135 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
 
 
 class _Marker(dict):
-    """The model's entry in the weights list during ``save_state`` (removed by the pre-hook)."""
+    """A ZeRO model's entry in the weights list during ``save_state`` (removed by the pre-hook)."""
 
 
 class _Binding:
-    """The state shared by the functions bound onto one Accelerator."""
+    """The state shared by the functions bound onto one Accelerator: its ZeRO models, each with
+    its optimizer or None, in the order they were prepared."""
 
-    def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
-        self.model = model
-        self.optimizer = optimizer
+        self.entries: list[tuple[nn.Module, torch.optim.Optimizer | None]] = []
         self.saving = False
         self.marker = _Marker()
         self.loaded_step: int | None = None
+        # the Accelerator's own methods, for models and parameters that are not ours
+        self.original = {name: getattr(accelerator, name) for name in _BOUND}
 
-    def owns(self, model: Any) -> bool:
-        return model is self.model or self.accelerator.unwrap_model(model) is self.model
+    def add(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.entries.append((model, optimizer))
+
+    def entry_of(self, model: Any) -> tuple[int, nn.Module, torch.optim.Optimizer | None] | None:
+        unwrapped = self.accelerator.unwrap_model(model) if model is not None else None
+        for k, (m, opt) in enumerate(self.entries):
+            if model is m or unwrapped is m:
+                return k, m, opt
+        return None
+
+    def entry_of_parameters(self, parameters: Any, call: str) -> tuple[int, nn.Module, torch.optim.Optimizer | None] | None:
+        """The ZeRO model whose parameters these are (they must be all of its trainable ones),
+        or None if they belong to no ZeRO model."""
+        given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        ids = {id(p) for p in given}
+        for k, (m, opt) in enumerate(self.entries):
+            every = {id(p) for p in m.parameters()}
+            if not ids & every:
+                continue
+            trainable = {id(p) for p in m.parameters() if p.requires_grad}
+            if opt is not None and not (trainable <= ids <= every):
+                raise ValueError(
+                    f"accelerator.{call}(parameters=<{len(given)} tensors>): with ZeroPlugin the gradients are "
+                    "sharded across processes, so clip the whole model: pass model.parameters() of the model "
+                    "prepared by ZeroPlugin.prepare"
+                )
+            return k, m, opt
+        return None
 
     # -- bound methods -----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         kwargs.pop("learning_rate", None)  # LOMO's argument; not a ZeRO optimizer
-        zs.backward(loss / self.accelerator.gradient_accumulation_steps, model=self.model, **kwargs)
-
-    def _check_whole_model(self, parameters: Any, call: str) -> None:
-        given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        ids = {id(p) for p in given}
-        every = {id(p) for p in self.model.parameters()}
-        trainable = {id(p) for p in self.model.parameters() if p.requires_grad}
-        if not (trainable <= ids <= every):
+        loss = loss / self.accelerator.gradient_accumulation_steps
+        scaled = [m for m, opt in self.entries if opt is not None and m.zero_engine.scaler.enabled]
+        if len(scaled) > 1:
             raise ValueError(
-                f"accelerator.{call}(parameters=<{len(given)} tensors>): with ZeroPlugin the gradients are "
-                "sharded across processes, so clip the whole model: pass model.parameters() of the model "
-                "prepared by ZeroPlugin.prepare"
+                f"accelerator.backward(): {len(scaled)} ZeroPlugin models train with an fp16 loss scale each, and "
+                "backward cannot tell which scale this loss needs; train them in bf16, or with one Accelerator each"
             )
+        if scaled:
+            zs.backward(loss, model=scaled[0], **kwargs)
+        else:
+            loss.backward(**kwargs)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
-        self._check_whole_model(parameters, "clip_grad_norm_")
+        found = self.entry_of_parameters(parameters, "clip_grad_norm_")
+        if found is None or found[2] is None:  # not ours, or model-only: full gradients in p.grad
+            return self.original["clip_grad_norm_"](parameters, max_norm, norm_type)
         if not self.accelerator.sync_gradients:
             return None  # gradients are still accumulating: they are clipped at the synchronising micro-step
-        return zs.clip_grad_norm_(self.model, max_norm, norm_type)
+        return zs.clip_grad_norm_(found[1], max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        self._check_whole_model(parameters, "clip_grad_value_")
+        found = self.entry_of_parameters(parameters, "clip_grad_value_")
+        if found is None or found[2] is None:
+            return self.original["clip_grad_value_"](parameters, clip_value)
         if not self.accelerator.sync_gradients:
-            return
-        self.optimizer.clip_grad_value_(clip_value)  # element-wise on this rank's averaged pieces
+            return None
+        found[2].clip_grad_value_(clip_value)  # element-wise on this rank's averaged pieces
+        return None
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         return None  # the engine unscales fp16 gradients as it reduces them
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        if not self.owns(model):
-            return Accelerator.get_state_dict(self.accelerator, model, unwrap=unwrap)
+        found = self.entry_of(model)
+        if found is None:
+            return self.original["get_state_dict"](model, unwrap=unwrap)
         if self.saving:
             return self.marker  # save_state: the shards are written by the pre-hook instead
-        return zs.full_state_dict(self.model)  # collective; rank 0 gets the weights, others {}
+        return zs.full_state_dict(found[1])  # collective; rank 0 gets the weights, others {}
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+        found = self.entry_of(model)
+        if found is None:
+            with self.original["trigger_sync_in_backward"](model):
+                yield
+            return
+        found[1].zero_engine.sync_next_backward()  # as DDP's prepare_for_backward
+        yield
 
     # -- save_state / load_state -------------------------------------------------------------
+    @staticmethod
+    def _dir(output_dir: str, k: int) -> str:
+        return os.path.join(output_dir, CHECKPOINT_DIR if k == 0 else f"{CHECKPOINT_DIR}_{k}")
+
     def save_hook(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
         weights[:] = [w for w in weights if w is not self.marker]
-        # keep_last=1: saving again into the same directory replaces it, as plain Accelerate does
-        zs.save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, self.optimizer, extra=self._extra(), keep_last=1)
+        for k, (model, optimizer) in enumerate(self.entries):
+            # keep_last=1: saving again into the same directory replaces it, as plain Accelerate does
+            zs.save_checkpoint(self._dir(output_dir, k), model, optimizer, extra=self._extra(), keep_last=1)
 
     def load_hook(self, models: list[nn.Module], input_dir: str) -> None:
-        models[:] = [m for m in models if m is not self.model]
-        root = os.path.join(input_dir, CHECKPOINT_DIR)
-        if not os.path.isdir(root):
-            raise FileNotFoundError(
-                f"accelerator.load_state({input_dir!r}): no {CHECKPOINT_DIR}/ inside; the directory was not written "
-                "by accelerator.save_state with ZeroPlugin, so it holds no ZeRO shards to load"
-            )
-        extra = zs.load_checkpoint(root, self.model, self.optimizer)
-        self.loaded_step = extra.get("accelerate_step")
+        ours = {id(m) for m, _ in self.entries}
+        models[:] = [m for m in models if id(m) not in ours]
+        for k, (model, optimizer) in enumerate(self.entries):
+            root = self._dir(input_dir, k)
+            if not os.path.isdir(root):
+                raise FileNotFoundError(
+                    f"accelerator.load_state({input_dir!r}): no {os.path.basename(root)}/ inside; the directory was not "
+                    f"written by accelerator.save_state with ZeroPlugin for {len(self.entries)} ZeRO model(s), so it "
+                    "holds no ZeRO shards to load"
+                )
+            extra = zs.load_checkpoint(root, model, optimizer)
+            self.loaded_step = extra.get("accelerate_step")
 
     def _extra(self) -> dict[str, Any]:
         # lr and the other param-group settings are restored by zero_strategy.load_checkpoint
         return {"accelerate_step": int(self.accelerator.step)}
+
+
+_BOUND = ("backward", "clip_grad_norm_", "clip_grad_value_", "unscale_gradients", "get_state_dict", "trigger_sync_in_backward")
 
 
 def _check_accelerator(accelerator: Any) -> None:
@@ -168,11 +228,6 @@ def _check_accelerator(accelerator: Any) -> None:
     pc = getattr(accelerator, "parallelism_config", None)
     if pc is not None and (getattr(pc, "tp_enabled", False) or getattr(pc, "cp_enabled", False)):
         raise ValueError("ZeroPlugin.prepare(): tensor or context parallelism is not supported; remove parallelism_config")
-    if getattr(accelerator, "_zero_binding", None) is not None:
-        raise RuntimeError(
-            "ZeroPlugin.prepare(): this Accelerator already has a ZeroPlugin model; prepare one ZeRO model per "
-            "Accelerator (its backward, clip_grad_norm_ and save_state are bound to that model)"
-        )
 
 
 @contextlib.contextmanager
@@ -184,7 +239,12 @@ def _flag(binding: _Binding) -> Iterator[None]:
         binding.saving = False
 
 
-def _bind(accelerator: Accelerator, binding: _Binding) -> None:
+def _binding_of(accelerator: Accelerator) -> _Binding:
+    """The Accelerator's binding, made (and its methods bound) on the first ZeroPlugin.prepare."""
+    binding = getattr(accelerator, "_zero_binding", None)
+    if binding is not None:
+        return binding
+    binding = _Binding(accelerator)
     save_state, load_state = accelerator.save_state, accelerator.load_state
 
     def bound_save_state(output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
@@ -197,23 +257,25 @@ def _bind(accelerator: Accelerator, binding: _Binding) -> None:
         if binding.loaded_step is not None:  # the same on every rank, also ranks the save did not have
             accelerator.step = binding.loaded_step
 
-    for name in ("backward", "clip_grad_norm_", "clip_grad_value_", "unscale_gradients", "get_state_dict"):
+    for name in _BOUND:
         setattr(accelerator, name, getattr(binding, name))
     accelerator.save_state = bound_save_state  # type: ignore[method-assign]
     accelerator.load_state = bound_load_state  # type: ignore[method-assign]
     accelerator.register_save_state_pre_hook(binding.save_hook)
     accelerator.register_load_state_pre_hook(binding.load_hook)
     accelerator._zero_binding = binding  # type: ignore[attr-defined]
+    return binding
 
 
 def prepare_with_zero(plugin: ZeroPlugin, accelerator: Any, objects: tuple[Any, ...]) -> Any:
     _check_accelerator(accelerator)
-    model, optimizer = find_model_and_optimizer(objects)
-    if getattr(model, "_is_accelerate_prepared", False) or getattr(optimizer, "_is_accelerate_prepared", False):
-        raise ValueError(
-            "ZeroPlugin.prepare(): the model or optimizer was already passed to accelerator.prepare (DDP-wrapped); "
-            "pass the plain model and optimizer to ZeroPlugin.prepare instead"
-        )
+    pairs = pair_models_and_optimizers(objects)
+    for model, optimizer in pairs:
+        if getattr(model, "_is_accelerate_prepared", False) or getattr(optimizer, "_is_accelerate_prepared", False):
+            raise ValueError(
+                "ZeroPlugin.prepare(): the model or optimizer was already passed to accelerator.prepare (DDP-wrapped); "
+                "pass the plain model and optimizer to ZeroPlugin.prepare instead"
+            )
     config = plugin.resolved_config(accelerator)
     steps = config.gradient_accumulation_steps
     if steps not in (None, 1) and accelerator.gradient_accumulation_steps == 1:
@@ -221,18 +283,22 @@ def prepare_with_zero(plugin: ZeroPlugin, accelerator: Any, objects: tuple[Any, 
     # The Accelerator owns accumulation (loss division, no_sync, skipped steps); the engine
     # only needs to agree with it, which resolved_config checked.
     engine_config = config.replace(gradient_accumulation_steps=None)
-    if accelerator.device_placement:
-        model.to(accelerator.device)
-    model, optimizer = zs.initialize(model, optimizer, config=engine_config, policy=plugin.policy)
-    if config.precision.param_dtype is not None:
-        # as Accelerate's own mixed precision: the engine autocasts inside forward, the outputs
-        # come back in fp32 (a loss computed from them outside forward is computed in fp32)
-        model._original_forward = model.forward
-        model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
-    wrapped = ZeroAcceleratedOptimizer(optimizer, model)
-    model._is_accelerate_prepared = True  # tracked by the Accelerator, not wrapped in DDP or autocast
-    wrapped._is_accelerate_prepared = True
+    binding = _binding_of(accelerator)
+    swapped: dict[int, Any] = {}
+    for model, optimizer in pairs:
+        if accelerator.device_placement:
+            model.to(accelerator.device)
+        model, optimizer = zs.initialize(model, optimizer, config=engine_config, policy=plugin.policy)
+        if config.precision.autocast_dtype is not None:
+            # as Accelerate's own mixed precision: the engine autocasts inside forward, the outputs
+            # come back in fp32 (a loss computed from them outside forward is computed in fp32)
+            model._original_forward = model.forward
+            model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+        model._is_accelerate_prepared = True  # tracked by the Accelerator, not wrapped in DDP or autocast
+        if optimizer is not None:
+            wrapped = ZeroAcceleratedOptimizer(optimizer, model)
+            wrapped._is_accelerate_prepared = True
+            swapped[id(optimizer)] = wrapped
+        binding.add(model, optimizer)
     accelerator.scaler = None  # the engine's loss scaler replaces Accelerate's GradScaler
-    _bind(accelerator, _Binding(accelerator, model, optimizer))
-    swapped = tuple(wrapped if o is optimizer else o for o in objects)
-    return accelerator.prepare(*swapped)
+    return accelerator.prepare(*(swapped.get(id(o), o) for o in objects))

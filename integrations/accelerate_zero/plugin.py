@@ -23,6 +23,7 @@ from torch import nn
 
 import zero_strategy as zs
 from zero_strategy import resolve_overrides
+from zero_strategy.config import frontend_precision
 
 __all__ = ["CONFIG_ENV", "ENV_PREFIX", "ZeroPlugin"]
 
@@ -33,8 +34,6 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 _NESTED_ONLY = frozenset({"offload_optimizer", "offload_param", "loss_scale"})
 _FIELDS = tuple(f.name for f in dataclasses.fields(zs.ZeroConfig) if not f.name.startswith("_"))
 _ENV_FIELDS = tuple(n for n in _FIELDS if n not in _NESTED_ONLY)
-# Accelerator.mixed_precision -> the engine's precision (None: not set by the Accelerator)
-_PRECISIONS: dict[str, str | None] = {"no": None, "bf16": "bf16", "fp16": "fp16"}
 
 
 def _env_value(name: str, raw: str) -> Any:
@@ -126,18 +125,24 @@ class ZeroPlugin:
     # -- preparing -----------------------------------------------------------------------
     def resolved_config(self, accelerator: Any) -> zs.ZeroConfig:
         """The engine's config with the Accelerator's settings applied: its ``mixed_precision``
-        becomes the engine's precision and its ``gradient_accumulation_steps`` must agree with
-        the file's (a different value raises). Accelerate's defaults (``"no"``, 1) count as "not
-        given", as Lightning's do: the file's values then apply."""
+        keeps Accelerate's meaning, autocast over fp32 parameters ("bf16" is the engine's
+        "bf16-mixed"; a precision Accelerate itself does not apply, fp16 on a CPU, is "not
+        given"), and its ``gradient_accumulation_steps`` must agree with the file's (a
+        different value raises). Accelerate's defaults ("no", 1) count as "not given", as
+        Lightning's do: the file's values then apply."""
         mp = str(accelerator.mixed_precision)
-        if mp not in _PRECISIONS:
+        try:
+            name = frontend_precision("accelerate", mp)
+        except ValueError:
             raise ValueError(
                 f"Accelerator(mixed_precision={mp!r}) is not supported by ZeroPlugin; use 'no', 'bf16' or 'fp16'"
-            )
+            ) from None
+        if not getattr(accelerator, "native_amp", True):
+            name = None  # Accelerate's DDP path runs this in fp32 here (fp16 needs a GPU): so does the engine
         gas = int(accelerator.gradient_accumulation_steps)
         source = f"Accelerator(mixed_precision={mp!r}, gradient_accumulation_steps={gas})"
         return resolve_overrides(
-            self.config, source=source, precision=_PRECISIONS[mp], gradient_accumulation_steps=gas if gas != 1 else None
+            self.config, source=source, precision=name, gradient_accumulation_steps=gas if gas != 1 else None
         )
 
     def prepare(self, accelerator: Any, *objects: Any) -> Any:
@@ -149,13 +154,34 @@ class ZeroPlugin:
         return prepare_with_zero(self, accelerator, objects)
 
 
-def find_model_and_optimizer(objects: tuple[Any, ...]) -> tuple[nn.Module, torch.optim.Optimizer]:
+def pair_models_and_optimizers(objects: tuple[Any, ...]) -> list[tuple[nn.Module, torch.optim.Optimizer | None]]:
+    """Every model among ``objects`` with the optimizer built on its parameters (None: the model
+    is prepared without one, for evaluation or for gradients read elsewhere)."""
     models = [o for o in objects if isinstance(o, nn.Module)]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
-    if len(models) != 1 or len(optimizers) != 1:
+    if not models:
         raise ValueError(
-            f"ZeroPlugin.prepare(accelerator, *objects): got {len(models)} models and {len(optimizers)} optimizers; "
-            "pass exactly one model and the one optimizer built on its parameters (prepare other objects, such "
-            "as an evaluation model, with accelerator.prepare)"
+            "ZeroPlugin.prepare(accelerator, *objects): no model among the objects; pass the model(s) with their "
+            "optimizer(s) (prepare data loaders and schedulers alone with accelerator.prepare)"
         )
-    return models[0], optimizers[0]
+    owner: dict[int, int] = {}
+    for k, m in enumerate(models):
+        for p in m.parameters():
+            owner.setdefault(id(p), k)
+    paired: dict[int, torch.optim.Optimizer] = {}
+    for opt in optimizers:
+        ks = {owner.get(id(p)) for g in opt.param_groups for p in g["params"]}
+        if len(ks) != 1 or None in ks:
+            raise ValueError(
+                "ZeroPlugin.prepare(): an optimizer holds parameters of "
+                + ("no model given here" if None in ks else f"{len(ks)} of the models given")
+                + "; build each optimizer on the parameters of one model and pass that model too"
+            )
+        k = ks.pop()
+        if k in paired:
+            raise ValueError(
+                f"ZeroPlugin.prepare(): two optimizers are built on {type(models[k]).__name__}; ZeRO shards one "
+                "optimizer per model (put several parameter groups into one optimizer)"
+            )
+        paired[k] = opt
+    return [(m, paired.get(k)) for k, m in enumerate(models)]

@@ -2,15 +2,15 @@
 process group, barrier and broadcast, and turning Lightning's precision plugin into ours.
 
 A mixin placed before each namespace's ``ParallelStrategy``; each built class sets
-``_zero_dist`` (that namespace's ``utilities.distributed``), ``_zero_rank_zero`` and
-``_zero_launcher`` (its ``_SubprocessScriptLauncher``)."""
+``_zero_dist`` (that namespace's ``utilities.distributed``), ``_zero_rank_zero``,
+``_zero_launcher`` (its ``_SubprocessScriptLauncher``) and, for the Trainer, ``_zero_reset_seed``."""
 
 from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
 from types import ModuleType
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from typing_extensions import override
@@ -63,6 +63,7 @@ class ZeroParallelMixin:
     _zero_dist: ModuleType
     _zero_rank_zero: ModuleType
     _zero_launcher: type
+    _zero_reset_seed: Optional[Callable[[], None]] = None  # the Trainer's DDP calls lightning's reset_seed()
     parallel_devices: Optional[list[torch.device]]
     cluster_environment: Any
     num_nodes: int
@@ -136,8 +137,12 @@ class ZeroParallelMixin:
 
     @override
     def setup_environment(self) -> None:
-        """Ranks from the cluster environment, then the process group (kept if one exists)."""
+        """Ranks from the cluster environment, then the process group (kept if one exists).
+        The random streams end exactly as the same namespace's DDP strategy leaves them: the
+        Trainer's DDP re-seeds from ``seed_everything`` here (``reset_seed``), Fabric's does not."""
         super().setup_environment()  # type: ignore[misc]
+        if self._zero_reset_seed is not None:
+            self._zero_reset_seed()
         self._zero_set_world_ranks()
         dist = self._zero_dist
         self._process_group_backend = self._process_group_backend or dist._get_default_process_group_backend_for_device(self.root_device)

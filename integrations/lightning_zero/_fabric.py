@@ -123,10 +123,10 @@ def build(ns: str) -> tuple[type, type]:
 
         @override
         def setup_module(self, module: nn.Module) -> nn.Module:
-            # no optimizer: evaluation only (an SGD with lr 0 carries no state)
-            return self._initialize(module, lambda params: torch.optim.SGD(params, lr=0.0))[0]
+            # no optimizer: evaluation, or gradients read by other code (full averaged p.grad at ZeRO-1/2)
+            return self._initialize(module, None)[0]
 
-        def _initialize(self, module: nn.Module, optimizer: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+        def _initialize(self, module: nn.Module, optimizer: Any) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
             cfg = S.apply_lightning_arguments(self.zero_config, precision=self.precision.precision, gradient_clip_val=None,
                                               gradient_clip_algorithm=None, accumulate_grad_batches=1, source="Fabric(precision=...)")  # fmt: skip
             self.zero_config = cfg

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Union
 import torch
 
 from zero_strategy import ZeroConfig, resolve_overrides
+from zero_strategy.config import frontend_precision
 
 ConfigArg = Union[ZeroConfig, Mapping[str, Any], str, os.PathLike, None]
 
@@ -31,18 +32,11 @@ NAMES: tuple[RegisteredName, ...] = (
     RegisteredName("zero3_offload_nvme", 3, {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}, "ZeRO stage 3 + NVMe offload (not yet available)"),
 )  # fmt: skip
 
-# Lightning precision flag -> the engine's training dtype (None: the config file decides, as
-# "32-true" is Lightning's default and says nothing).
-PRECISIONS: dict[str, str | None] = {"32-true": None, "32": None, "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
-
-
 def training_dtype(flag: str) -> str | None:
-    if flag not in PRECISIONS:
-        raise ValueError(
-            f"precision={flag!r} is not supported by the zero strategies; use one of "
-            f"{sorted(k for k in PRECISIONS if k != '32')} (the engine keeps fp32 master weights and autocasts)"
-        )
-    return PRECISIONS[flag]
+    """The engine's precision name for Lightning's flag (None for "32-true": the config decides).
+    "*-mixed" keeps DDP's meaning (fp32 parameters under autocast); "*-true" gives 16-bit
+    parameters with fp32 master shards. The table lives in the core."""
+    return frontend_precision("lightning", flag)
 
 
 def strategy_config(config: ConfigArg, stage: int | None, offload: Mapping[str, Any] | None, caller: str) -> ZeroConfig:
@@ -96,4 +90,4 @@ def engine_config(cfg: ZeroConfig, *, lightning_clips: bool) -> ZeroConfig:
 
 
 def autocast_dtype(cfg: ZeroConfig) -> torch.dtype | None:
-    return cfg.precision.param_dtype
+    return cfg.precision.autocast_dtype

@@ -38,6 +38,7 @@ def build(ns: str) -> tuple[type, type]:
     fabric_dist = importlib.import_module(f"{fabric_ns}.utilities.distributed")
     trainer_fn = importlib.import_module(f"{ns}.trainer.states").TrainerFn
     rank_zero = importlib.import_module(f"{ns}.utilities.rank_zero")
+    reset_seed = importlib.import_module(f"{fabric_ns}.utilities.seed").reset_seed
     Precision = precision_mod.Precision
     ParallelStrategy = strategies.ParallelStrategy
 
@@ -86,6 +87,7 @@ def build(ns: str) -> tuple[type, type]:
 
         strategy_name = "zero"
         _zero_dist, _zero_rank_zero, _zero_launcher = fabric_dist, rank_zero, launchers._SubprocessScriptLauncher
+        _zero_reset_seed = staticmethod(reset_seed)  # as DDPStrategy.setup_distributed
         is_distributed = True  # Lightning adds the DistributedSampler only for distributed strategies
 
         def __init__(
@@ -182,7 +184,7 @@ def build(ns: str) -> tuple[type, type]:
                 if self._layer_sync is not None:  # sync_batchnorm=True, before the engine sees the modules
                     self.model = self._layer_sync.apply(self.model)
                 self.model_to_device()
-                optimizer = self.optimizers[0] if fitting else (lambda params: torch.optim.SGD(params, lr=0.0))
+                optimizer = self.optimizers[0] if fitting else None  # validate/test/predict: no optimizer, as DDP
                 zs.initialize(self.model, optimizer, config=wanted, policy=self._policy)
             else:
                 current = self.model.zero_engine.config

@@ -13,8 +13,10 @@
 - ``resume``: for every stage, a fresh model loads ``$ACCEL_JOB_CKPT/zero<stage>`` with
   ``accelerator.load_state`` and continues from ``SAVE_AT``.
 - ``env``: ``ZeroPlugin.from_env()`` (``ZERO_STRATEGY_CONFIG`` set by ``zero-strategy launch``).
-- ``precision``: DDP under Accelerate's autocast and ZeroPlugin at stage 2 with the
-  Accelerator's ``mixed_precision`` (set by ``accelerate launch --mixed_precision``).
+- ``precision``: DDP under Accelerate's autocast and ZeroPlugin at stages 1-3 with the
+  Accelerator's ``mixed_precision`` (set by ``accelerate launch --mixed_precision``), and
+  Accelerate's regression model against fp32 training.
+- ``sync``: Accelerate's own ``test_sync.py`` functions on ZeroPlugin models (see ``job_sync``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator
 
+import zero_strategy as zs
 from accelerate_zero import ZeroPlugin
 from zero_strategy.testing.parity import SEQ, VOCAB, Cell, Net
 
@@ -153,16 +156,145 @@ def job_env(out: dict[str, Any]) -> None:
 
 
 def job_precision(out: dict[str, Any]) -> None:
+    """Accelerate's mixed precision keeps its meaning (autocast over fp32 parameters) at every
+    stage; Accelerate's regression model, whose ops autocast leaves in fp32, trains exactly as
+    in fp32 (the regression check of Accelerate's own test suite)."""
+    from accelerate.test_utils import RegressionModel
+
     mixed = os.environ["ACCELERATE_MIXED_PRECISION"]
-    for mode in ("ddp", "zero2"):
+    for mode in ("ddp", "zero1", "zero2", "zero3"):
         acc, model, opt, sched, _ = build(mode, mixed)
+        inner: list[str] = []
+        acc.unwrap_model(model).head.register_forward_hook(lambda m, a, o: inner.append(str(o.dtype)))
         res = train(acc, model, opt, sched, 0, None)
         res["mixed_precision"] = acc.mixed_precision
-        res["param_dtype"] = str(next(model.parameters()).dtype)
+        res["native_amp"] = acc.native_amp
+        res["param_dtypes"] = sorted({str(p.dtype) for p in acc.unwrap_model(model).parameters()})
+        res["inner_dtype"] = inner[0]
         res["scaler_off"] = acc.scaler is None
         with torch.no_grad():
             res["output_dtype"] = str(model(torch.zeros(1, 4, dtype=torch.long)).dtype)
         out[mode] = res
+    x = torch.linspace(-1, 1, 24).reshape(-1, 1)
+    y = 2 * x + 3
+    for mode in ("fp32", "zero2", "zero3"):
+        model = RegressionModel(a=1, b=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if mode == "fp32":  # the oracle: plain fp32 training on the whole batch in this process
+            for _ in range(5):
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            out["regression_fp32"] = {"a": float(model.a), "b": float(model.b), "dtype": str(model.a.dtype)}
+            continue
+        acc = Accelerator(mixed_precision=mixed)
+        model, opt = ZeroPlugin(stage=int(mode[-1])).prepare(acc, model, opt)
+        chunk = x.chunk(acc.num_processes)[acc.process_index], y.chunk(acc.num_processes)[acc.process_index]
+        for _ in range(5):
+            loss = F.mse_loss(model(chunk[0]), chunk[1])
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        unwrapped = acc.unwrap_model(model)
+        with zs.gathered_parameters(unwrapped):
+            out[f"regression_{mode}"] = {"a": float(unwrapped.a), "b": float(unwrapped.b), "dtype": str(unwrapped.a.dtype)}
+
+
+# -- Accelerate's own gradient-sync checks ---------------------------------------------------
+def _route_prepare_through(plugin_for: Any) -> Any:
+    """Make ``Accelerator.prepare`` hand models (with or without an optimizer) to a ZeroPlugin,
+    so that Accelerate's own test functions, unmodified, run on the engine. Returns the
+    original method. Objects already prepared by the plugin go to Accelerate's own prepare."""
+    from torch import nn
+
+    original = Accelerator.prepare
+
+    def prepare(self: Accelerator, *objects: Any, **kwargs: Any) -> Any:
+        fresh = [o for o in objects if isinstance(o, nn.Module) and not getattr(o, "_is_accelerate_prepared", False)]
+        if not fresh:
+            return original(self, *objects, **kwargs)
+        return plugin_for().prepare(self, *objects)
+
+    Accelerator.prepare = prepare  # type: ignore[method-assign]
+    return original
+
+
+def _opt_sched_run(zero_stage: int | None, split: bool, dispatch: bool, each: bool) -> dict[str, list]:
+    """Accelerate's accumulate loop with an optimizer and a scheduler (as test_sync's
+    ``test_gradient_accumulation_with_opt_and_scheduler``), under DDP (None) or ZeroPlugin."""
+    from accelerate.accelerator import DataLoaderConfiguration, GradientAccumulationPlugin
+    from accelerate.state import GradientState
+    from accelerate.test_utils import RegressionDataset, RegressionModel
+    from accelerate.utils import set_seed
+
+    acc = Accelerator(
+        dataloader_config=DataLoaderConfiguration(split_batches=split, dispatch_batches=dispatch),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=each),
+    )
+    set_seed(42)
+    model = RegressionModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=lambda epoch: epoch**0.65)
+    loader = torch.utils.data.DataLoader(RegressionDataset(length=80, seed=42), batch_size=16)
+    objects = (model, opt, sched, loader)
+    if zero_stage is None:
+        model, opt, sched, loader = acc.prepare(*objects)
+    else:
+        model, opt, sched, loader = ZeroPlugin(stage=zero_stage).prepare(acc, *objects)
+    lrs, params, synced = [], [], []
+    for batch in loader:
+        x, y = batch.values()
+        with acc.accumulate(model):
+            out = model(x)
+            acc.backward(F.mse_loss(out, y.to(out.device)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        synced.append(bool(acc.sync_gradients))
+        lrs.append(opt.param_groups[0]["lr"])
+        inner = acc.unwrap_model(model)
+        with zs.gathered_parameters(inner) if zero_stage is not None else torch.no_grad():
+            params.append([float(inner.a), float(inner.b)])
+    GradientState._reset_state()
+    return {"lrs": lrs, "params": params, "synced": synced}
+
+
+def job_sync(out: dict[str, Any]) -> None:
+    """Accelerate's ``test_utils/scripts/test_sync.py`` (shipped with the installed package), its
+    functions unmodified, with every model they prepare handed to ZeroPlugin at stage 1 and 2
+    (no optimizer: ``p.grad`` must behave as DDP's); then its optimizer-and-scheduler loop
+    against Accelerate's own DDP at stages 1-3, over split_batches x dispatch_batches x
+    sync_each_batch."""
+    import itertools
+
+    from accelerate.state import GradientState
+    from accelerate.test_utils.scripts import test_sync
+
+    ran: list[str] = []
+    for stage in (1, 2):
+        original = _route_prepare_through(lambda: ZeroPlugin(stage=stage))
+        try:
+            acc = Accelerator()
+            test_sync.test_distributed_sync(acc)
+            ran.append(f"zero{stage}:distributed_sync")
+            test_sync.test_distributed_sync_multiple_fwd(acc)
+            ran.append(f"zero{stage}:distributed_sync_multiple_fwd")
+            models = [m for m in acc._models if getattr(m, "zero_engine", None) is not None]
+            out[f"zero{stage}_models_on_one_accelerator"] = len(models)
+            GradientState._reset_state()
+            for split, dispatch, each in itertools.product((True, False), repeat=3):
+                test_sync.test_gradient_accumulation(split, dispatch, each)
+                ran.append(f"zero{stage}:gradient_accumulation({split},{dispatch},{each})")
+        finally:
+            Accelerator.prepare = original  # type: ignore[method-assign]
+    out["ran"] = ran
+    runs = {}
+    for split, dispatch, each in itertools.product((True, False), repeat=3):
+        key = f"{split},{dispatch},{each}"
+        runs[key] = {"ddp": _opt_sched_run(None, split, dispatch, each)}
+        for stage in (1, 2, 3):
+            runs[key][f"zero{stage}"] = _opt_sched_run(stage, split, dispatch, each)
+    out["opt_sched"] = runs
 
 
 # -- transformers --------------------------------------------------------------------------
@@ -223,7 +355,7 @@ def main() -> None:
     job = os.environ["ACCEL_JOB"]
     out_dir = os.environ["ACCEL_JOB_OUT"]
     out: dict[str, Any] = {}
-    {"train": job_train, "resume": job_resume, "precision": job_precision, "env": job_env}[job](out)
+    {"train": job_train, "resume": job_resume, "precision": job_precision, "env": job_env, "sync": job_sync}[job](out)
     rank = dist.get_rank() if dist.is_initialized() else 0
     out["world"] = dist.get_world_size() if dist.is_initialized() else 1
     with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:

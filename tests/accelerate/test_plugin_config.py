@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import zero_strategy as zs
+from zero_strategy.config import PrecisionConfig
 from accelerate_zero import CONFIG_ENV, ZeroPlugin
 from accelerate_zero import launch
-from accelerate_zero.plugin import find_model_and_optimizer
+from accelerate_zero.plugin import pair_models_and_optimizers
 from zero_strategy import cli
 
 
@@ -22,8 +23,8 @@ def write(tmp_path: Path, text: str, name: str = "zero.yaml") -> str:
     return str(path)
 
 
-def fake_accelerator(mixed: str = "no", gas: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(mixed_precision=mixed, gradient_accumulation_steps=gas)
+def fake_accelerator(mixed: str = "no", gas: int = 1, native_amp: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(mixed_precision=mixed, gradient_accumulation_steps=gas, native_amp=native_amp)
 
 
 def test_from_file_reads_deepspeed_keys(tmp_path: Path) -> None:
@@ -76,14 +77,19 @@ def test_from_env_bad_variables(tmp_path: Path) -> None:
 
 
 def test_accelerator_settings_map_onto_the_engine(tmp_path: Path) -> None:
+    # Accelerate's names keep Accelerate's meaning: autocast over fp32 parameters
     cfg = ZeroPlugin(stage=2).resolved_config(fake_accelerator("bf16", gas=4))
-    assert cfg.precision.param_dtype == torch.bfloat16 and cfg.gradient_accumulation_steps == 4
-    assert ZeroPlugin().resolved_config(fake_accelerator("fp16")).precision.param_dtype == torch.float16
-    assert ZeroPlugin().resolved_config(fake_accelerator("no")).precision.param_dtype is None
-    # Accelerator "no" leaves the file's precision alone; an explicit different one conflicts
+    assert cfg.precision == PrecisionConfig(autocast_dtype=torch.bfloat16) and cfg.gradient_accumulation_steps == 4
+    assert ZeroPlugin().resolved_config(fake_accelerator("fp16")).precision == PrecisionConfig(autocast_dtype=torch.float16)
+    assert not ZeroPlugin().resolved_config(fake_accelerator("no")).precision.enabled
+    # fp16 that Accelerate itself does not apply (on a CPU: native_amp False) is not applied either
+    assert not ZeroPlugin().resolved_config(fake_accelerator("fp16", native_amp=False)).precision.enabled
+    # Accelerator "no" leaves the file's precision alone; the file's DeepSpeed bf16 (16-bit parameters)
+    # stays under Accelerate's "bf16"; another dtype conflicts
     plugin = ZeroPlugin({"bf16": {"enabled": True}})
     assert plugin.resolved_config(fake_accelerator("no")).precision.param_dtype == torch.bfloat16
-    with pytest.raises(ValueError, match=r"precision=bf16 from the config conflicts with precision=fp16 from Accelerator\(mixed_precision='fp16'"):
+    assert plugin.resolved_config(fake_accelerator("bf16")).precision.param_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"precision=bf16 from the config conflicts with precision=16-mixed from Accelerator\(mixed_precision='fp16'"):
         plugin.resolved_config(fake_accelerator("fp16"))
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4 from the config conflicts.*gradient_accumulation_steps=2"):
         ZeroPlugin({"gradient_accumulation_steps": 4}).resolved_config(fake_accelerator(gas=2))
@@ -94,12 +100,22 @@ def test_accelerator_settings_map_onto_the_engine(tmp_path: Path) -> None:
         ZeroPlugin().resolved_config(fake_accelerator("fp8"))
 
 
-def test_prepare_needs_one_model_and_its_optimizer() -> None:
-    model = torch.nn.Linear(2, 2)
+def test_prepare_pairs_each_model_with_its_optimizer() -> None:
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert find_model_and_optimizer((model, opt, None)) == (model, opt)
-    with pytest.raises(ValueError, match="got 2 models and 1 optimizers"):
-        find_model_and_optimizer((model, torch.nn.Linear(2, 2), opt))
+    assert pair_models_and_optimizers((model, opt, None)) == [(model, opt)]
+    # several models, one of them without an optimizer (evaluation, gradient checks)
+    assert pair_models_and_optimizers((other, model, opt)) == [(other, None), (model, opt)]
+    assert pair_models_and_optimizers((model,)) == [(model, None)]
+    with pytest.raises(ValueError, match="no model among the objects"):
+        pair_models_and_optimizers((opt,))
+    with pytest.raises(ValueError, match="holds parameters of no model given here"):
+        pair_models_and_optimizers((other, opt))
+    with pytest.raises(ValueError, match="two optimizers are built on Linear"):
+        pair_models_and_optimizers((model, opt, torch.optim.SGD(model.parameters(), lr=0.1)))
+    mixed = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="holds parameters of 2 of the models given"):
+        pair_models_and_optimizers((model, other, mixed))
     with pytest.raises(TypeError, match="expected an accelerate.Accelerator, got SimpleNamespace"):
         ZeroPlugin().prepare(fake_accelerator(), model, opt)
 

@@ -1,6 +1,10 @@
-"""Mixed precision: bf16 against DDP under autocast, fp16 loss scaling with an injected overflow."""
+"""Precision against DDP: mixed ("bf16-mixed", "16-mixed": fp32 parameters under autocast) equal
+to DDP + autocast (+ GradScaler) within float rounding, 16-bit parameters (DeepSpeed's bf16 /
+fp16.enabled) within bf16 rounding, fp16 loss scaling with an injected overflow."""
 
 from __future__ import annotations
+
+from zero_strategy.testing import assert_close, rel_error
 
 
 def _bf16_worker(rank: int, world: int) -> list[float]:
@@ -56,6 +60,81 @@ def _bf16_worker(rank: int, world: int) -> list[float]:
                 assert moved > 10 * err, (stage, k, moved, err)  # the check can tell a missed update
         worst.append(rel)
     return worst
+
+
+def _mixed_worker(rank: int, world: int) -> dict:
+    """bf16-mixed at stages 1-3 against DDP under the same autocast, and 16-mixed against DDP with
+    torch.amp.GradScaler, an overflow injected at step 4 on rank 1 only."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zero_strategy as zs
+    from zero_strategy.models import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4, qkv_bias=False)
+    out: dict = {}
+    for precision, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)):
+        for stage in (1, 2, 3):
+            runs = {}
+            for mode in ("ddp", "zero"):
+                torch.manual_seed(0)
+                model = GPT(cfg)
+                init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+                if mode == "ddp":
+                    net = DDP(model)
+                else:
+                    net, opt = zs.initialize(model, opt, stage=stage, precision=precision, reduce_bucket_size=5000)
+                inject = [False]
+                target = model.blocks[0].mlp.fc.weight
+                if rank == 1:
+                    target.register_hook(lambda g: torch.full_like(g, float("inf")) if inject[0] else g)
+                losses, scales, dtypes = [], [], set()
+                for step in range(12):
+                    inject[0] = dtype == torch.float16 and step == 4
+                    x, y = synthetic_batch(cfg, 2, step, seed=rank)
+                    with torch.autocast("cpu", dtype=dtype) if mode == "ddp" else torch.enable_grad():
+                        logits = net(x)
+                    dtypes.add(str(logits.dtype))
+                    loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), y.reshape(-1))
+                    if scaler is not None and mode == "ddp":
+                        scaler.scale(loss).backward()
+                        scaler.step(opt)
+                        scaler.update()
+                        scales.append(scaler.get_scale())
+                    else:
+                        zs.backward(loss, model=model) if mode == "zero" else loss.backward()
+                        opt.step()
+                        if mode == "zero":
+                            scales.append(model.zero_engine.scaler.scale)
+                    opt.zero_grad()
+                    losses.append(loss.item())
+                with zs.gathered_parameters(model) if mode == "zero" else torch.no_grad():
+                    final = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                    pdtypes = {str(p.dtype) for p in model.parameters()}
+                runs[mode] = (losses, final, init, scales, dtypes, pdtypes)
+            (ref, ref_final, init, ref_scales, ref_dtypes, _), (got, final, _, scales, dtypes, pdtypes) = runs["ddp"], runs["zero"]
+            assert pdtypes == {"torch.float32"}, pdtypes  # mixed: fp32 parameters, as DDP
+            assert dtypes == ref_dtypes == {str(dtype)}, (dtypes, ref_dtypes)  # the same autocast ran
+            assert_close(got, ref, rtol=1e-6, what=f"{precision} stage {stage} losses")
+            for k in ref_final:
+                assert_close(final[k], ref_final[k], rtol=1e-5, atol=1e-6, what=f"{precision} stage {stage} {k}")
+            if dtype == torch.float16:
+                assert scales == ref_scales, (stage, scales, ref_scales)  # GradScaler's schedule
+            moved = rel_error(ref_final["blocks.0.mlp.fc.weight"], init["blocks.0.mlp.fc.weight"], floor=1e-3)
+            out[(precision, stage)] = {"moved": moved, "scales": scales}
+    return out
+
+
+def test_mixed_precision_equals_ddp_under_the_same_autocast(launch) -> None:
+    for r in launch(_mixed_worker, 2, timeout=300):
+        assert len(r) == 6
+        for (precision, stage), v in r.items():
+            assert v["moved"] > 1e-2, (precision, stage, v)  # training moved the weights: the comparison can tell
+        fp16 = r[("16-mixed", 2)]["scales"]
+        assert fp16[3] == 2.0**16 and fp16[4] == 2.0**15, fp16  # the injected overflow halved the scale once
 
 
 def test_bf16_matches_ddp_autocast(launch) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from zero_strategy.testing import assert_close, rel_error
+
 VOCAB, SEQ = 64, 8
 
 
@@ -148,7 +150,10 @@ def _parity_worker(rank: int, world: int) -> dict:
         stage_name = name.split("_")[0]
         strategy = lightning_zero.ZeroStrategy(stage=3) if sharded else (stage_name if stage_name != "zero1" else lightning_zero.ZeroStrategy(stage=1))
         rec = _Losses()
-        trainer = _trainer(strategy, world, max_steps=10, accumulate_grad_batches=2, gradient_clip_val=0.3, callbacks=[rec],
+        # bf16 runs do not clip: the global norm is summed over shards in another order than
+        # torch's, a last-bit difference that bf16 rounding of activations amplifies over steps
+        clip = None if name.endswith("bf16") else 0.3
+        trainer = _trainer(strategy, world, max_steps=10, accumulate_grad_batches=2, gradient_clip_val=clip, callbacks=[rec],
                            enable_checkpointing=False, num_sanity_val_steps=1, limit_val_batches=2,
                            precision="bf16-mixed" if name.endswith("bf16") else "32-true")  # fmt: skip
         model = LitGPT(sharded=sharded)
@@ -208,12 +213,11 @@ def test_ddp_parity_with_accumulation_clipping_and_scheduler(launch) -> None:
         assert abs(a - b) <= 1e-6 * abs(b), (manual, manual_ddp)
     # clipping was active on every step (DDP's full-gradient norms before clipping)
     assert len(results[0]["ddp"]["norms"]) == 10 and min(results[0]["ddp"]["norms"]) > 0.3
-    # bf16-mixed: the engine keeps 16-bit parameters (fp32 masters), Lightning's DDP fp32 ones
-    # under autocast, so the losses agree to bf16 rounding only
+    # bf16-mixed keeps DDP's meaning: fp32 parameters under autocast, the same numbers
     bf16, ddp_bf16 = results[0]["zero2_bf16"], results[0]["ddp_bf16"]
-    assert bf16["dtype"] == "torch.bfloat16" and ddp_bf16["dtype"] == "torch.float32"
-    for a, b in zip(bf16["losses"], ddp_bf16["losses"], strict=True):
-        assert abs(a - b) <= 2e-2 * abs(b), (bf16["losses"], ddp_bf16["losses"])
+    assert bf16["dtype"] == ddp_bf16["dtype"] == "torch.float32"
+    assert_close(bf16["losses"], ddp_bf16["losses"], rtol=1e-6, what="bf16-mixed losses")
+    assert rel_error(bf16["losses"], results[0]["zero2"]["losses"]) > 1e-4  # autocast did change the numbers
 
 
 GLOBAL_BATCH, EPOCH_STEPS = 12, 4
@@ -397,8 +401,8 @@ def test_errors_name_the_setting_and_the_fix(tmp_path) -> None:
         lightning_zero.ZeroStrategy(config=str(cfg), stage=3)
     with pytest.raises(ValueError, match="state_dict_type"):
         lightning_zero.ZeroStrategy(state_dict_type="whole")
-    with pytest.raises(ValueError, match="precision='bf16-true' is not supported"):
-        pl.Trainer(strategy="zero2", accelerator="cpu", precision="bf16-true")
+    with pytest.raises(ValueError, match="precision='64-true' is not supported"):
+        pl.Trainer(strategy="zero2", accelerator="cpu", precision="64-true")
     # importing again registers nothing twice
     import importlib
 
@@ -420,6 +424,16 @@ def test_config_file_precision_conflicts_with_trainer() -> None:
     with pytest.raises(ValueError, match="precision=bf16 from the config conflicts with precision=16-mixed"):
         S.apply_lightning_arguments(cfg, precision="16-mixed", gradient_clip_val=None, gradient_clip_algorithm=None,
                                     accumulate_grad_batches=1, source="Trainer")  # fmt: skip
+    # the file's DeepSpeed bf16 (16-bit parameters) stays under "bf16-mixed", as Lightning's DeepSpeed strategy maps it
+    kept = S.apply_lightning_arguments(cfg, precision="bf16-mixed", gradient_clip_val=None, gradient_clip_algorithm=None,
+                                       accumulate_grad_batches=1, source="Trainer")  # fmt: skip
+    assert kept.precision.param_dtype == zs.ZeroConfig(precision="bf16-true").precision.param_dtype
+    # without a file, the Trainer's names: "*-mixed" is autocast over fp32, "*-true" 16-bit parameters
+    plain = zs.ZeroConfig()
+    for flag, param, autocast in (("bf16-mixed", None, "bf16"), ("16-mixed", None, "fp16"), ("bf16-true", "bf16", "bf16")):
+        got = S.apply_lightning_arguments(plain, precision=flag, gradient_clip_val=None, gradient_clip_algorithm=None,
+                                          accumulate_grad_batches=1, source="Trainer").precision  # fmt: skip
+        assert got == zs.ZeroConfig(precision={"param_dtype": param, "autocast_dtype": autocast}).precision, flag
 
 
 def _run_script(cmd: list[str], timeout: float) -> str:

@@ -403,10 +403,81 @@ def test_replace_optimizer_starts_fresh_as_ddp_would() -> None:
         zs.replace_optimizer(model, new)
 
 
-def test_mixed_precision_refuses_batchnorm_with_running_stats() -> None:
+def test_16bit_parameters_refuse_batchnorm_mixed_precision_trains_it_as_plain_autocast() -> None:
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    with pytest.raises(ValueError, match=r"'1' \(BatchNorm1d\) keeps fp32 running statistics.*fp32"):
+    with pytest.raises(ValueError, match=r"'1' \(BatchNorm1d\) keeps fp32 running statistics.*use mixed precision"):
         zs.initialize(net, lambda p: torch.optim.SGD(p, lr=0.1), stage=2, precision="bf16")
+    # mixed precision keeps fp32 parameters and statistics: BatchNorm trains as under DDP + autocast
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    for stage in (2, 3):
+        m = copy.deepcopy(ref)
+        m, opt = zs.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), stage=stage, precision="bf16-mixed")
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = ref(x).float().square().mean()
+        loss = m(x).float().square().mean()
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6, abs=0)
+        loss.backward()
+        opt.step()
+        with zs.gathered_parameters(m):
+            assert all(p.dtype == torch.float32 for p in m.parameters()) and torch.isfinite(m[1].running_mean).all()
+
+
+def test_export_bf16_casts_floating_tensors_only(tmp_path) -> None:
+    """``zero-strategy export --dtype bf16`` keeps integer and bool tensors bit-exact (an int64
+    position id of 257 would come back as 256 through bf16)."""
+    from safetensors.torch import load_file
+
+    from zero_strategy import cli
+
+    class WithIds(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("position_ids", torch.arange(250, 260, dtype=torch.int64))
+            self.register_buffer("mask", torch.tensor([True, False, True]))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    model, opt = zs.initialize(WithIds(), lambda p: torch.optim.SGD(p, lr=0.1), stage=3)
+    zs.save_checkpoint(tmp_path / "ckpt", model, opt)
+    for out in (tmp_path / "a.safetensors", tmp_path / "b.pt"):
+        cli.export(str(tmp_path / "ckpt"), str(out), dtype="bf16")
+        sd = load_file(out) if out.suffix == ".safetensors" else torch.load(out, weights_only=True)
+        assert sd["position_ids"].dtype == torch.int64 and sd["position_ids"].tolist() == list(range(250, 260))
+        assert sd["mask"].dtype == torch.bool and sd["mask"].tolist() == [True, False, True]
+        assert sd["lin.weight"].dtype == torch.bfloat16
+
+
+def test_load_checkpoint_leaves_non_persistent_buffers_alone(tmp_path) -> None:
+    """Checkpoints hold what state_dict() holds: a non-persistent buffer (RoPE's inv_freq,
+    recomputed after a config change) keeps the value the new model computed."""
+
+    class Rope(torch.nn.Module):
+        def __init__(self, base: float) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("inv_freq", 1.0 / base ** torch.arange(0, 4, 2).float(), persistent=False)
+            self.register_buffer("kept", torch.zeros(2))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    for stage in (1, 3):
+        saved = Rope(10000.0)
+        saved.kept.fill_(7.0)
+        model, opt = zs.initialize(saved, lambda p: torch.optim.SGD(p, lr=0.1), stage=stage)
+        root = tmp_path / f"s{stage}"
+        zs.save_checkpoint(root, model, opt)
+        fresh = Rope(500000.0)  # a new rope base: its inv_freq is recomputed
+        expected = fresh.inv_freq.clone()
+        fresh, opt2 = zs.initialize(fresh, lambda p: torch.optim.SGD(p, lr=0.1), stage=stage)
+        zs.load_checkpoint(root, fresh, opt2)
+        assert torch.equal(fresh.inv_freq, expected) and fresh.kept.tolist() == [7.0, 7.0]
+        zs.load_full_state_dict(fresh, {k: v for k, v in Rope(1.0).state_dict().items()})  # strict: no inv_freq needed
+        assert torch.equal(fresh.inv_freq, expected)
 
 
 def test_save_never_writes_into_an_existing_checkpoint_and_checks_objects(tmp_path) -> None:

@@ -78,7 +78,7 @@ def test_defaults():
     assert cfg.offload_optimizer == OffloadConfig() and not cfg.offload_optimizer.enabled
     assert cfg.offload_param.device == "none" and not cfg.offload_param.enabled
     assert cfg.precision.param_dtype is None and cfg.precision.reduce_dtype == torch.float32
-    assert not cfg.precision.mixed
+    assert not cfg.precision.enabled and cfg.precision.autocast_dtype is None
     assert cfg.loss_scale.hysteresis == 1 and cfg.loss_scale.dynamic
     assert cfg.gradient_clipping is None and cfg.gradient_accumulation_steps is None
     assert (cfg.comm_timeout, cfg.prefetch, cfg.check_unit_order, cfg.collective_impl) == (300.0, 1, True, "auto")
@@ -111,39 +111,70 @@ def test_kwargs_coercion():
     assert cfg.allgather_bucket_size == 500_000_000 and cfg.sub_group_size == 1000
     assert cfg.offload_param == OffloadConfig(device="cpu", buffer_count=4)
     assert cfg.offload_optimizer.device == "cpu"
-    assert cfg.precision == PrecisionConfig(param_dtype=torch.bfloat16)
+    assert cfg.precision == PrecisionConfig(param_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16)
     assert cfg.loss_scale == LossScaleConfig(hysteresis=2)
     assert cfg.gradient_clipping == 1.0 and type(cfg.gradient_clipping) is float
     assert cfg.comm_timeout == 60.0
 
 
+BF, HF = torch.bfloat16, torch.float16
+
+
 @pytest.mark.parametrize(
-    ("name", "expected"),
+    ("name", "param", "autocast"),
     [
-        ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("bf16-mixed", torch.bfloat16),
-        ("fp16", torch.float16), ("float16", torch.float16), ("half", torch.float16), ("16-mixed", torch.float16),
-        ("fp32", None), ("float32", None), ("32-true", None), (torch.float32, None), (torch.float16, torch.float16),
-        (None, None), (16, torch.float16), ("16", torch.float16), (32, None),
+        # 16-bit parameters with fp32 master shards (DeepSpeed's bf16/fp16.enabled, Lightning's -true)
+        ("bf16", BF, BF), ("bfloat16", BF, BF), ("bf16-true", BF, BF), (torch.bfloat16, BF, BF),
+        ("fp16", HF, HF), ("float16", HF, HF), ("half", HF, HF), ("16-true", HF, HF), (torch.float16, HF, HF),
+        # mixed: fp32 parameters under autocast (DDP's meaning of Lightning's -mixed, Accelerate's names)
+        ("bf16-mixed", None, BF), ("16-mixed", None, HF),
+        ("fp32", None, None), ("float32", None, None), ("32-true", None, None), (torch.float32, None, None),
+        (None, None, None), (32, None, None),
     ],
 )  # fmt: skip
-def test_precision_names(name, expected):
-    precision = PrecisionConfig(param_dtype=name)
-    assert precision.param_dtype == expected
-    assert precision.mixed is (expected is not None)
+def test_precision_names(name, param, autocast):
+    for precision in (PrecisionConfig.from_name(name), ZeroConfig(precision=name).precision):
+        assert (precision.param_dtype, precision.autocast_dtype) == (param, autocast)
+        assert precision.enabled is (autocast is not None)
+        assert precision.reduce_dtype == torch.float32
 
 
-def test_precision_reduce_dtype_and_errors():
+def test_frontend_precision_table():
+    from zero_strategy.config import PRECISION_NAMES, frontend_precision
+
+    assert frontend_precision("lightning", "32-true") is None and frontend_precision("accelerate", "no") is None
+    assert frontend_precision("accelerate", "bf16") == "bf16-mixed" and frontend_precision("accelerate", "fp16") == "16-mixed"
+    assert frontend_precision("lightning", "bf16-true") == "bf16-true"
+    for table in ("lightning", "accelerate"):
+        for flag in ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "fp16"):
+            try:
+                name = frontend_precision(table, flag)
+            except ValueError:
+                continue
+            assert name in PRECISION_NAMES
+    with pytest.raises(ValueError, match=r"precision='64-true' is not supported.*use one of"):
+        frontend_precision("lightning", "64-true")
+
+
+def test_precision_fields_and_errors():
     assert PrecisionConfig(reduce_dtype="bf16").reduce_dtype == torch.bfloat16
-    with pytest.raises(ValueError, match=r"PrecisionConfig.param_dtype: unknown precision 'int8'.*'bf16'"):
+    assert PrecisionConfig(autocast_dtype="bf16").autocast_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"PrecisionConfig.param_dtype: unknown dtype 'int8'; use 'bf16'"):
         PrecisionConfig(param_dtype="int8")
-    with pytest.raises(ValueError, match=r"'bf16-true'.*not supported; use 'bf16-mixed'"):
-        PrecisionConfig(param_dtype="bf16-true")
-    with pytest.raises(ValueError, match=r"torch.float64 is not a supported training dtype"):
+    with pytest.raises(ValueError, match=r"'bf16-mixed' is a precision mode, not a dtype; pass it as precision="):
+        PrecisionConfig(param_dtype="bf16-mixed")
+    with pytest.raises(ValueError, match=r"torch.float64 is not supported"):
         PrecisionConfig(param_dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"param_dtype=bf16 with autocast_dtype=fp16"):
+        PrecisionConfig(param_dtype="bf16", autocast_dtype="fp16")
     with pytest.raises(ValueError, match=r"PrecisionConfig.reduce_dtype: 'int8' is not a supported reduction dtype"):
         PrecisionConfig(reduce_dtype="int8")
-    with pytest.raises(TypeError, match=r"PrecisionConfig.param_dtype: expected a precision name"):
+    with pytest.raises(TypeError, match=r"PrecisionConfig.param_dtype: expected a dtype name"):
         PrecisionConfig(param_dtype=3.5)
+    with pytest.raises(ValueError, match=r"ZeroConfig.precision: unknown precision 'int8'; use 'fp32', 'bf16-mixed'"):
+        ZeroConfig(precision="int8")
+    with pytest.raises(ValueError, match=r"unknown precision '16'"):  # Lightning's alias for 16-mixed: ambiguous here
+        ZeroConfig(precision="16")
 
 
 def test_loss_scale_config():
@@ -237,7 +268,7 @@ def test_from_dict_deepspeed_style():
     assert cfg.stage3_max_live_parameters == 300_000_000 and cfg.stage3_max_reuse_distance == 0
     assert cfg.stage3_prefetch_bucket_size == 1_000_000 and cfg.stage3_param_persistence_threshold == 10_000
     assert cfg.stage3_gather_16bit_weights_on_model_save is True and cfg.sub_group_size == 100_000_000
-    assert cfg.precision == PrecisionConfig(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    assert cfg.precision == PrecisionConfig(param_dtype=torch.float16, reduce_dtype=torch.float16, autocast_dtype=torch.float16)
     assert cfg.loss_scale == LossScaleConfig(
         initial_scale_power=12, hysteresis=2, loss_scale_window=500, min_loss_scale=0.5, consecutive_hysteresis=True
     )
@@ -260,7 +291,7 @@ def test_reduce_dtype_alone_does_not_set_precision():
     assert cfg.precision == PrecisionConfig(reduce_dtype=torch.bfloat16)
     assert not cfg.explicitly_set("precision")
     cfg = ZeroConfig.from_dict({"zero_strategy": {"reduce_dtype": "fp32"}, "bf16": {"enabled": True}})
-    assert cfg.precision == PrecisionConfig(param_dtype="bf16", reduce_dtype="fp32")
+    assert cfg.precision == PrecisionConfig(param_dtype="bf16", reduce_dtype="fp32", autocast_dtype="bf16")
 
 
 def test_gradient_clipping_zero_means_off():
@@ -493,7 +524,7 @@ def test_to_dict_round_trip():
     )  # fmt: skip
     d = cfg.to_dict()
     assert "_explicit" not in d
-    assert d["precision"] == {"param_dtype": "fp16", "reduce_dtype": "fp32"}
+    assert d["precision"] == {"param_dtype": "fp16", "reduce_dtype": "fp32", "autocast_dtype": "fp16"}
     assert d["offload_param"]["nvme_path"] == "/tmp/x"
     back = ZeroConfig.from_dict(json.loads(json.dumps(d)))
     assert back == cfg
@@ -533,7 +564,7 @@ def test_resolve_overrides_applies_unset_values():
     out = resolve_overrides(
         cfg, source="Lightning Trainer", gradient_clipping=0.5, precision="bf16-mixed", prefetch=None
     )
-    assert out.gradient_clipping == 0.5 and out.precision.param_dtype == torch.bfloat16
+    assert out.gradient_clipping == 0.5 and out.precision == PrecisionConfig(autocast_dtype=torch.bfloat16)
     assert out.prefetch == 1 and out.stage == 3  # None means "not given"
     assert out.explicitly_set("gradient_clipping") and out.explicitly_set("stage")
     assert cfg.gradient_clipping is None  # the input is untouched
@@ -544,7 +575,13 @@ def test_resolve_overrides_same_value_is_fine():
     cfg = ZeroConfig.from_dict({"gradient_clipping": 1.0, "bf16": {"enabled": True}, "communication_data_type": "bf16"})
     out = resolve_overrides(cfg, source="Lightning", gradient_clipping=1, precision="bf16-mixed")
     assert out == cfg
+    # the file's DeepSpeed bf16 (16-bit parameters) stays under a "bf16-mixed" flag: same dtype, no conflict
+    assert out.precision.param_dtype == torch.bfloat16
     assert out.precision.reduce_dtype == torch.bfloat16  # precision override keeps the config's reduce dtype
+    red = ZeroConfig.from_dict({"communication_data_type": "bf16"})
+    assert resolve_overrides(red, source="x", precision="16-mixed").precision == PrecisionConfig(
+        reduce_dtype=torch.bfloat16, autocast_dtype=torch.float16
+    )
 
 
 def test_resolve_overrides_conflict_names_both():

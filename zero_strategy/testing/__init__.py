@@ -3,6 +3,7 @@
 Importable without pytest; only the stdlib is needed in the parent process.
 """
 
+from zero_strategy.testing.compare import assert_close, assert_state_close, rel_error
 from zero_strategy.testing.launcher import (
     LaunchTimeout,
     RankFailure,
@@ -14,6 +15,9 @@ from zero_strategy.testing.launcher import (
 from zero_strategy.testing.subtests import SubtestFailure, run_subtests, subtest_grid
 
 __all__ = [
+    "assert_close",
+    "assert_state_close",
+    "rel_error",
     "LaunchTimeout",
     "RankFailure",
     "SubtestFailure",

@@ -1,0 +1,187 @@
+"""Lightning programs as their users write them, against Lightning's own DDP: seeded with
+``seed_everything``, dropout in every layer, a model from ``torch.nn`` (``TransformerEncoder``),
+validation and test loops. Switching ``strategy="ddp"`` to a zero strategy must change no
+random number and no logged value."""
+
+from __future__ import annotations
+
+from zero_strategy.testing import assert_close
+
+VOCAB, SEQ, D = 32, 8, 32
+
+
+def _rng_digest() -> dict[str, int]:
+    """A digest of every random stream a training step draws from."""
+    import hashlib
+    import pickle
+    import random
+
+    import numpy as np
+    import torch
+
+    def h(obj) -> int:
+        return int(hashlib.sha1(pickle.dumps(obj)).hexdigest()[:12], 16)
+
+    out = {"torch": h(torch.get_rng_state().tolist()), "random": h(random.getstate()), "numpy": h(np.random.get_state()[1].tolist())}
+    if torch.cuda.is_available():
+        out["cuda"] = h([s.tolist() for s in torch.cuda.get_rng_state_all()])
+    return out
+
+
+def _lit_transformer():
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class LitTransformer(pl.LightningModule):
+        """A tiny language model on ``nn.TransformerEncoder`` with dropout 0.2 everywhere."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, D)
+            layer = nn.TransformerEncoderLayer(D, nhead=2, dim_feedforward=64, dropout=0.2, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+            self.drop = nn.Dropout(0.2)
+            self.head = nn.Linear(D, VOCAB)
+            self.digests: dict[str, dict[str, int]] = {}
+            self.first_rand: float | None = None
+
+        def forward(self, x):
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+            return self.head(self.drop(self.encoder(self.emb(x), mask=mask, is_causal=True)))
+
+        def _loss(self, batch):
+            x, y = batch
+            return F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+
+        def on_fit_start(self) -> None:
+            self.digests["fit_start"] = _rng_digest()
+
+        def training_step(self, batch, batch_idx):
+            if self.first_rand is None:
+                self.first_rand = float(torch.rand(1))  # the program's own draw, as in the report
+            loss = self._loss(batch)
+            self.log("train_loss", loss, sync_dist=True, on_step=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self._loss(batch), sync_dist=True)
+
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self._loss(batch), sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+
+    return LitTransformer
+
+
+def _data(n: int, batch: int, seed: int):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, shuffle=True)
+
+
+def _trainer_worker(rank: int, world: int) -> dict:
+    import lightning.pytorch as pl
+
+    import lightning_zero  # noqa: F401  registers the names
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.train: list[float] = []
+            self.val: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.train.append(float(trainer.callback_metrics["train_loss"]))
+
+        def on_validation_epoch_end(self, trainer, pl_module) -> None:
+            if not trainer.sanity_checking:
+                self.val.append(float(trainer.callback_metrics["val_loss"]))
+
+    LitTransformer = _lit_transformer()
+    out: dict = {}
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        pl.seed_everything(42, verbose=False)  # the user's first line; shuffling and dropout follow from it
+        rec = Record()
+        trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=world, max_steps=30, gradient_clip_val=0.5,
+                             val_check_interval=10, limit_val_batches=2, num_sanity_val_steps=1, callbacks=[rec],
+                             logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+        model = LitTransformer()
+        trainer.fit(model, _data(30 * 2 * world, 2, seed=1), _data(8, 2, seed=2))
+        test = trainer.test(model, _data(8, 2, seed=3), verbose=False)[0]["test_loss"]
+        out[name] = {"train": rec.train, "val": rec.val, "test": test, "digest": model.digests["fit_start"],
+                     "first_rand": model.first_rand, "engine": getattr(model, "zero_engine", None) is not None}  # fmt: skip
+    return out
+
+
+def test_trainer_with_dropout_and_seed_everything_equals_ddp(launch) -> None:
+    for rank, res in enumerate(launch(_trainer_worker, 2, timeout=600)):
+        ref = res["ddp"]
+        assert len(ref["train"]) == 30 and len(ref["val"]) == 3, ref
+        for name in ("zero1", "zero2", "zero3"):
+            got = res[name]
+            assert got["engine"], name
+            # setup leaves every random stream exactly where DDP's setup leaves it
+            assert got["digest"] == ref["digest"], (rank, name, got["digest"], ref["digest"])
+            assert got["first_rand"] == ref["first_rand"], (rank, name, got["first_rand"], ref["first_rand"])
+            assert_close(got["train"], ref["train"], rtol=1e-6, what=f"rank {rank} {name} train_loss")
+            assert_close(got["val"], ref["val"], rtol=1e-6, what=f"rank {rank} {name} val_loss")
+            assert_close([got["test"]], [ref["test"]], rtol=1e-6, what=f"rank {rank} {name} test_loss")
+
+
+def _fabric_worker(rank: int, world: int) -> dict:
+    import lightning as L
+    import torch
+
+    import lightning_zero  # noqa: F401
+
+    out = {}
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        L.seed_everything(7, verbose=False)
+        fabric = L.Fabric(strategy=name, accelerator="cpu", devices=world)
+        fabric.launch()
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = fabric.setup(model, opt)
+        digest = _rng_digest()
+        losses = []
+        for step in range(5):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+            loss = model(x).square().mean()
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+        out[name] = {"digest": digest, "losses": losses}
+    return out
+
+
+def test_fabric_setup_leaves_the_random_streams_as_ddp(launch) -> None:
+    """Fabric's DDP does not re-seed at setup (the Trainer's does): neither may the zero strategies."""
+    for rank, res in enumerate(launch(_fabric_worker, 2, timeout=300)):
+        for name in ("zero1", "zero2", "zero3"):
+            assert res[name]["digest"] == res["ddp"]["digest"], (rank, name)
+            assert_close(res[name]["losses"], res["ddp"]["losses"], rtol=1e-6, what=f"rank {rank} {name} losses")
+
+
+def test_digest_sees_every_stream() -> None:
+    """The digest itself: a draw from any one stream changes it."""
+    import random
+
+    import numpy as np
+    import torch
+
+    before = _rng_digest()
+    torch.rand(1)
+    after_torch = _rng_digest()
+    random.random()
+    after_random = _rng_digest()
+    np.random.rand()
+    after_numpy = _rng_digest()
+    assert before["torch"] != after_torch["torch"] and after_torch["random"] != after_random["random"]
+    assert after_random["numpy"] != after_numpy["numpy"]
