@@ -288,6 +288,27 @@ def job_sync(out: dict[str, Any]) -> None:
         finally:
             Accelerator.prepare = original  # type: ignore[method-assign]
     out["ran"] = ran
+    # setup draws no random number that Accelerate's own DDP path does not draw
+    digests = {}
+    for mode in ("ddp", "zero2", "zero3"):
+        acc = Accelerator()
+        torch.manual_seed(3)
+        import random
+
+        import numpy as np
+
+        random.seed(3)
+        np.random.seed(3)
+        model = Net(Cell(dtype="float32"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = eval_loader()
+        if mode == "ddp":
+            acc.prepare(model, opt, loader)
+        else:
+            ZeroPlugin(stage=int(mode[-1])).prepare(acc, model, opt, loader)
+        digests[mode] = [torch.rand(1).item(), random.random(), float(np.random.rand())]
+        GradientState._reset_state()
+    out["rng"] = digests
     runs = {}
     for split, dispatch, each in itertools.product((True, False), repeat=3):
         key = f"{split},{dispatch},{each}"

@@ -177,6 +177,7 @@ def test_accelerates_own_sync_checks_pass_on_zero_models(tmp_path: Path) -> None
     for r in run_launch(tmp_path, "sync", 2):
         assert len(r["ran"]) == 2 * (2 + 8), r["ran"]  # every function ran to its end, at stages 1 and 2
         assert r["zero1_models_on_one_accelerator"] == r["zero2_models_on_one_accelerator"] == 2
+        assert r["rng"]["zero2"] == r["rng"]["zero3"] == r["rng"]["ddp"], r["rng"]  # setup leaves the streams as DDP
         for key, runs in r["opt_sched"].items():
             ddp = runs["ddp"]
             assert len(ddp["lrs"]) >= 3 and set(ddp["synced"]) == {True, False}, (key, ddp)  # accumulation windows ran
