@@ -29,7 +29,8 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:  # run from a checkout without installing or setting PYTHONPATH
     sys.path.insert(0, _REPO_ROOT)
 
-ALL_ENGINES = ["ddp", "fsdp2_noreshard", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3"]
+ALL_ENGINES = ["ddp", "fsdp2_noreshard", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3",
+               "zero1_native", "zero2_native", "zero3_native"]
 ENGINE_NOTES = {
     "ddp": "torch DDP (baseline)",
     "fsdp2_noreshard": "FSDP2 fully_shard, reshard_after_forward=False (~ZeRO-2)",
@@ -40,6 +41,9 @@ ENGINE_NOTES = {
     "zero1": "zero-strategy stage 1",
     "zero2": "zero-strategy stage 2",
     "zero3": "zero-strategy stage 3",
+    "zero1_native": "zero-strategy stage 1, collective_impl=native (the NCCL code path, without gloo's p2p exchange)",
+    "zero2_native": "zero-strategy stage 2, collective_impl=native",
+    "zero3_native": "zero-strategy stage 3, collective_impl=native",
 }
 WORLD_SIZE = 2
 MICRO_BATCH = 2
@@ -51,10 +55,6 @@ MIB = 1024 * 1024
 # --------------------------------------------------------------------------------------
 # Worker (one rank of one engine run)
 # --------------------------------------------------------------------------------------
-
-
-class EngineUnavailable(Exception):
-    """The engine cannot run here (not implemented yet, or its package does not import)."""
 
 
 def _gpt_config(tiny: bool):
@@ -158,10 +158,10 @@ def _build_engine(engine: str, cfg, fused: bool, rank: int):
     torch.manual_seed(SEED)
 
     if engine.startswith("ds"):
-        try:
-            import deepspeed
-        except Exception as e:  # noqa: BLE001
-            raise EngineUnavailable(f"deepspeed failed to import: {type(e).__name__}: {e}") from e
+        import deepspeed  # an import failure is an error in the table, as any other
+
+        from zero_strategy import ZeroConfig
+
         deepspeed.init_distributed(dist_backend="gloo")
         stage = int(engine[2:])
         torch.manual_seed(SEED)
@@ -170,7 +170,14 @@ def _build_engine(engine: str, cfg, fused: bool, rank: int):
         ds_config = {
             "train_micro_batch_size_per_gpu": MICRO_BATCH,
             "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage},
+            # the same bucket sizes and persistence threshold as ours (our defaults)
+            "zero_optimization": {
+                "stage": stage,
+                "reduce_bucket_size": ZeroConfig().reduce_bucket_size,
+                "allgather_bucket_size": ZeroConfig().allgather_bucket_size,
+                **({"stage3_param_persistence_threshold": ZeroConfig().stage3_param_persistence_threshold,
+                    "stage3_prefetch_bucket_size": ZeroConfig().reduce_bucket_size} if stage == 3 else {}),
+            },
             "zero_allow_untested_optimizer": True,
             "fp16": {"enabled": False},
             "bf16": {"enabled": False},
@@ -193,7 +200,7 @@ def _build_engine(engine: str, cfg, fused: bool, rank: int):
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(LossModule(GPT(cfg)))
+        model = DDP(LossModule(GPT(cfg)), gradient_as_bucket_view=True)  # DDP's best memory setting
         opt = _make_optimizer(model.parameters(), fused)
 
         def step(x, y):
@@ -226,18 +233,14 @@ def _build_engine(engine: str, cfg, fused: bool, rank: int):
 
         return step, _optimizer_desc(opt, fused), gpt
 
-    if engine in ("zero1", "zero2", "zero3"):
-        try:
-            import zero_strategy as zs
+    if engine.startswith("zero"):
+        import zero_strategy as zs
 
-            initialize = zs.initialize
-            ZeroConfig = zs.ZeroConfig
-        except (ImportError, AttributeError) as e:
-            raise EngineUnavailable(f"{type(e).__name__}: {e}") from e
-        stage = int(engine[4:])
+        stage = int(engine[4])
+        impl = "native" if engine.endswith("_native") else "auto"
         gpt = GPT(cfg)
         opt = _make_optimizer(gpt.parameters(), fused)
-        model, opt = initialize(gpt, opt, config=ZeroConfig(stage=stage))
+        model, opt = zs.initialize(gpt, opt, config=zs.ZeroConfig(stage=stage, collective_impl=impl))
 
         def step(x, y):
             loss = model.loss(x, y)
@@ -263,11 +266,6 @@ def worker_main(args: argparse.Namespace) -> int:
         tmp.replace(out)
 
     engine = args._worker
-    soft_errors: tuple[type[BaseException], ...] = (EngineUnavailable,)
-    if engine.startswith("zero"):
-        # Our engine is being written concurrently: missing pieces are "n/a", not failures.
-        soft_errors = (EngineUnavailable, ImportError, AttributeError, NotImplementedError)
-
     try:
         import torch
         import torch.distributed as dist
@@ -278,6 +276,7 @@ def worker_main(args: argparse.Namespace) -> int:
         step, opt_desc, model = _build_engine(engine, cfg, args.fused, rank)
 
         times: list[float] = []
+        losses: list[float] = []
         loss_val = float("nan")
         n_total = args.warmup + args.steps
         for i in range(n_total):
@@ -289,6 +288,7 @@ def worker_main(args: argparse.Namespace) -> int:
             if i >= args.warmup:
                 times.append(dt)
             loss_val = float(loss.detach())
+            losses.append(loss_val)
             del loss
         dist.barrier()
         del x, y
@@ -304,6 +304,7 @@ def worker_main(args: argparse.Namespace) -> int:
             "live_storages": n_storages,
             "largest_storages": largest,
             "final_loss": loss_val,
+            "losses": losses,
             "optimizer": opt_desc,
             "torch": torch.__version__,
         }
@@ -314,14 +315,7 @@ def worker_main(args: argparse.Namespace) -> int:
         except Exception:  # noqa: BLE001
             pass
         return 0
-    except soft_errors as e:
-        reason = f"{type(e).__name__}: {e}" if not isinstance(e, EngineUnavailable) else str(e)
-        tb = traceback.format_exc()
-        write({"status": "n/a", "engine": engine, "rank": rank, "reason": reason, "traceback": tb})
-        print(tb, file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(0)  # do not wait on peers in a half-initialised process group
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001  any engine's exception, ours included, is an error in the table
         tb = traceback.format_exc()
         write({"status": "error", "engine": engine, "rank": rank, "reason": tb.strip().splitlines()[-1], "traceback": tb})
         print(tb, file=sys.stderr, flush=True)
@@ -411,7 +405,7 @@ def run_engine(engine: str, args: argparse.Namespace, log) -> dict:
                 if now > deadline:
                     timed_out = True
                     break
-                # One rank gone (error / n/a) while its peer waits in a collective: short grace, then kill.
+                # One rank gone (an error) while its peer waits in a collective: short grace, then kill.
                 if first_exit is None and any(p.poll() is not None for p in procs):
                     first_exit = now
                 if first_exit is not None and now - first_exit > 60:
@@ -430,9 +424,6 @@ def run_engine(engine: str, args: argparse.Namespace, log) -> dict:
 
         if all(r is not None and r["status"] == "ok" for r in ranks) and not timed_out:
             return {"status": "ok", "ranks": ranks, "wall_s": wall}
-        na = [r for r in ranks if r is not None and r["status"] == "n/a"]
-        if na:
-            return {"status": "n/a", "reason": na[0]["reason"], "wall_s": wall}
         reason = "timed out after %ds" % args.timeout if timed_out else f"exit codes {rcs}"
         errs = [r for r in ranks if r is not None and r["status"] == "error"]
         if errs:
@@ -463,8 +454,10 @@ def summarize(engines: list[str], runs: dict[str, list[dict]]) -> dict[str, dict
         rss = [max(rk["peak_rss_mib"] for rk in r["ranks"]) for r in ok]
         state = [r["ranks"][0]["model_state_mib"] for r in ok]
         last = ok[-1]["ranks"]
+        losses = [sum(col) / len(col) for col in zip(*(rk["losses"] for rk in last))]  # per step, mean over ranks
         summary[e] = {
             "status": "ok",
+            "losses": losses,
             "runs_ok": len(ok),
             "runs_failed": len(runs[e]) - len(ok),
             "step_s_median": statistics.median(per_run),
@@ -481,6 +474,19 @@ def summarize(engines: list[str], runs: dict[str, list[dict]]) -> dict[str, dict
     return summary
 
 
+def _loss_vs(losses: list[float], ref: list[float] | None) -> str:
+    """Largest relative difference of every step's loss from DDP's (NaN-strict)."""
+    if ref is None:
+        return "–"
+    from zero_strategy.testing import rel_error
+
+    try:
+        err = rel_error(losses, ref)
+    except AssertionError as e:  # a non-finite loss or a different number of steps
+        return f"differs: {e}"
+    return f"{err:.1e}" + ("" if err <= 1e-5 else " (> 1e-5)")
+
+
 def render_table(engines: list[str], summary: dict[str, dict]) -> str:
     base = summary.get("ddp", {})
     b_t = base.get("step_s_median")
@@ -488,14 +494,14 @@ def render_table(engines: list[str], summary: dict[str, dict]) -> str:
     b_m = base.get("model_state_mib_rank0")
     head = (
         "| engine | s/step (median) | spread | ratio to ddp | peak RSS MiB (max over ranks) | ratio to ddp "
-        "| model-state MiB (rank 0) | ratio to ddp | final loss |"
+        "| model-state MiB (rank 0) | ratio to ddp | final loss | every step's loss vs ddp (max rel) |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for e in engines:
         s = summary[e]
         if s["status"] != "ok":
             reason = " ".join(str(s.get("reason", "")).split())[:160]
-            lines.append(f"| {e} | {s['status']}: {reason} | | | | | | | |")
+            lines.append(f"| {e} | {s['status']}: {reason} | | | | | | | | |")
             continue
         spread = f"{s['step_s_min']:.3f}–{s['step_s_max']:.3f}"
         if s["runs_failed"]:
@@ -504,7 +510,7 @@ def render_table(engines: list[str], summary: dict[str, dict]) -> str:
             f"| {e} | {s['step_s_median']:.3f} | {spread} | {_ratio(s['step_s_median'], b_t)} "
             f"| {s['peak_rss_mib']:.0f} | {_ratio(s['peak_rss_mib'], b_r)} "
             f"| {s['model_state_mib_rank0']:.1f} | {_ratio(s['model_state_mib_rank0'], b_m)} "
-            f"| {s['final_loss_mean']:.4f} |"
+            f"| {s['final_loss_mean']:.4f} | {_loss_vs(s['losses'], base.get('losses'))} |"
         )
     return "\n".join(lines)
 
@@ -554,12 +560,9 @@ def harness_main(args: argparse.Namespace) -> int:
         f"{'tiny' if args.tiny else 'bench'} GPT, {WORLD_SIZE} ranks, timeout {args.timeout}s per run"
     )
     runs: dict[str, list[dict]] = {e: [] for e in engines}
-    skip: set[str] = set()
     t0 = time.monotonic()
     for rep in range(args.repeats):
         for e in engines:  # interleaved: ddp, fsdp2, ..., then ddp, fsdp2, ... again
-            if e in skip:
-                continue
             log(f"[repeat {rep + 1}/{args.repeats}] {e} ...")
             r = run_engine(e, args, log)
             runs[e].append(r)
@@ -570,9 +573,6 @@ def harness_main(args: argparse.Namespace) -> int:
                     f"RSS {max(x['peak_rss_mib'] for x in rk):.0f} MiB, state {rk[0]['model_state_mib']:.1f} MiB "
                     f"({r['wall_s']:.0f}s wall)"
                 )
-            elif r["status"] == "n/a":
-                log(f"    {e}: n/a: {r['reason']}")
-                skip.add(e)  # will not become available in the next repeat
             else:
                 log(f"    {e}: FAILED: {r['reason']}")
                 for name, tail in r.get("log_tail", {}).items():

@@ -137,6 +137,8 @@ def main() -> None:
         callbacks=callbacks + [PrintLoss()],
     )
     trainer.fit(LitGPT(args.d_model, args.layers, args.seq_len, args.lr, args.steps), train, val)
+    trainer.strategy.barrier()  # every rank finished; what follows is teardown
+    print(f"rank {trainer.global_rank}: done", flush=True)
 
 
 class PrintLoss(pl.Callback):

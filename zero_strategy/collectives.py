@@ -294,10 +294,18 @@ def init_default_group(backend: str, timeout_s: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
-def destroy_default_group() -> None:
-    """Barrier, then destroy the default group (if any): gloo aborts less often at exit this way."""
+def barrier_default_group() -> None:
+    """A barrier over the default group (if any)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def destroy_default_group(*, barrier: bool = True) -> None:
+    """Barrier (unless ``barrier=False``), then destroy the default group (if any): gloo aborts
+    less often at exit this way."""
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -599,9 +599,10 @@ class ZeroEngine:
 
     def close(self) -> None:
         """Remove the engine's hooks (the model keeps its current parameters)."""
-        for h in self._hooks:
+        for h in self._hooks + self._schedule_hooks:
             h.remove()
         self._hooks.clear()
+        self._schedule_hooks.clear()
         _LIVE.discard(self)
 
 

@@ -21,6 +21,8 @@ on any rank ends with ``master.grad = None``, so the optimizer skips it as DDP d
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -35,6 +37,12 @@ if TYPE_CHECKING:
     from zero_strategy.engine import ZeroEngine
 
 __all__ = ["AllReduceAtEnd", "GradReducer", "GradSchedule", "ReduceAtStep", "ReduceAtUnitEnd", "ReduceInBackward"]
+
+
+def _call_weakly(ref: "weakref.ref[ZeroEngine]", method: str, *args: Any) -> None:
+    engine = ref()
+    if engine is not None:
+        getattr(engine, method)(*args)
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,10 @@ class ReduceInBackward:
     before it are ready; the end of backward launches the rest."""
 
     def install(self, engine: "ZeroEngine") -> list[Any]:
-        return [p.register_post_accumulate_grad_hook(engine.on_grad_accumulated) for g in engine.groups for p in g.params]
+        # The hook lives in C++ on the parameter, where the garbage collector cannot see a cycle
+        # through it: it holds the engine weakly, so a dropped model frees its engine.
+        hook = functools.partial(_call_weakly, weakref.ref(engine), "on_grad_accumulated")
+        return [p.register_post_accumulate_grad_hook(hook) for g in engine.groups for p in g.params]
 
     def end_of_backward(self, engine: "ZeroEngine", *, sync: bool) -> None:
         if sync:

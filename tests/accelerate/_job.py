@@ -373,17 +373,31 @@ def job_hf(save_dir: str) -> dict[str, Any]:
 
 
 def main() -> None:
+    """Writes ``rank<r>.json`` (results), then ``rank<r>.done`` after the final barrier, or
+    ``rank<r>.error`` with the traceback if anything raised: the test tolerates a non-zero exit
+    only as gloo's SIGABRT while destroying the group, after ``.done``, with no ``.error``."""
     job = os.environ["ACCEL_JOB"]
     out_dir = os.environ["ACCEL_JOB_OUT"]
-    out: dict[str, Any] = {}
-    {"train": job_train, "resume": job_resume, "precision": job_precision, "env": job_env, "sync": job_sync}[job](out)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    out["world"] = dist.get_world_size() if dist.is_initialized() else 1
-    with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
-        json.dump(out, f)
-    os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
-    if dist.is_initialized():  # results are written before teardown (gloo may abort there)
-        dist.barrier()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        out: dict[str, Any] = {}
+        {"train": job_train, "resume": job_resume, "precision": job_precision, "env": job_env, "sync": job_sync}[job](out)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        out["world"] = dist.get_world_size() if dist.is_initialized() else 1
+        with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:
+            json.dump(out, f)
+        os.replace(os.path.join(out_dir, f"rank{rank}.json.tmp"), os.path.join(out_dir, f"rank{rank}.json"))
+        if dist.is_initialized():  # results are written before teardown (gloo may abort there)
+            dist.barrier()
+        with open(os.path.join(out_dir, f"rank{rank}.done"), "w"):
+            pass
+    except BaseException:
+        import traceback
+
+        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
 

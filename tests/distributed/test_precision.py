@@ -7,7 +7,15 @@ from __future__ import annotations
 from zero_strategy.testing import assert_close, rel_error
 
 
-def _bf16_worker(rank: int, world: int) -> list[float]:
+# LayerNorm weights inside the blocks start at 1.0, where bf16's spacing is 2^-7; their updates in
+# this run stay below that, so with 16-bit parameters they cannot move: excluded by name.
+BF16_UNMOVABLE = ("ln1.weight", "ln2.weight")
+
+
+def _bf16_worker(rank: int, world: int) -> dict:
+    """16-bit parameters (DeepSpeed's bf16) against DDP under autocast: the parameters are rounded
+    to bf16, so the tolerance is bf16's. Every compared tensor must move more than 10x its
+    tolerance in the reference run (or be excluded by name), so a missed update cannot pass."""
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -16,7 +24,7 @@ def _bf16_worker(rank: int, world: int) -> list[float]:
     from zero_strategy.models import GPT, GPTConfig, synthetic_batch
 
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4)
-    worst = []
+    out = {}
     for stage in (1, 2, 3):
         def train(mode: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
             torch.manual_seed(0)
@@ -29,12 +37,9 @@ def _bf16_worker(rank: int, world: int) -> list[float]:
                 net, opt = zs.initialize(model, opt, config=zs.ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=5000))
                 assert all(m.dtype == torch.float32 for g in opt.param_groups for m in g["params"])
             losses = []
-            for step in range(10):
+            for step in range(30):
                 x, y = synthetic_batch(cfg, 2, step, seed=rank)
-                if mode == "ddp":
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        logits = net(x)
-                else:
+                with torch.autocast("cpu", dtype=torch.bfloat16) if mode == "ddp" else torch.enable_grad():
                     logits = net(x)
                 assert logits.dtype == torch.bfloat16  # compute ran in the low dtype
                 loss = F.cross_entropy(logits.float().view(-1, cfg.vocab_size), y.reshape(-1))
@@ -49,17 +54,25 @@ def _bf16_worker(rank: int, world: int) -> list[float]:
             return losses, init, final
 
         (ref, init, ref_final), (got, _, final) = train("ddp"), train("zero")
-        rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+        rel = rel_error(got, ref)
         assert rel <= 1e-2, f"stage {stage}: bf16 losses {got} vs DDP+autocast {ref} (rel {rel:.3e})"
+        checked = []
         for k in ref_final:
-            moved = (ref_final[k] - init[k]).abs().max().item()
-            err = (final[k] - ref_final[k]).abs().max().item()
-            # parameters are stored in bf16 (DeepSpeed-style): rounding, not a different update
-            assert err <= 0.02 * ref_final[k].abs().max().item() + 1e-3, (stage, k, err)
-            if k == "blocks.0.mlp.fc.weight":
-                assert moved > 10 * err, (stage, k, moved, err)  # the check can tell a missed update
-        worst.append(rel)
-    return worst
+            tol = 1.5e-2 * float(ref_final[k].abs().max()) + 5e-5
+            assert_close(final[k], ref_final[k], rtol=0.0, atol=tol, what=f"stage {stage} {k}")
+            moved = float((ref_final[k] - init[k]).abs().max())
+            if k.endswith(BF16_UNMOVABLE):
+                continue
+            assert moved > 10 * tol, (stage, k, moved, tol)  # the check can tell a missed update
+            checked.append(k)
+        out[stage] = {"rel": rel, "checked": len(checked), "total": len(ref_final)}
+    return out
+
+
+def test_bf16_parameters_match_ddp_autocast(launch) -> None:
+    for r in launch(_bf16_worker, 2, timeout=300):
+        for stage, v in r.items():
+            assert v["rel"] <= 1e-2 and v["checked"] == v["total"] - 2 * 2, (stage, v)  # 2 blocks x 2 excluded
 
 
 def _mixed_worker(rank: int, world: int) -> dict:
@@ -137,11 +150,6 @@ def test_mixed_precision_equals_ddp_under_the_same_autocast(launch) -> None:
         assert fp16[3] == 2.0**16 and fp16[4] == 2.0**15, fp16  # the injected overflow halved the scale once
 
 
-def test_bf16_matches_ddp_autocast(launch) -> None:
-    worst = launch(_bf16_worker, 2, timeout=300)
-    assert all(len(w) == 3 and max(w) <= 1e-2 for w in worst)
-
-
 def _fp16_worker(rank: int, world: int) -> dict:
     import torch
     import torch.nn.functional as F
@@ -165,7 +173,7 @@ def _fp16_worker(rank: int, world: int) -> dict:
             target.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("inf"), dtype=g.dtype)) if inject[0] else g)
         inject = [False]
         scaler = model.zero_engine.scaler
-        scales, changed, grad_err = [], [], None
+        scales, changed, skipped, grad_err = [], [], [], None
         for step in range(5):
             inject[0] = step == 2
             x, y = synthetic_batch(cfg, 2, step, seed=rank)
@@ -184,11 +192,13 @@ def _fp16_worker(rank: int, world: int) -> dict:
             with zs.gathered_parameters(model):
                 before = [p.detach().clone() for p in model.parameters()]
             opt.step()
+            skipped.append(opt.step_was_skipped)
             opt.zero_grad()
             with zs.gathered_parameters(model):
                 changed.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
             scales.append(scaler.scale)
-        out[stage] = {"scales": scales, "changed": changed, "skipped": scaler.skipped_steps, "grad_err": grad_err}
+        out[stage] = {"scales": scales, "changed": changed, "skipped": scaler.skipped_steps, "grad_err": grad_err,
+                      "was_skipped": skipped}  # fmt: skip
         # a plain loss.backward() in fp16 would train on gradients divided by the scale: refused
         x, y = synthetic_batch(cfg, 2, 9, seed=rank)
         F.cross_entropy(model(x).float().view(-1, cfg.vocab_size), y.reshape(-1)).backward()
@@ -207,6 +217,6 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(launch) -> None:
         for stage, r in rank_result.items():
             assert r["changed"] == [True, True, False, True, True], (stage, r)
             assert r["scales"] == [256.0, 256.0, 128.0, 128.0, 128.0], (stage, r)
-            assert r["skipped"] == 1
+            assert r["skipped"] == 1 and r["was_skipped"] == [False, False, True, False, False], (stage, r)
             assert r["grad_err"] < 2e-2, (stage, r)
             assert "needs a scaled loss" in r["unscaled"], (stage, r)

@@ -12,7 +12,13 @@ import pytest
 from zero_strategy.testing import run_subtests
 
 
-def _cells(full: bool) -> list[dict]:
+# the production code paths: native collectives (NCCL's path, here on gloo), no overlap, and
+# gradients reduced in bf16 against DDP's bf16 compress hook (world size 2)
+PATHS = [{"impl": "native"}, {"impl": "native", "accum": "no_sync", "clip": 0.05}, {"overlap": False},
+         {"overlap": False, "accum": "plain"}, {"reduce": "bf16"}, {"reduce": "bf16", "accum": "no_sync", "clip": 0.05}]  # fmt: skip
+
+
+def _cells(full: bool, world: int = 2) -> list[dict]:
     singles = [
         {},
         {"clip": 0.05},
@@ -38,13 +44,17 @@ def _cells(full: bool) -> list[dict]:
         for accum in ("none", "plain", "no_sync"):
             extras = singles + optimizers if full else singles[:1] + singles[4:5] + singles[8:9] + singles[-4:] + optimizers[2:]
             cells += [dict(stage=stage, accum=accum, **e) for e in extras]
+        # bf16 reduction at world size 2 only: there DDP's hook and ours round the same sums; at 3
+        # and more the division by N and the order of the bf16 additions differ (bf16-level noise)
+        paths = [p for p in PATHS if world == 2 or "reduce" not in p]
+        cells += [{"stage": stage, "accum": "none", **p} for p in paths]
     return cells
 
 
 def _parity_worker(rank: int, world: int, full: bool) -> int:
     from zero_strategy.testing.parity import Cell, compare
 
-    cells = _cells(full)
+    cells = _cells(full, world)
 
     def one(**kw) -> None:
         compare(Cell(**kw), rank, world)
@@ -53,9 +63,10 @@ def _parity_worker(rank: int, world: int, full: bool) -> int:
     return len(cells)
 
 
-@pytest.mark.parametrize("world,full", [(1, False), (2, True), (3, False), (4, False)], ids=["ws1", "ws2-full", "ws3", "ws4"])
+@pytest.mark.parametrize("world,full", [(1, False), (2, True), (3, False), (4, False)], ids=["ws1-smoke", "ws2-full", "ws3", "ws4"])
 def test_zero12_matches_ddp(launch, world: int, full: bool) -> None:
+    """World size 1 is a smoke test (one process, nothing is reduced), not distributed evidence."""
     counts = launch(_parity_worker, world, args=(full,), timeout=600)
-    assert counts == [len(_cells(full))] * world
+    assert counts == [len(_cells(full, world))] * world
     assert counts[0] >= 30
 

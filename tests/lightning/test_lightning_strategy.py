@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_strategy.testing import assert_close, rel_error
+from zero_strategy.testing import assert_close, assert_state_close, rel_error
 
 VOCAB, SEQ = 64, 8
 
@@ -162,7 +162,9 @@ def _parity_worker(rank: int, world: int) -> dict:
         trainer.fit(model, _data(80, 2), _data(8, 2, seed=1))
         if name.endswith("bf16"):
             dtype = next(model.parameters()).dtype
-            out[name] = {"losses": rec.losses, "dtype": str(dtype)}
+            with zs.gathered_parameters(model) if name != "ddp_bf16" else torch.no_grad():
+                params = {k: v.detach().clone() for k, v in model.gpt.state_dict().items()}
+            out[name] = {"losses": rec.losses, "dtype": str(dtype), "params": params}
             continue
         sampler = type(trainer.train_dataloader.sampler).__name__
         lr = trainer.optimizers[0].param_groups[0]["lr"]
@@ -199,25 +201,24 @@ def test_ddp_parity_with_accumulation_clipping_and_scheduler(launch) -> None:
         for name in ("zero1", "zero2", "zero3", "zero3_sharded_init"):
             got = res[name]
             assert got["sampler"] == "DistributedSampler", got["sampler"]
-            for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
-                assert abs(a - b) <= 1e-6 * abs(b), (rank, name, i, a, b)
+            assert_close(got["losses"], ref["losses"], rtol=1e-6, what=f"rank {rank} {name} losses")
             for key in ("val", "test"):
-                assert abs(got[key] - ref[key]) <= 1e-6 * abs(ref[key]), (name, key, got[key], ref[key])
-            assert torch.allclose(got["preds"], ref["preds"], rtol=1e-5, atol=1e-6), name
+                assert_close([got[key]], [ref[key]], rtol=1e-6, what=f"rank {rank} {name} {key}")
+            assert_close(got["preds"], ref["preds"], rtol=1e-5, atol=1e-6, what=f"rank {rank} {name} predictions")
             assert got["lr"] == ref["lr"] == pytest.approx(1e-2 * 0.5**3)
-            for k, v in ref["params"].items():
-                assert torch.allclose(got["params"][k], v, rtol=1e-5, atol=1e-6), (name, k)
+            assert_state_close(got["params"], ref["params"], rtol=1e-5, atol=1e-6, what=f"rank {rank} {name} weights")
     manual, manual_ddp = results[0]["manual_zero3"], results[0]["manual_ddp"]
     assert len(manual_ddp) == 20  # 10 optimizer steps, 2 batches each
-    for a, b in zip(manual, manual_ddp, strict=True):
-        assert abs(a - b) <= 1e-6 * abs(b), (manual, manual_ddp)
+    assert_close(manual, manual_ddp, rtol=1e-6, what="manual optimization losses")
     # clipping was active on every step (DDP's full-gradient norms before clipping)
     assert len(results[0]["ddp"]["norms"]) == 10 and min(results[0]["ddp"]["norms"]) > 0.3
-    # bf16-mixed keeps DDP's meaning: fp32 parameters under autocast, the same numbers
-    bf16, ddp_bf16 = results[0]["zero2_bf16"], results[0]["ddp_bf16"]
-    assert bf16["dtype"] == ddp_bf16["dtype"] == "torch.float32"
-    assert_close(bf16["losses"], ddp_bf16["losses"], rtol=1e-6, what="bf16-mixed losses")
-    assert rel_error(bf16["losses"], results[0]["zero2"]["losses"]) > 1e-4  # autocast did change the numbers
+    # bf16-mixed keeps DDP's meaning: fp32 parameters under autocast, the same numbers and weights
+    for rank, res in enumerate(results):
+        bf16, ddp_bf16 = res["zero2_bf16"], res["ddp_bf16"]
+        assert bf16["dtype"] == ddp_bf16["dtype"] == "torch.float32"
+        assert_close(bf16["losses"], ddp_bf16["losses"], rtol=1e-6, what=f"rank {rank} bf16-mixed losses")
+        assert_state_close(bf16["params"], ddp_bf16["params"], rtol=1e-5, atol=1e-6, what=f"rank {rank} bf16-mixed weights")
+        assert rel_error(bf16["losses"], res["zero2"]["losses"]) > 1e-4  # autocast did change the numbers
 
 
 GLOBAL_BATCH, EPOCH_STEPS = 12, 4
@@ -275,8 +276,7 @@ def test_checkpoint_resumes_on_other_device_counts(launch, tmp_path) -> None:
         got = launch(_resume_worker, world, args=(str(tmp_path), phase), timeout=300)[0]
         assert got["global_step"] == 2 * EPOCH_STEPS
         assert len(got["losses"]) == EPOCH_STEPS, got["losses"]
-        for a, b in zip(got["losses"], ref["losses"][EPOCH_STEPS:], strict=True):
-            assert abs(a - b) <= 1e-6 * abs(b), (world, got["losses"], ref["losses"])
+        assert_close(got["losses"], ref["losses"][EPOCH_STEPS:], rtol=1e-6, what=f"resumed on {world} losses")
         if phase == "slurm":
             assert got["cluster"] == "SLURMEnvironment"
     # the full checkpoint loads into the plain, unwrapped module
@@ -377,10 +377,8 @@ def test_fabric_matches_ddp_and_resumes(launch, tmp_path) -> None:
         got = res[name]
         assert got["step"] == 3
         for key in ("losses", "norms"):
-            for a, b in zip(got[key], ref[key], strict=True):
-                assert abs(a - b) <= 1e-6 * abs(b), (name, key, got[key], ref[key])
-        for a, b in zip(got["resumed"], got["losses"][6:], strict=True):
-            assert abs(a - b) <= 1e-6 * abs(b), (name, got["resumed"], got["losses"])
+            assert_close(got[key], ref[key], rtol=1e-6, what=f"Fabric {name} {key}")
+        assert_close(got["resumed"], got["losses"][6:], rtol=1e-6, what=f"Fabric {name} resumed losses")
 
 
 def test_errors_name_the_setting_and_the_fix(tmp_path) -> None:
@@ -449,8 +447,37 @@ def _run_script(cmd: list[str], timeout: float) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} timed out after {timeout} s:\n{out[-3000:]}") from None
-    assert proc.returncode == 0 or "rank 1: model state" in out and "terminate called" in out, out[-3000:]
+    assert proc.returncode == 0 or teardown_abort_only(out, proc.returncode, ranks=2), out[-3000:]
     return out
+
+
+def python_exceptions(text: str) -> list[str]:
+    """The Python tracebacks in ``text``, except the launcher's own report of a failed child
+    (torchrun's ChildFailedError, which follows any child's failure)."""
+    blocks = text.split("Traceback (most recent call last)")[1:]
+    return [b for b in blocks if "ChildFailedError" not in b.split("\n\n")[0]]
+
+
+def teardown_abort_only(out: str, returncode: int, ranks: int) -> bool:
+    """The one tolerated failure: every rank printed "rank N: done" after the example's final
+    barrier, no Python exception was raised, and the failing processes were killed by SIGABRT
+    (gloo's teardown abort): the launcher's own exit code, or torchrun's ``exitcode : -6``."""
+    import re
+    import signal
+
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)] or [returncode]
+    done = all(f"rank {r}: done" in out for r in range(ranks))
+    return done and not python_exceptions(out) and all(c == -signal.SIGABRT for c in codes)
+
+
+def test_only_a_teardown_sigabrt_after_the_final_barrier_is_tolerated() -> None:
+    done = "rank 0: done\nrank 1: done\n"
+    assert teardown_abort_only(done, -6, ranks=2)
+    assert teardown_abort_only(done + "exitcode  : -6 (pid: 7)\nTraceback (most recent call last):\n  x\nChildFailedError:", 1, ranks=2)
+    assert not teardown_abort_only("rank 0: done\n", -6, ranks=2)  # rank 1 never passed the barrier
+    assert not teardown_abort_only(done, 1, ranks=2)  # an exit code, not gloo's abort
+    assert not teardown_abort_only(done + "exitcode  : 1 (pid: 7)", 1, ranks=2)
+    assert not teardown_abort_only(done + "Traceback (most recent call last):\n  File x\nValueError: boom\n", -6, ranks=2)
 
 
 @pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
@@ -463,6 +490,7 @@ def test_example_runs_with_two_processes(launcher: str) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", example, *tiny]
     out = _run_script(cmd, timeout=240)
     assert "rank 0: model state" in out and "rank 1: model state" in out, out[-3000:]
+    assert "rank 0: done" in out and "rank 1: done" in out, out[-3000:]
     assert "step    4  loss" in out, out[-3000:]
 
 

@@ -119,6 +119,91 @@ def _trainer_worker(rank: int, world: int) -> dict:
     return out
 
 
+def _lit_batchnorm():
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class LitBN(pl.LightningModule):
+        """An MLP with BatchNorm: sync_batchnorm converts it, and it trains in fp32 statistics."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("train_loss", loss, sync_dist=True, on_step=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return LitBN
+
+
+def _bn_clip_worker(rank: int, world: int) -> dict:
+    """A BatchNorm model with gradient_clip_algorithm="value" against DDP; then sync_batchnorm=True,
+    which torch's SyncBatchNorm runs on GPUs only: on CPU the check is that the strategy converted
+    the layers before sharding them (the first training forward then reaches SyncBatchNorm's own
+    device check)."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_zero  # noqa: F401
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.train: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.train.append(float(trainer.callback_metrics["train_loss"]))
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(80, 8, generator=g), torch.randint(0, 4, (80,), generator=g))
+    out = {}
+    for name in ("ddp", "zero2", "zero3"):
+        pl.seed_everything(3, verbose=False)
+        rec = Record()
+        trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=world, max_steps=8,
+                             gradient_clip_val=0.01, gradient_clip_algorithm="value", callbacks=[rec], logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+        model = _lit_batchnorm()()
+        trainer.fit(model, DataLoader(data, batch_size=4))
+        out[name] = {"train": rec.train, "running_mean": model.net[1].running_mean.tolist()}
+    for name in ("zero2", "zero3"):
+        trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=world, max_steps=1, sync_batchnorm=True, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+        model = _lit_batchnorm()()
+        try:
+            trainer.fit(model, DataLoader(data, batch_size=4))
+            error = "trained"
+        except ValueError as e:
+            error = str(e)
+        bn = model.net[1]
+        engine = getattr(model, "zero_engine", None)
+        managed = engine is not None and engine.reducer.manages(bn.weight)
+        out[f"sync_{name}"] = {"type": type(bn).__name__, "managed": managed, "error": error}
+    return out
+
+
+def test_batchnorm_clipping_by_value_and_sync_batchnorm(launch) -> None:
+    for rank, res in enumerate(launch(_bn_clip_worker, 2, timeout=300)):
+        ref = res["ddp"]
+        assert len(ref["train"]) == 8
+        for name in ("zero2", "zero3"):
+            got = res[name]
+            assert_close(got["train"], ref["train"], rtol=1e-6, what=f"rank {rank} {name} losses")
+            assert_close(got["running_mean"], ref["running_mean"], rtol=1e-6, atol=1e-7, what=f"rank {rank} {name} running mean")
+            sync = res[f"sync_{name}"]
+            # converted before the engine took the module: the SyncBatchNorm's own weight is managed
+            assert sync["type"] == "SyncBatchNorm" and sync["managed"], sync
+            assert "SyncBatchNorm expected input tensor to be on GPU" in sync["error"], sync
+
+
 def test_trainer_with_dropout_and_seed_everything_equals_ddp(launch) -> None:
     for rank, res in enumerate(launch(_trainer_worker, 2, timeout=600)):
         ref = res["ddp"]
@@ -145,7 +230,9 @@ def _fabric_worker(rank: int, world: int) -> dict:
         L.seed_everything(7, verbose=False)
         fabric = L.Fabric(strategy=name, accelerator="cpu", devices=world)
         fabric.launch()
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 4))
+        with fabric.init_module():  # zero3: each module is sharded as it is built
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 4))
+        built_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = fabric.setup(model, opt)
         digest = _rng_digest()
@@ -157,13 +244,16 @@ def _fabric_worker(rank: int, world: int) -> dict:
             opt.step()
             opt.zero_grad()
             losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
-        out[name] = {"digest": digest, "losses": losses}
+        out[name] = {"digest": digest, "losses": losses, "built_bytes": built_bytes}
     return out
 
 
 def test_fabric_setup_leaves_the_random_streams_as_ddp(launch) -> None:
-    """Fabric's DDP does not re-seed at setup (the Trainer's does): neither may the zero strategies."""
+    """Fabric's DDP does not re-seed at setup (the Trainer's does): neither may the zero strategies.
+    The model is built in fabric.init_module(), which shards it at zero3."""
     for rank, res in enumerate(launch(_fabric_worker, 2, timeout=300)):
+        # fabric.init_module() at zero3: no parameter held its full values after construction
+        assert res["zero3"]["built_bytes"] < res["ddp"]["built_bytes"] / 10, (res["zero3"]["built_bytes"], res["ddp"]["built_bytes"])
         for name in ("zero1", "zero2", "zero3"):
             assert res[name]["digest"] == res["ddp"]["digest"], (rank, name)
             assert_close(res[name]["losses"], res["ddp"]["losses"], rtol=1e-6, what=f"rank {rank} {name} losses")

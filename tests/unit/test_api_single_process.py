@@ -122,7 +122,15 @@ def test_optimizers_that_need_whole_shapes_or_closures_are_refused() -> None:
     model = GPT(CFG)
     with pytest.raises(TypeError, match="LBFGS updates a parameter from its whole shape"):
         zs.initialize(model, torch.optim.LBFGS(model.parameters()))
-    assert type(model) is GPT  # nothing was changed
+    # factored (Adafactor) and orthogonalised (Muon) updates need each parameter's whole shape
+    with pytest.raises(TypeError, match="Adafactor updates a parameter from its whole shape"):
+        zs.initialize(model, torch.optim.Adafactor(model.parameters()))
+    if hasattr(torch.optim, "Muon"):  # torch >= 2.9
+        matrices = torch.nn.Linear(4, 4, bias=False)
+        with pytest.raises(TypeError, match="Muon updates a parameter from its whole shape"):
+            zs.initialize(matrices, torch.optim.Muon(matrices.parameters()))
+        assert getattr(matrices, "zero_engine", None) is None
+    assert type(model) is GPT and getattr(model, "zero_engine", None) is None  # nothing was changed
     model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
     _loss(model, 0).backward()
     with pytest.raises(RuntimeError, match=r"step\(closure\) is not supported"):
@@ -520,3 +528,65 @@ def test_zero3_zero_dim_parameter_and_partial_saves_pruned(tmp_path) -> None:
     (tmp_path / "notes").mkdir()  # not ours: kept
     zs.save_checkpoint(tmp_path, model, opt, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes", "step-1"]
+
+
+def test_fp16_deepspeed_schedule_hysteresis_and_window_at_runtime() -> None:
+    """fp16 with 16-bit parameters follows DeepSpeed's schedule: hysteresis 2 absorbs one overflow
+    before halving, loss_scale_window good steps double the scale (and refill the allowance)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    cfg = zs.ZeroConfig(stage=2, precision="fp16", loss_scale={"initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3})
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), config=cfg)
+    inject = [False]
+    model[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")) if inject[0] else g)
+    scales, skipped = [], []
+    for step in range(9):
+        inject[0] = step in (3, 4)
+        zs.backward(model(torch.ones(2, 4, dtype=torch.float16)).float().sum(), model=model)
+        opt.step()
+        opt.zero_grad()
+        scales.append(model.zero_engine.scaler.scale)
+        skipped.append(opt.step_was_skipped)
+    assert skipped == [False, False, False, True, True, False, False, False, False]
+    # 3 good steps double; the first overflow is absorbed, the second halves; 3 good steps double again
+    assert scales == [256, 256, 512, 512, 256, 256, 256, 512, 512], scales
+
+
+def test_fp16_mixed_follows_grad_scaler_schedule() -> None:
+    """fp16 mixed (fp32 parameters under autocast) follows torch.amp.GradScaler: no hysteresis, the
+    scale halves at every overflow and can fall below 1; 2000 good steps double it."""
+    from zero_strategy.precision import GradScalerSchedule, LossScaler
+
+    scaler = LossScaler(GradScalerSchedule(init_scale=4.0, growth_interval=2), enabled=True)
+    seen = []
+    for inf in (True, True, True, False, False, True):
+        scaler.update(inf)
+        seen.append(scaler.scale)
+    assert seen == [2.0, 1.0, 0.5, 0.5, 1.0, 0.5], seen
+    model, _ = zs.initialize(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), stage=2, precision="16-mixed")
+    assert isinstance(model.zero_engine.scaler.schedule, GradScalerSchedule) and model.zero_engine.scaler.scale == 2.0**16
+
+
+def test_a_forward_between_clip_and_step_does_not_reopen_finalized_gradients() -> None:
+    """clip_grad_norm_ finalizes the gradients; an evaluation forward (with or without grad)
+    before step() must neither reduce again nor drop the clipped gradients."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    for stage in (1, 2, 3):
+        model = copy.deepcopy(ref)
+        plain = copy.deepcopy(ref)
+        model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage)
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+        _loss(model, 0).backward()
+        _loss(plain, 0).backward()
+        norm = opt.clip_grad_norm_(0.05)
+        expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+        assert float(norm) == pytest.approx(float(expected), rel=1e-6)
+        _loss(model, 1)  # a forward with grad enabled, no backward
+        with torch.no_grad():
+            _loss(model, 2)
+        opt.step()
+        plain_opt.step()
+        with zs.gathered_parameters(model):
+            for (n, a), b in zip(model.named_parameters(), plain.parameters()):
+                assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (stage, n)

@@ -20,7 +20,7 @@ from zero_strategy.testing import (
     subtest_grid,
     teardown_aborts,
 )
-from zero_strategy.testing.launcher import ABORT_AFTER_RESULT_ENV
+from zero_strategy.testing.launcher import EXIT_AFTER_RESULT_ENV
 
 # ---------------------------------------------------------------- rank functions
 
@@ -114,16 +114,25 @@ def test_hang_raises_launch_timeout_with_stacks(launch: Callable[..., list[Any]]
     assert "in _block_forever_in_rank_one" in message
 
 
-def test_abort_after_result_is_tolerated_with_warning(launch: Callable[..., list[Any]]) -> None:
+def test_teardown_abort_after_the_final_barrier_is_tolerated_with_warning(launch: Callable[..., list[Any]]) -> None:
     before = len(teardown_aborts)
-    # Rank 0's teardown barrier may also fail once rank 1 is gone: also tolerated.
     with pytest.warns(TeardownAbortWarning) as record:
-        results = launch(_identity, 2, env={ABORT_AFTER_RESULT_ENV: "1"}, timeout=60, pg_timeout=20)
+        results = launch(_identity, 2, env={EXIT_AFTER_RESULT_ENV: "1:abort_after_barrier"}, timeout=60, pg_timeout=20)
     assert results == [0, 10]
     messages = [str(w.message) for w in record]
-    assert any("rank 1 wrote its result" in m and "SIGABRT" in m for m in messages), messages
+    assert any("rank 1 wrote its result, passed the final barrier" in m and "SIGABRT" in m for m in messages), messages
     new = teardown_aborts[before:]
     assert any(a.rank == 1 and a.returncode == -6 and "SIGABRT" in a.status for a in new), new
+
+
+@pytest.mark.parametrize("how", ["abort_before_barrier", "exit1_after_barrier", "traceback_abort_after_barrier"])
+def test_any_other_crash_after_the_result_is_a_failure(launch: Callable[..., list[Any]], how: str) -> None:
+    """A result on disk is not a pass: an abort before the final barrier, a non-zero exit that is
+    not SIGABRT, or a SIGABRT with a Python exception in the output all fail the launch."""
+    with pytest.raises(RankFailure) as info:
+        launch(_identity, 2, env={EXIT_AFTER_RESULT_ENV: f"1:{how}"}, timeout=60, pg_timeout=10)
+    assert 1 in info.value.failed_ranks, str(info.value)  # (rank 0's barrier may fail with it)
+    assert "exited non-zero after writing their result" in str(info.value)
 
 
 def test_abort_before_result_is_a_failure(launch: Callable[..., list[Any]]) -> None:

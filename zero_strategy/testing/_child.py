@@ -1,8 +1,9 @@
 """One rank of :func:`zero_strategy.testing.launch`; run as ``python -m zero_strategy.testing._child``.
 
 argv: ``<launch_dir> <rank> <world_size>``. Protocol (see launcher.py):
-reads ``spec.pkl``, writes ``result_<rank>.pkl`` (atomically) on success or
-``error_<rank>.txt`` and exits 1 (without any barrier) on failure.
+reads ``spec.pkl``, writes ``result_<rank>.pkl`` (atomically) on success, then meets the other
+ranks at a final barrier and writes ``barrier_<rank>`` before destroying the process group; on
+failure it writes ``error_<rank>.txt`` and exits 1 (without any barrier).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from zero_strategy.testing.launcher import ABORT_AFTER_RESULT_ENV, SPEC_FILE, error_path, result_path
+from zero_strategy.testing.launcher import EXIT_AFTER_RESULT_ENV, SPEC_FILE, barrier_path, error_path, result_path
 
 
 def _flush() -> None:
@@ -58,7 +59,7 @@ def _resolve(module: ModuleType, qualname: str, source: str) -> Any:
     return obj
 
 
-def _run(launch_dir: str, rank: int, world_size: int) -> None:
+def _run(launch_dir: str, rank: int, world_size: int) -> dict[str, Any]:
     import torch
 
     from zero_strategy import collectives
@@ -74,12 +75,37 @@ def _run(launch_dir: str, rank: int, world_size: int) -> None:
     except Exception as exc:
         raise TypeError(f"return value of {spec['qualname']} is not picklable: {exc}") from exc
     _write_atomic(result_path(launch_dir, rank), payload)
+    return spec
 
 
-def _teardown() -> None:
+def _test_exit(rank: int, point: str) -> None:
+    """The launcher's self-tests end a rank at ``point`` (see EXIT_AFTER_RESULT_ENV)."""
+    wanted = os.environ.get(EXIT_AFTER_RESULT_ENV, "")
+    if wanted.partition(":")[0] != str(rank):
+        return
+    how = wanted.partition(":")[2]
+    _flush()
+    if how == f"abort_{point}":
+        os.abort()
+    if how == f"exit1_{point}":
+        os._exit(1)
+    if how == f"traceback_abort_{point}":
+        sys.stderr.write("Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: late failure\n")
+        _flush()
+        os.abort()
+
+
+def _teardown(launch_dir: str, rank: int, spec: dict[str, Any]) -> None:
+    """The final barrier, its marker file, then the group's destruction. Launches where a rank
+    may die on purpose skip the barrier (the survivors have nobody to meet)."""
     from zero_strategy import collectives
 
-    collectives.destroy_default_group()
+    _test_exit(rank, "before_barrier")
+    if not spec.get("may_die"):
+        collectives.barrier_default_group()
+    _write_atomic(barrier_path(launch_dir, rank), b"")
+    _test_exit(rank, "after_barrier")
+    collectives.destroy_default_group(barrier=False)
 
 
 def _report_failure(launch_dir: str, rank: int, exc: BaseException) -> None:
@@ -103,15 +129,12 @@ def main(argv: list[str]) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # launcher asks for stacks on timeout
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        _run(launch_dir, rank, world_size)
+        spec = _run(launch_dir, rank, world_size)
     except BaseException as exc:
         _report_failure(launch_dir, rank, exc)
         os._exit(1)  # never wait on a barrier after a failure
-    if os.environ.get(ABORT_AFTER_RESULT_ENV) == str(rank):
-        _flush()
-        os.abort()
     try:
-        _teardown()
+        _teardown(launch_dir, rank, spec)
     except BaseException:
         sys.stderr.write("process-group teardown failed after the result was written:\n")
         sys.stderr.write(traceback.format_exc())

@@ -40,9 +40,10 @@ __all__ = [
 # --- file protocol shared with zero_strategy.testing._child ---------------------
 SPEC_FILE = "spec.pkl"
 KEEP_DIR_ENV = "ZERO_KEEP_LAUNCH_DIR"
-# Test-only hook honoured by the child: the named rank calls os.abort() right after
-# writing its result file, simulating gloo's teardown SIGABRT.
-ABORT_AFTER_RESULT_ENV = "ZERO_LAUNCH_TEST_ABORT_AFTER_RESULT"
+# Test-only hook honoured by the child, "<rank>:<how>": that rank ends after writing its result,
+# how = abort_after_barrier (gloo's teardown SIGABRT, tolerated), abort_before_barrier,
+# exit1_after_barrier, traceback_abort_after_barrier (all failures).
+EXIT_AFTER_RESULT_ENV = "ZERO_LAUNCH_TEST_EXIT_AFTER_RESULT"
 
 POLL_INTERVAL_S = 0.1
 FAILURE_GRACE_S = 2.0
@@ -60,6 +61,11 @@ def result_path(launch_dir: str | os.PathLike[str], rank: int) -> Path:
 
 def error_path(launch_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(launch_dir) / f"error_{rank}.txt"
+
+
+def barrier_path(launch_dir: str | os.PathLike[str], rank: int) -> Path:
+    """Written by a rank after the final barrier, before the process group is destroyed."""
+    return Path(launch_dir) / f"barrier_{rank}"
 
 
 def stdout_path(launch_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -288,19 +294,51 @@ def _wait(ranks: list[_Rank], launch_dir: str, timeout: float, may_die: frozense
         time.sleep(POLL_INTERVAL_S)
 
 
-def _record_teardown_aborts(fn_name: str, ranks: list[_Rank], may_die: frozenset[int]) -> None:
+def _python_exception_in_output(launch_dir: str, rank: int) -> bool:
+    for path in (stderr_path(launch_dir, rank), stdout_path(launch_dir, rank), error_path(launch_dir, rank)):
+        try:
+            if "Traceback (most recent call last)" in path.read_text(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _teardown_abort_ok(launch_dir: str, r: _Rank, ranks: list[_Rank], may_die: frozenset[int]) -> bool:
+    """The one tolerated non-zero exit: gloo's teardown SIGABRT, after the final barrier, with
+    every rank's result written and no Python exception in any rank's output."""
+    if r.proc.returncode != -signal.SIGABRT or not barrier_path(launch_dir, r.rank).exists():
+        return False
+    if any(not result_path(launch_dir, o.rank).exists() for o in ranks if o.rank not in may_die):
+        return False
+    return not any(_python_exception_in_output(launch_dir, o.rank) for o in ranks)
+
+
+def _check_exits(fn_name: str, launch_dir: str, ranks: list[_Rank], may_die: frozenset[int], keep: bool) -> None:
+    """Every rank that wrote its result must also have exited cleanly; a crash after the result
+    (an exception in teardown, an abort before the final barrier) fails the launch."""
+    bad = []
     for r in ranks:
         if r.proc.returncode == 0 or r.rank in may_die:
             continue
-        record = TeardownAbort(fn=fn_name, rank=r.rank, returncode=int(r.proc.returncode), status=_status(r))
-        teardown_aborts.append(record)
-        warnings.warn(
-            f"launch({fn_name}): rank {r.rank} wrote its result but then exited with "
-            f"{record.status} during process-group teardown; counted as success "
-            f"(known gloo teardown abort)",
-            TeardownAbortWarning,
-            stacklevel=3,
+        if _teardown_abort_ok(launch_dir, r, ranks, may_die):
+            record = TeardownAbort(fn=fn_name, rank=r.rank, returncode=int(r.proc.returncode), status=_status(r))
+            teardown_aborts.append(record)
+            warnings.warn(
+                f"launch({fn_name}): rank {r.rank} wrote its result, passed the final barrier, then exited with "
+                f"{record.status} while destroying the process group (gloo's known teardown abort): counted as success",
+                TeardownAbortWarning,
+                stacklevel=3,
+            )
+            continue
+        bad.append(r.rank)
+    if bad:
+        headline = (
+            f"launch({fn_name}, world_size={len(ranks)}) failed: rank(s) {bad} exited non-zero after writing their "
+            "result; only gloo's teardown SIGABRT after the final barrier, with no Python exception in any "
+            "rank's output, is tolerated"
         )
+        raise RankFailure(_full_report(headline, launch_dir, ranks, keep), bad)
 
 
 def _load_results(launch_dir: str, fn_name: str, world_size: int, may_die: frozenset[int]) -> list[Any]:
@@ -321,10 +359,10 @@ def _load_results(launch_dir: str, fn_name: str, world_size: int, may_die: froze
 
 
 def _write_spec(launch_dir: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any], pg_timeout: float) -> None:
+                kwargs: dict[str, Any], pg_timeout: float, may_die: frozenset[int]) -> None:
     source, qualname = _locate(fn)
     spec = {"source": source, "qualname": qualname, "args": tuple(args),
-            "kwargs": dict(kwargs), "pg_timeout": float(pg_timeout)}
+            "kwargs": dict(kwargs), "pg_timeout": float(pg_timeout), "may_die": sorted(may_die)}
     try:
         payload = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
@@ -358,10 +396,12 @@ def launch(
     file under a private module name. Returns the per-rank return values, in rank
     order. Raises :class:`RankFailure` when a rank exits without a result and
     :class:`LaunchTimeout` after ``timeout`` seconds (with stack dumps of live
-    ranks). A rank that wrote its result and then died in teardown is tolerated:
-    it is recorded in :data:`teardown_aborts` and a :class:`TeardownAbortWarning`
-    is emitted. Ranks in ``may_die`` (for failure-injection tests) may exit without a
-    result; their entry in the returned list is ``None``.
+    ranks). A rank that exits non-zero after writing its result fails the launch too,
+    with one exception: gloo's teardown SIGABRT, after the final barrier, with every
+    rank's result written and no Python exception in any rank's output; it is recorded
+    in :data:`teardown_aborts` and a :class:`TeardownAbortWarning` is emitted. Ranks in
+    ``may_die`` (for failure-injection tests) may exit without a result; their entry in
+    the returned list is ``None``, and no rank waits at the final barrier.
     """
     may_die = frozenset(may_die)
     _validate(world_size, timeout, pg_timeout)
@@ -370,7 +410,7 @@ def launch(
     launch_dir = tempfile.mkdtemp(prefix="zero_launch_")
     ranks: list[_Rank] = []
     try:
-        _write_spec(launch_dir, fn, args, kwargs or {}, pg_timeout)
+        _write_spec(launch_dir, fn, args, kwargs or {}, pg_timeout, may_die)
         port = _free_port()
         for rank in range(world_size):
             child_env = _child_env(rank, world_size, port, launch_dir, env)
@@ -387,7 +427,7 @@ def launch(
             headline = (f"launch({fn_name}, world_size={world_size}) failed: "
                         f"rank(s) {bad} exited without writing a result")
             raise RankFailure(_full_report(headline, launch_dir, ranks, keep), bad)
-        _record_teardown_aborts(fn_name, ranks, may_die)
+        _check_exits(fn_name, launch_dir, ranks, may_die, keep)
         return _load_results(launch_dir, fn_name, world_size, may_die)
     finally:
         _kill_all(ranks)  # no-op for reaped ranks; guarantees nothing outlives us
