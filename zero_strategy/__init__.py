@@ -3,13 +3,21 @@
 from zero_strategy.api import (
     backward,
     clip_grad_norm_,
+    destroy,
     full_grad,
     gathered_parameters,
     initialize,
     memory_stats,
     replace_optimizer,
 )
-from zero_strategy.checkpoint import load_checkpoint, read_checkpoint_object, save_checkpoint
+from zero_strategy.checkpoint import (
+    begin_versioned_save,
+    commit_versioned_save,
+    load_checkpoint,
+    read_checkpoint_object,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from zero_strategy.collectives import CollectiveError, comm_stats, reset_comm_stats
 from zero_strategy.config import ZeroConfig, resolve_overrides
 from zero_strategy.export import export_full, full_state_dict
@@ -24,8 +32,11 @@ __all__ = [
     "UnitDivergence",
     "ZeroConfig",
     "backward",
+    "begin_versioned_save",
     "clip_grad_norm_",
     "comm_stats",
+    "commit_versioned_save",
+    "destroy",
     "export_full",
     "full_grad",
     "full_state_dict",
@@ -36,6 +47,7 @@ __all__ = [
     "memory_stats",
     "read_checkpoint_object",
     "replace_optimizer",
+    "resolve_checkpoint",
     "reset_comm_stats",
     "resolve_overrides",
     "save_checkpoint",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-__all__ = ["original_class", "swap_class", "swapped_by"]
+__all__ = ["original_class", "swap_class", "swapped_by", "unswap_class"]
 
 _CACHE: dict[tuple[type, type], type] = {}
 _SKIP = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__", "__doc__", "__slots__", "__annotations__"})
@@ -91,3 +91,8 @@ def _rebind(attr: Any, cells: list[types.CellType], where: str) -> Any:
     if isinstance(attr, (classmethod, staticmethod)):
         return type(attr)(_rebind(attr.__func__, cells, where))
     return attr
+
+
+def unswap_class(obj: object) -> None:
+    """Give ``obj`` its class from before :func:`swap_class` back (no-op if it was not swapped)."""
+    obj.__class__ = original_class(obj)

@@ -13,7 +13,7 @@ from zero_strategy.engine import ZeroEngine, get_engine, live_engines, swap_modu
 from zero_strategy.optimizer import bind_optimizer, build_optimizer, check_optimizer
 from zero_strategy.partition import UnitPolicy
 
-__all__ = ["backward", "clip_grad_norm_", "full_grad", "gathered_parameters", "initialize", "memory_stats", "replace_optimizer"]
+__all__ = ["backward", "clip_grad_norm_", "destroy", "full_grad", "gathered_parameters", "initialize", "memory_stats", "replace_optimizer"]
 
 ConfigLike = ZeroConfig | Mapping[str, Any] | str | None
 
@@ -127,6 +127,14 @@ def gathered_parameters(model_or_params: Any, modifier_rank: int | None = None) 
         engine = owners[0]
     with engine.gathered_parameters(params, modifier_rank):
         yield
+
+
+def destroy(model: nn.Module) -> nn.Module:
+    """Undo :func:`initialize`: the model gets its own class back with ordinary full parameters
+    (ZeRO-3 gathers them: a collective), no hooks, and the engine's buffers are freed. Returns
+    the model. Its optimizer cannot step afterwards."""
+    get_engine(model).destroy()
+    return model
 
 
 def memory_stats(model: nn.Module) -> dict[str, int]:

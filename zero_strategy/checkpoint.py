@@ -6,18 +6,22 @@ local piece is this rank's ``torch.chunk`` piece (the engine's layout at every s
 writes each piece once and reshards on load to any world size and stage. Per-element
 optimizer state is saved the same way (``optim.<fqn>.<key>``); other optimizer state
 (``step``) and buffers (those ``state_dict()`` holds) are plain, replicated tensors. Frozen
-parameters are flattened too: ZeRO-3 pieces (DTensors) or, at ZeRO-1/2, the full flat tensor. The original shapes
-are in ``zero_meta.json`` beside the DCP files.
+parameters are flattened too: ZeRO-3 pieces (DTensors) or, at ZeRO-1/2, the full flat tensor.
+The original shapes are in ``zero_meta.json`` beside the DCP files.
 
 DCP treats a plain tensor as replicated (a per-rank piece saved as a plain tensor would be
 replaced by rank 0's on load), which is why the pieces are DTensors.
 
-Saves are atomic: ``save_checkpoint(root, ...)`` writes a versioned subdirectory
-``root/<tag>`` (default ``step-<n>``), records every file's size in its metadata, and only
-then replaces the small pointer file ``root/latest`` (write to a temporary file, then
-``os.replace``). A process killed in the middle of a save leaves the previous checkpoint,
-and the pointer to it, intact. ``load_checkpoint(root)`` follows ``latest``; it also accepts a
-versioned subdirectory itself. A truncated file fails the load with an error naming it.
+Saves are atomic and durable: ``save_checkpoint(root, ...)`` writes a versioned subdirectory
+``root/<tag>`` (default ``step-<n>``) that rank 0 created exclusively (a second job saving into
+the same root gets another one), records every file's size and CRC32 in its metadata, fsyncs
+files and directories, and only then replaces the small pointer file ``root/latest`` (a
+temporary file, then ``os.replace``). A process killed at any point of a save leaves the
+previous checkpoint, and the pointer to it, intact; a failed save removes its directory.
+``load_checkpoint(root)`` follows ``latest`` (a plain name inside the root; nothing else is
+followed); it also accepts a versioned subdirectory itself. A missing, truncated or corrupted
+file fails the load on every rank with an error naming it, and no file is unpickled with code
+execution (see ``checkpoint_files.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import zlib
 from typing import Any, Callable
 
 import torch
@@ -34,14 +40,35 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from zero_strategy import collectives as C
+from zero_strategy.checkpoint_files import (
+    OWNER,
+    CheckpointFileError,
+    SafeFileSystemReader,
+    checksumming_writer,
+    fsync_dir,
+    inside,
+    owner_is_gone,
+    owner_record,
+    read_owner,
+    verify_checksums,
+    write_atomic,
+)
 from zero_strategy.engine import ZeroEngine, get_engine, persistent_buffers
 from zero_strategy.unit import ShardedParams
 
-__all__ = ["load_checkpoint", "read_checkpoint_object", "save_checkpoint"]
+__all__ = [
+    "begin_versioned_save",
+    "commit_versioned_save",
+    "load_checkpoint",
+    "read_checkpoint_object",
+    "resolve_checkpoint",
+    "save_checkpoint",
+]
 
 META = "zero_meta.json"
 LATEST = "latest"
-FORMAT = 2  # 2: frozen parameters saved flattened (sharded at ZeRO-3)
+COMPLETE = ".zero_complete"  # a versioned directory that a front-end's save filled (commit_versioned_save)
+FORMAT = 3  # 2: frozen parameters saved flattened (sharded at ZeRO-3); 3: CRC32 of every file
 
 # Fault injection for tests: called as FAULT_HOOK(point, rank) at "before_write",
 # "after_write" and "before_latest"; a test can kill the process there.
@@ -123,6 +150,36 @@ def _state(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, want_opt
     return sd
 
 
+def _pointer_name(engine: ZeroEngine) -> str:
+    """``latest`` for the whole world; a process subgroup (pipeline stages sharing a root) keeps
+    its own pointer, ``latest-<first rank>-<last rank>-<crc of the ranks>``."""
+    if not dist.is_initialized() or engine.ctx.world_size == dist.get_world_size():
+        return LATEST
+    ranks = engine.ctx.global_ranks
+    return f"{LATEST}-{ranks[0]}-{ranks[-1]}-{zlib.crc32(repr(ranks).encode()):08x}"
+
+
+def _create_version_dir(root: str, tag: str, explicit: bool) -> str:
+    """Rank 0: create ``root/<tag>`` (or ``<tag>.1``, ``.2``, ...) *exclusively*, so two jobs saving
+    into one root never share a directory, and mark it with its owner. Returns the name."""
+    os.makedirs(root, exist_ok=True)
+    for k in range(10_000):
+        name = tag if k == 0 else f"{tag}.{k}"
+        try:
+            os.mkdir(os.path.join(root, name))
+        except FileExistsError:
+            if explicit:
+                raise ValueError(
+                    f"save_checkpoint(tag={tag!r}): {os.path.join(root, tag)!r} exists; a save never writes into an "
+                    "existing checkpoint (it could be the one `latest` names). Pick a new tag or remove it"
+                ) from None
+            continue
+        write_atomic(os.path.join(root, name, OWNER), json.dumps(owner_record()))
+        fsync_dir(root)
+        return name
+    raise RuntimeError(f"save_checkpoint(): could not create a directory for tag {tag!r} under {root!r}")
+
+
 def save_checkpoint(
     root: str | os.PathLike[str],
     model: torch.nn.Module,
@@ -139,9 +196,15 @@ def save_checkpoint(
     ``extra``: a JSON-serialisable dict, returned by :func:`load_checkpoint`. ``objects``: name
     -> any picklable object (a front-end's training state), written by rank 0 as
     ``<name>.pt`` inside the versioned directory before ``latest`` moves, so it is covered by
-    the same atomicity and size checks; read back with :func:`read_checkpoint_object`.
-    ``keep_last``: after the pointer moved, remove all but the newest ``keep_last`` versioned
-    directories under ``root``."""
+    the same atomicity and checks; read back with :func:`read_checkpoint_object`.
+    ``keep_last``: once the new checkpoint is durable and ``latest`` names it, remove all but
+    the newest ``keep_last`` of this library's complete checkpoints under ``root``.
+
+    Order, each step durable (fsynced) before the next: rank 0 creates the directory
+    exclusively; every rank writes its shards; rank 0 writes the objects and ``zero_meta.json``
+    (size and CRC32 of every file); ``latest`` moves; pruning. A failure at any point (a full
+    disk) removes the partial directory and raises on every rank; ``latest`` and the previous
+    checkpoint are untouched."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint(keep_last={keep_last}): keep at least 1 checkpoint, or pass None to keep all")
     for name in objects or {}:
@@ -151,88 +214,172 @@ def save_checkpoint(
     engine.reducer.wait_all()
     explicit = tag is not None
     tag = tag or f"step-{engine.step_count}"
-    if os.sep in tag or tag in ("", ".", "..", LATEST):
+    if "/" in tag or os.sep in tag or tag.startswith(".") or tag == LATEST or tag.startswith(LATEST + "-"):
         raise ValueError(f"save_checkpoint(tag={tag!r}): use a plain directory name such as 'step-1000'")
     root = os.fspath(root)
     rank = engine.ctx.rank
-    # Rank 0 alone chooses the directory (a second save at the same step gets a suffix; a save
-    # never writes into an existing checkpoint) and pickles the objects; one all-reduce tells
-    # every rank its choice and whether it worked, before any rank writes (DCP creates the
-    # directory on each rank), so a failure raises everywhere instead of hanging the others.
-    suffix, conflict = 0, 0
+    # Rank 0 alone creates the directory and pickles the objects; the outcome reaches every rank
+    # before any rank writes, so a failure raises everywhere instead of hanging the others.
+    name: str | None = None
     blobs: dict[str, bytes] = {}
     failure: BaseException | None = None
     if rank == 0:
-        if os.path.exists(os.path.join(root, tag)):
-            conflict = int(explicit)
-            suffix = 1
-            while os.path.exists(os.path.join(root, f"{tag}.{suffix}")):
-                suffix += 1
         try:
-            for name, obj in (objects or {}).items():
+            name = _create_version_dir(root, tag, explicit)
+            for obj_name, obj in (objects or {}).items():
                 buf = io.BytesIO()
                 torch.save(obj, buf)
-                blobs[name] = buf.getvalue()
+                blobs[obj_name] = buf.getvalue()
         except Exception as exc:  # reported on every rank below
             failure = exc
-    flags = torch.tensor([int(failure is not None), suffix, conflict], dtype=torch.int64, device=engine.ctx.device)
-    C.all_reduce(engine.ctx, flags, op="max", what="save_checkpoint start").wait()
-    failed, suffix, conflict = (int(v) for v in flags.tolist())
-    if conflict:
-        raise ValueError(
-            f"save_checkpoint(tag={tag!r}): {os.path.join(root, tag)!r} exists; a save never writes into an "
-            "existing checkpoint (it could be the one `latest` names). Pick a new tag or remove it"
-        )
-    if failed:
+    text = None if failure is None else str(failure) if isinstance(failure, ValueError) else f"{type(failure).__name__}: {failure}"
+    starts = C.all_gather_objects(engine.ctx, (name, text, isinstance(failure, ValueError), tag), what="save_checkpoint start")
+    name, failed, user_error, _ = starts[0]
+    tags = [t for *_, t in starts]
+    if failed is None and len(set(tags)) > 1:  # every rank must mean the same save
+        failed, user_error = f"save_checkpoint(tag=...): the ranks asked for different tags {tags}; pass the same tag on every rank", True
+    if failed is not None:
+        if rank == 0 and name is not None:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if user_error:
+            raise ValueError(failed) from failure
+        raise RuntimeError(f"save_checkpoint(): rank 0 could not start the save ({failed}); check that the root is writable and that the objects can be pickled") from failure
+    path = os.path.join(root, name)
+    write_errors: list[OSError] = []
+    try:
+        _fault("before_write", rank)
+        writer, sums, write_errors = checksumming_writer(path)
+        dcp.save(_state(engine, optimizer, None), storage_writer=writer, process_group=engine.ctx.bounded_group)
+        _fault("after_shards", rank)
+        all_sums: dict[str, int] = {}
+        for part in C.all_gather_objects(engine.ctx, sums, what="checkpoint checksums"):
+            all_sums.update(part)
+        failure = None
+        if rank == 0:
+            try:
+                for obj_name, blob in blobs.items():
+                    tmp = os.path.join(path, f".{obj_name}.pt.tmp")
+                    with open(tmp, "wb") as f:
+                        f.write(blob)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, os.path.join(path, f"{obj_name}.pt"))
+                    all_sums[f"{obj_name}.pt"] = zlib.crc32(blob)
+                _fault("after_objects", rank)
+                _write_meta(engine, optimizer, extra, path, all_sums)
+                _fault("before_latest", rank)
+            except Exception as exc:
+                failure = exc
+        _fault("after_write", rank)
+        _agree(engine, failure, "save_checkpoint: writing the objects and metadata")
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        # a failed write (a full disk, ...) on any rank: DCP raised it on every rank. Remove what
+        # was written, so no partial directory is ever mistaken for a checkpoint
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        cause = repr(write_errors[0]) if write_errors else _root_cause(exc)  # a full disk's OSError, not its echo
         raise RuntimeError(
-            f"save_checkpoint(objects=...): rank 0 could not pickle the objects ({failure!r}); save only "
-            "picklable objects"
-        ) from failure
-    tag = f"{tag}.{suffix}" if suffix else tag
-    path = os.path.join(root, tag)
-    _fault("before_write", rank)
-    dcp.save(_state(engine, optimizer, None), checkpoint_id=path, process_group=engine.ctx.group)
+            f"save_checkpoint(): writing {path!r} failed ({cause}); the partial directory was removed and "
+            "`latest` still names the previous checkpoint. Free disk space (or fix the cause) and save again"
+        ) from exc
     failure = None
     if rank == 0:
         try:
-            for name, blob in blobs.items():
-                tmp = os.path.join(path, f".{name}.pt.tmp")
-                with open(tmp, "wb") as f:
-                    f.write(blob)
-                os.replace(tmp, os.path.join(path, f"{name}.pt"))
-        except Exception as exc:
-            failure = exc
-    _fault("after_write", rank)
-    # every rank's files are complete before their sizes are recorded
-    _agree(engine, failure, "save_checkpoint: writing the objects")
-    failure = None
-    if rank == 0:
-        try:
-            _write_meta(engine, optimizer, extra, path)
-            _fault("before_latest", rank)
-            _write_atomic(os.path.join(root, LATEST), tag + "\n")
+            write_atomic(os.path.join(root, _pointer_name(engine)), name + "\n")  # complete and durable: point at it
+            _fault("after_latest", rank)
             if keep_last is not None:
-                _prune(root, tag, keep_last)
+                _prune(root, name, keep_last)
         except Exception as exc:
             failure = exc
-    _agree(engine, failure, "save_checkpoint: writing the metadata")  # complete before anyone reads it
+    _agree(engine, failure, "save_checkpoint: moving `latest`")
     return path
 
 
+def begin_versioned_save(root: str | os.PathLike[str], tag: str, *, process_group: Any = None) -> str:
+    """Start a save that other code writes (a front-end's own files beside the shards): rank 0
+    creates ``root/<tag>`` (or ``<tag>.1``, ...) exclusively, with its owner marker; returns its
+    path on every rank. Write everything into it, then call :func:`commit_versioned_save`.
+    Collective over ``process_group`` (default: the default group)."""
+    ctx = C.make_context(process_group, None)
+    root = os.fspath(root)
+    name, failure = None, None
+    if ctx.rank == 0:
+        try:
+            name = _create_version_dir(root, tag, explicit=False)
+        except Exception as exc:  # reported on every rank
+            failure = f"{type(exc).__name__}: {exc}"
+    name, failure = C.all_gather_objects(ctx, (name, failure), what="begin_versioned_save")[0]
+    if failure is not None:
+        raise RuntimeError(f"begin_versioned_save(): could not create a directory under {root!r}: {failure}")
+    return os.path.join(root, name)
+
+
+def commit_versioned_save(path: str | os.PathLike[str], *, keep_last: int | None = None, process_group: Any = None) -> None:
+    """Finish a save begun with :func:`begin_versioned_save` once every rank has written its
+    files into ``path``: rank 0 fsyncs them, marks the directory complete, points
+    ``<root>/latest`` at it and prunes older complete ones beyond ``keep_last``. A crash before
+    this leaves ``latest`` at the previous save, whole. Collective."""
+    ctx = C.make_context(process_group, None)
+    path = os.fspath(path).rstrip(os.sep)
+    root, name = os.path.dirname(path), os.path.basename(path)
+    C.all_gather_objects(ctx, None, what="commit_versioned_save: every rank has written")
+    failure = None
+    if ctx.rank == 0:
+        try:
+            for dirpath, _, files in os.walk(path):
+                for f in files:
+                    with open(os.path.join(dirpath, f), "rb") as fh:
+                        os.fsync(fh.fileno())
+                fsync_dir(dirpath)
+            write_atomic(os.path.join(path, COMPLETE), "")
+            write_atomic(os.path.join(root, LATEST), name + "\n")
+            if keep_last is not None:
+                _prune(root, name, keep_last)
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+    failure = C.all_gather_objects(ctx, failure, what="commit_versioned_save")[0]
+    if failure is not None:
+        raise RuntimeError(f"commit_versioned_save(): {failure}; `latest` still names the previous save")
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> str:
+    """The versioned directory ``path`` names: itself, or what its ``latest`` names (a plain name
+    inside it; nothing else is followed)."""
+    return _resolve(os.fspath(path))
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost error of a chain (DCP wraps each rank's failure), as text."""
+    inner = exc
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    return f"{type(inner).__name__}: {inner}"
+
+
 def _agree(engine: ZeroEngine, failure: BaseException | None, what: str) -> None:
-    """A collective: raise on every rank if ``failure`` happened on any (here: rank 0)."""
+    """A collective: raise on every rank if ``failure`` happened on any."""
     flag = torch.tensor([int(failure is not None)], dtype=torch.int32, device=engine.ctx.device)
     C.all_reduce(engine.ctx, flag, op="max", what=what).wait()
     if bool(flag.item()):
-        detail = f": {failure!r}" if failure is not None else " on rank 0 (its log has the cause)"
-        raise RuntimeError(f"{what} failed{detail}; the previous checkpoint and `latest` are unchanged") from failure
+        detail = f": {failure!r}" if failure is not None else " on another rank (its log has the cause)"
+        raise RuntimeError(f"{what} failed{detail}") from failure
 
 
-def _write_meta(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None, path: str) -> None:
+def _write_meta(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None, path: str,
+                sums: dict[str, int]) -> None:  # fmt: skip
     shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
     names = engine.param_names()
     tensors = engine.module.state_dict(keep_vars=True)
     aliases = {n: names[id(t)] for n, t in tensors.items() if id(t) in names and names[id(t)] != n}
+    files = {}
+    for n in sorted(os.listdir(path)):
+        if n in (META, OWNER, COMPLETE) or n.endswith(".tmp") or ".tmp-" in n:
+            continue
+        if n not in sums:
+            raise AssertionError(f"save_checkpoint(): {n} in {path} was not written through the checksumming writer")
+        files[n] = {"size": os.path.getsize(os.path.join(path, n)), "crc32": sums[n]}
     meta = {
         "format": FORMAT,
         "stage": engine.config.stage,
@@ -249,9 +396,9 @@ def _write_meta(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, ext
         "state_names": list(tensors),
         "state_shapes": {n: list(t.shape) for n, t in tensors.items()},
         "aliases": aliases,
-        "files": {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))},
+        "files": files,
     }
-    _write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
+    write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
 
 
 def _group_settings(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
@@ -276,7 +423,7 @@ def _group_settings(optimizer: torch.optim.Optimizer | None) -> list[dict[str, A
     return out
 
 
-def _restore_group_settings(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], path: str) -> None:
+def _restore_group_settings(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
     for group, values in zip(optimizer.param_groups, saved):
         for key, value in values.items():
             current = group.get(key)
@@ -290,38 +437,40 @@ def _restore_group_settings(optimizer: torch.optim.Optimizer, saved: list[dict[s
 
 
 def _prune(root: str, current: str, keep_last: int) -> None:
-    """Remove the oldest complete versioned directories beyond ``keep_last`` (never ``current``),
-    and the remains of saves that died before their metadata (a directory holding DCP files
-    but no ``zero_meta.json``, older than ``current``)."""
-    import shutil
-
-    def complete(d: str) -> bool:
-        return os.path.exists(os.path.join(root, d, META))
-
-    def partial(d: str) -> bool:
+    """Remove this library's oldest complete checkpoints beyond ``keep_last`` (never
+    ``current``), and the remains of saves whose owner process is gone. Directories without the
+    owner marker (another tool's, an unrelated DCP checkpoint) and another live job's save in
+    progress are never touched."""
+    entries = []
+    for d in os.listdir(root):
         full = os.path.join(root, d)
-        return os.path.isdir(full) and not complete(d) and any(n.endswith(".distcp") for n in os.listdir(full))
+        owner = read_owner(full) if d != current and os.path.isdir(full) and not os.path.islink(full) else None
+        if owner is None:
+            continue
+        complete = os.path.exists(os.path.join(full, META)) or os.path.exists(os.path.join(full, COMPLETE))
+        entries.append((d, full, owner, complete))
+    done = sorted((e for e in entries if e[3]), key=lambda e: e[2].get("created", 0.0))
+    doomed = [e[1] for e in done[: max(0, len(done) - (keep_last - 1))]]
+    doomed += [e[1] for e in entries if not e[3] and owner_is_gone(e[2])]
+    for full in doomed:
+        shutil.rmtree(full, ignore_errors=True)
+    if doomed:
+        fsync_dir(root)
 
-    now = os.path.getmtime(os.path.join(root, current, META))
-    versions = [d for d in os.listdir(root) if d != current and complete(d)]
-    versions.sort(key=lambda d: os.path.getmtime(os.path.join(root, d, META)))
-    doomed = versions[: max(0, len(versions) - (keep_last - 1))]
-    doomed += [d for d in os.listdir(root) if d != current and partial(d) and os.path.getmtime(os.path.join(root, d)) < now]
-    for d in doomed:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
-
-def read_checkpoint_object(path: str | os.PathLike[str], name: str, *, weights_only: bool = False) -> Any:
+def read_checkpoint_object(path: str | os.PathLike[str], name: str, *, weights_only: bool | None = True) -> Any:
     """An object saved with ``save_checkpoint(..., objects={name: obj})`` (``path``: the root,
-    whose ``latest`` is followed, or a versioned directory). Not collective. The file is a
-    pickle: load only checkpoints you trust, or pass ``weights_only=True``."""
+    whose ``latest`` is followed, or a versioned directory). Not collective. Read with torch's
+    ``weights_only`` unpickler by default (``None``: torch's default, which is the same);
+    ``weights_only=False`` runs whatever the file's pickle says: only for files you trust."""
     path, meta = _read_meta(path, "read_checkpoint_object()")
     file = f"{name}.pt"
-    if file not in meta.get("files", {}):
-        saved = sorted(n[:-3] for n in meta.get("files", {}) if n.endswith(".pt"))
+    files = meta.get("files", {})
+    if file not in files:
+        saved = sorted(n[:-3] for n in files if n.endswith(".pt"))
         raise ValueError(f"read_checkpoint_object(): checkpoint {path!r} has no object {name!r} (it has {saved})")
-    _check_files(path, {"files": {file: meta["files"][file]}})
-    return torch.load(os.path.join(path, file), map_location="cpu", weights_only=weights_only)
+    verify_checksums(path, _file_records(files), [file])
+    return torch.load(inside(path, file, "read_checkpoint_object()"), map_location="cpu", weights_only=weights_only)
 
 
 def _version() -> str:
@@ -330,53 +479,49 @@ def _version() -> str:
     return zero_strategy.__version__
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _resolve(path: str) -> str:
-    pointer = os.path.join(path, LATEST)
-    if os.path.exists(pointer):
-        with open(pointer) as f:
-            return os.path.join(path, f.read().strip())
+def _resolve(path: str, pointer: str = LATEST) -> str:
+    """The versioned directory ``path`` names: ``path`` itself, or the one its pointer file names
+    (this group's own, else ``latest``, else the only subgroup pointer there is), which must be a
+    plain name inside ``path``."""
+    candidates = list(dict.fromkeys((pointer, LATEST)))
+    if os.path.isdir(path):  # a root saved by one process subgroup only: its pointer, whatever group loads
+        others = sorted(n for n in os.listdir(path) if n.startswith(LATEST + "-") and ".tmp-" not in n)
+        candidates += others if len(others) == 1 else []
+    for candidate in candidates:
+        file = os.path.join(path, candidate)
+        if os.path.isfile(file):
+            with open(file) as f:
+                target = f.read().strip()
+            return inside(path, target, f"{file}")
     return path
 
 
-def _read_meta(path: str | os.PathLike[str], caller: str) -> tuple[str, dict[str, Any]]:
-    """The versioned directory ``path`` names (following ``latest``) and its metadata."""
-    path = _resolve(os.fspath(path))
+def _read_meta(path: str | os.PathLike[str], caller: str, pointer: str = LATEST) -> tuple[str, dict[str, Any]]:
+    """The versioned directory ``path`` names (following its pointer) and its metadata."""
+    path = _resolve(os.fspath(path), pointer)
     meta_path = os.path.join(path, META)
     if not os.path.exists(meta_path):
         raise ValueError(f"{caller}: {path!r} is not a zero_strategy checkpoint (no {META})")
     with open(meta_path) as f:
-        return path, json.load(f)
+        try:
+            meta = json.load(f)
+        except ValueError as exc:
+            raise CheckpointFileError(f"{caller}: {meta_path!r} is not valid JSON ({exc}); the checkpoint is corrupted") from exc
+    if not isinstance(meta, dict) or not isinstance(meta.get("files", {}), dict):
+        raise CheckpointFileError(f"{caller}: {meta_path!r} is not zero_strategy metadata")
+    for name in meta.get("files", {}):
+        inside(path, name, f"{meta_path}: file")
+    return path, meta
 
 
-def _check_files(path: str, meta: dict[str, Any]) -> None:
-    for name, size in meta.get("files", {}).items():
-        full = os.path.join(path, name)
-        if not os.path.exists(full):
-            raise RuntimeError(f"load_checkpoint(): shard file {full!r} is missing; the checkpoint is incomplete")
-        if os.path.getsize(full) != size:
-            raise RuntimeError(
-                f"load_checkpoint(): shard file {full!r} has {os.path.getsize(full)} bytes, {size} were written; "
-                "it is truncated or corrupted (load an earlier checkpoint)"
-            )
+def _file_records(files: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """``files`` of zero_meta.json; format 1 recorded a size alone."""
+    return {n: (v if isinstance(v, dict) else {"size": int(v)}) for n, v in files.items()}
 
 
-def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (``path``: its root, whose
-    ``latest`` is followed, or a versioned subdirectory) at any world size and stage into this
-    model (and optimizer). The optimizer's param-group settings (lr as a scheduler left it,
-    betas, weight decay, ...) are restored too, replacing the ones it was built with. Returns
-    the ``extra`` dict that was saved. Collective."""
-    engine = get_engine(model)
-    path, meta = _read_meta(path, "load_checkpoint()")
+def _validate_for_load(engine: ZeroEngine, path: str, meta: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> None:
+    """This rank's checks before any collective of the load (shapes, groups, its share of the
+    files' sizes and checksums)."""
     shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
     for name, shape in shapes.items():
         if meta["shapes"].get(name) != shape:
@@ -384,21 +529,53 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
                 f"load_checkpoint(): parameter '{name}' has shape {shape} in the model but "
                 f"{meta['shapes'].get(name, 'no entry')} in the checkpoint {path!r}; load a checkpoint of this model"
             )
-    _check_files(path, meta)
     groups = meta.get("param_groups")
     if optimizer is not None and groups is not None and len(groups) != len(optimizer.param_groups):
         raise ValueError(
             f"load_checkpoint(): the optimizer has {len(optimizer.param_groups)} parameter groups but the checkpoint "
             f"{path!r} has {len(groups)}; build the optimizer with the same groups as the saved run"
         )
+    files = _file_records(meta.get("files", {}))
+    names = sorted(files)
+    n, r = engine.ctx.world_size, engine.ctx.rank
+    verify_checksums(path, files, names[r::n])  # the ranks share the reading
+
+
+def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` (``path``: its root, whose
+    ``latest`` is followed, or a versioned subdirectory) at any world size and stage into this
+    model (and optimizer). The optimizer's param-group settings (lr as a scheduler left it,
+    betas, weight decay, ...) are restored too, replacing the ones it was built with. Returns
+    the ``extra`` dict that was saved. Collective.
+
+    Every rank checks what it can first (shapes, and its share of the files' sizes and CRC32s);
+    then the ranks agree, so either all load or all raise the same error naming the file, and
+    none waits in a collective the others never reach. Files are read without running code
+    (:class:`SafeFileSystemReader`)."""
+    engine = get_engine(model)
+    failure: BaseException | None = None
+    resolved, meta = os.fspath(path), {}
+    try:
+        resolved, meta = _read_meta(path, "load_checkpoint()", _pointer_name(engine))
+        _validate_for_load(engine, resolved, meta, optimizer)
+        reader = SafeFileSystemReader(resolved)
+        saved = set(reader.read_metadata().state_dict_metadata)
+    except Exception as exc:
+        failure = exc
+    errors = C.all_gather_objects(engine.ctx, None if failure is None else (type(failure).__name__, str(failure)), what="load_checkpoint checks")
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        if failure is not None:
+            raise failure
+        kind, text = first
+        raise (ValueError if kind == "ValueError" else CheckpointFileError)(f"load_checkpoint(): another rank refused the checkpoint: {text}")
     engine.reducer.wait_all()
-    saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     want = {k for k in saved if k.startswith("optim.")} if optimizer is not None else None
     sd = _state(engine, optimizer, want)
-    dcp.load(sd, checkpoint_id=path, process_group=engine.ctx.group)
+    dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=engine.ctx.bounded_group)
     engine.step_count = int(sd["engine.step_count"])
     engine.scaler.scale = float(sd["engine.loss_scale"]) if engine.scaler.enabled else engine.scaler.scale
     engine.params.after_step(engine)  # full parameters / unit rows follow the loaded masters
     if optimizer is not None and meta.get("param_groups") is not None:
-        _restore_group_settings(optimizer, meta["param_groups"], path)
+        _restore_group_settings(optimizer, meta["param_groups"])
     return dict(meta.get("extra", {}))

@@ -21,13 +21,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
     "CollectiveError",
+    "all_gather_objects",
     "CommContext",
     "Handle",
     "all_gather",
@@ -97,6 +98,13 @@ class _ScratchPool:
         self.peak = max(self.peak, self.allocated)
         return slab
 
+    def clear(self) -> None:
+        """Drop every free slab (slabs in use stay with their users)."""
+        for free in self._free.values():
+            for slab in free:
+                self.allocated -= slab.numel() * slab.element_size()
+        self._free.clear()
+
     def put(self, t: torch.Tensor) -> None:
         slab = t._base if t._base is not None else t
         free = self._free.setdefault((slab.dtype, str(slab.device)), [])
@@ -118,24 +126,48 @@ class CommContext:
     pool: _ScratchPool = field(default_factory=_ScratchPool)
     # ranks of the group in global numbering, for point-to-point calls
     global_ranks: tuple[int, ...] = ()
+    # gloo: Work.wait(timeout) costs nothing; on NCCL it blocks the CPU until the collective
+    # completes (no overlap), so there the process group's timeout and watchdog bound the wait
+    timed_wait: bool = True
+    # for collectives that obey only their group's timeout (DCP's, object collectives): the
+    # group itself, or a gloo group of the same ranks created with comm_timeout
+    bounded_group: dist.ProcessGroup | None = None
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
 
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default process-group timeout
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> timedelta:
+    """The timeout ``group`` (None: the default group) was created with."""
+    if not dist.is_available() or not dist.is_initialized():
+        return DEFAULT_TIMEOUT
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no backend for that device, or an older torch
+            continue
+    return DEFAULT_TIMEOUT
+
+
 def make_context(
-    group: dist.ProcessGroup | None, timeout_s: float, impl: str = "auto", device: torch.device | None = None
+    group: dist.ProcessGroup | None, timeout_s: float | None, impl: str = "auto", device: torch.device | None = None
 ) -> CommContext:
     """Describe ``group`` (None: the default group; without an initialised process group, a
-    single-rank context whose collectives are no-ops, on ``device``)."""
+    single-rank context whose collectives are no-ops, on ``device``). ``timeout_s`` None: the
+    group's own timeout, so a healthy job that the process group would tolerate is never cut."""
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else group_timeout(group)
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise RuntimeError(
                 "initialize(process_group=...) was given a group but torch.distributed is not "
                 "initialised; call torch.distributed.init_process_group() first"
             )
-        return CommContext(None, 0, 1, timedelta(seconds=timeout_s), "native", device or torch.device("cpu"), global_ranks=(0,))
+        return CommContext(None, 0, 1, timeout, "native", device or torch.device("cpu"), global_ranks=(0,))
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     if impl == "auto":
@@ -143,9 +175,25 @@ def make_context(
     if impl not in ("native", "p2p"):
         raise ValueError(f"collective_impl={impl!r} is not one of 'auto', 'native', 'p2p'")
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    bounded = group
+    if timeout != group_timeout(group):
+        bounded = _bounded_group(ranks, timeout)
     return CommContext(
-        group, dist.get_rank(group), dist.get_world_size(group), timedelta(seconds=timeout_s), impl, device, global_ranks=ranks
-    )
+        group, dist.get_rank(group), dist.get_world_size(group), timeout, impl, device, global_ranks=ranks,
+        timed_wait=backend != "nccl", bounded_group=bounded,
+    )  # fmt: skip
+
+
+_BOUNDED: dict[tuple[tuple[int, ...], timedelta], dist.ProcessGroup] = {}
+
+
+def _bounded_group(ranks: tuple[int, ...], timeout: timedelta) -> dist.ProcessGroup:
+    """A gloo group over ``ranks`` created with ``timeout`` (once per ranks and timeout; only the
+    members take part in creating it)."""
+    key = (ranks, timeout)
+    if key not in _BOUNDED:
+        _BOUNDED[key] = dist.new_group(list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=True)
+    return _BOUNDED[key]
 
 
 class Handle:
@@ -162,9 +210,12 @@ class Handle:
         element_size: int,
         issue_seconds: float,
         finish: Callable[[], None] | None = None,
+        peers: Sequence[int] | None = None,
     ) -> None:
         self._ctx, self.kind, self.what = ctx, kind, what
         self._works, self._finish = list(works), finish
+        # point-to-point: the group rank each work exchanges with, to name a missing peer
+        self._peers = list(peers) if peers is not None and len(peers) == len(self._works) else [None] * len(self._works)
         self._elements, self._element_size, self._seconds = elements, element_size, issue_seconds
         self.done = False
 
@@ -172,16 +223,26 @@ class Handle:
         if self.done:
             return
         t0 = time.perf_counter()
+        peer: int | None = None
         try:
-            for w in self._works:
-                if not w.wait(timeout=self._ctx.timeout):
+            for w, peer in zip(self._works, self._peers):
+                if not self._ctx.timed_wait:
+                    w.wait()  # NCCL: the process group's timeout and watchdog bound it
+                elif not w.wait(timeout=self._ctx.timeout):
                     raise TimeoutError(f"no completion within {self._ctx.timeout.total_seconds():.0f}s")
         except Exception as e:  # gloo raises RuntimeError on a closed peer, or times out
+            who = (
+                f"rank {peer} of the group (global rank {self._ctx.global_ranks[peer]}) did not complete its part"
+                if peer is not None
+                else "another rank probably died or took a different code path"
+            )
             raise CollectiveError(
                 f"rank {self._ctx.rank}: {self.kind} of {self.what} failed after "
                 f"{time.perf_counter() - t0:.1f}s (group of {self._ctx.world_size} ranks, "
-                f"comm_timeout={self._ctx.timeout.total_seconds():.0f}s): {e}. Another rank probably "
-                "died or took a different code path; look at the other ranks' errors."
+                f"comm_timeout={self._ctx.timeout.total_seconds():.0f}s): {e}. {who[0].upper()}{who[1:]}; look at the "
+                "other ranks' errors. A rank that is only slow (a long callback, a slow save) needs a longer "
+                "comm_timeout: `zero_strategy: {comm_timeout: SECONDS}` in the config (default: the process "
+                "group's timeout)."
             ) from e
         if self._finish is not None:
             self._finish()
@@ -226,7 +287,10 @@ def all_gather(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, what: 
         return _done_handle(ctx, "all_gather", what, out.numel(), out.element_size())
     if ctx.impl == "native":
         works = _issue(ctx, "all_gather", what, lambda: [_native_all_gather(out, rows[ctx.rank], ctx.group)])
+        peers = None
     else:
+        peers = [j for j in range(n) if j != ctx.rank for _ in range(2)]  # a send and a receive each
+
         def p2p() -> list[dist.Work]:
             ops = []
             for j in range(n):
@@ -237,7 +301,7 @@ def all_gather(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, what: 
             return dist.batch_isend_irecv(ops)
 
         works = _issue(ctx, "all_gather", what, p2p)
-    return Handle(ctx, "all_gather", what, works, out.numel(), out.element_size(), time.perf_counter() - t0)
+    return Handle(ctx, "all_gather", what, works, out.numel(), out.element_size(), time.perf_counter() - t0, peers=peers)
 
 
 def reduce_scatter(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, what: str) -> Handle:
@@ -274,7 +338,8 @@ def reduce_scatter(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, wh
         ctx.pool.put(recv)
 
     works = _issue(ctx, "reduce_scatter", what, p2p)
-    return Handle(ctx, "reduce_scatter", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0, finish)
+    peer_list = [j for j in peers for _ in range(2)]  # a send and a receive each
+    return Handle(ctx, "reduce_scatter", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0, finish, peer_list)
 
 
 def all_reduce(ctx: CommContext, t: torch.Tensor, *, op: str = "sum", what: str) -> Handle:
@@ -287,6 +352,20 @@ def all_reduce(ctx: CommContext, t: torch.Tensor, *, op: str = "sum", what: str)
     red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
     works = _issue(ctx, "all_reduce", what, lambda: [dist.all_reduce(t, op=red, group=ctx.group, async_op=True)])
     return Handle(ctx, "all_reduce", what, works, 2 * t.numel(), t.element_size(), time.perf_counter() - t0)
+
+
+def all_gather_objects(ctx: CommContext, obj: Any, *, what: str) -> list[Any]:
+    """Every rank's ``obj`` (small, picklable, produced by this library), in rank order. Bounded
+    by comm_timeout (object collectives obey only their group's timeout: they run on
+    ``ctx.bounded_group``)."""
+    if not ctx.distributed:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    try:
+        dist.all_gather_object(out, obj, group=ctx.bounded_group)
+    except Exception as e:
+        raise CollectiveError(f"rank {ctx.rank}: all_gather_object of {what} failed: {e}") from e
+    return out
 
 
 def init_default_group(backend: str, timeout_s: float) -> None:

@@ -26,10 +26,14 @@ import torch
 import yaml
 
 __all__ = [
+    "FRONTEND_PRECISION",
+    "PRECISION_NAMES",
     "LossScaleConfig",
     "OffloadConfig",
     "PrecisionConfig",
     "ZeroConfig",
+    "frontend_precision",
+    "not_applied_settings",
     "resolve_overrides",
     "unsupported_features",
 ]
@@ -109,8 +113,14 @@ def _to_choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
     raise ValueError(f"{where}: {value!r} is not one of {options}")
 
 
-def _int_rule(minimum: int | None) -> Callable[[Any, str], int]:
-    return lambda value, where: _to_int(value, where, minimum=minimum)
+def _int_rule(minimum: int | None, maximum: int | None = None) -> Callable[[Any, str], int]:
+    def rule(value: Any, where: str) -> int:
+        result = _to_int(value, where, minimum=minimum)
+        if maximum is not None and result > maximum:
+            raise ValueError(f"{where}: must be <= {maximum}, got {result}")
+        return result
+
+    return rule
 
 
 def _optional(rule: _Rule) -> _Rule:
@@ -382,12 +392,13 @@ class PrecisionConfig:
 
 
 _LOSS_SCALE_RULES: dict[str, _Rule] = {
-    "initial_scale_power": _int_rule(0),
+    "initial_scale_power": _int_rule(0, 64),  # 2**64: fp16's whole range and more
     "loss_scale": lambda value, where: _to_float(value, where, ge=0.0),
     "loss_scale_window": _int_rule(1),
     "hysteresis": _int_rule(1),
     "min_loss_scale": lambda value, where: _to_float(value, where, gt=0.0),
     "consecutive_hysteresis": _to_bool,
+    "max_consecutive_skips": _int_rule(1),
 }
 
 
@@ -404,6 +415,9 @@ class LossScaleConfig:
     hysteresis: int = 1
     min_loss_scale: float = 1.0
     consecutive_hysteresis: bool = False
+    # zero_strategy's: this many overflowing (skipped) steps in a row raise instead of training
+    # on in silence; so does an overflow at min_loss_scale once the scale cannot fall further
+    max_consecutive_skips: int = 50
 
     def __post_init__(self) -> None:
         _coerce_fields(self, _LOSS_SCALE_RULES, "LossScaleConfig")
@@ -468,7 +482,8 @@ _ZERO_RULES: dict[str, _Rule] = {
     "sub_group_size": _int_rule(1),
     "gradient_clipping": _optional(lambda value, where: _to_float(value, where, gt=0.0)),
     "gradient_accumulation_steps": _optional(_int_rule(1)),
-    "comm_timeout": lambda value, where: _to_float(value, where, gt=0.0),
+    # None: the process group's own timeout; at most about 31 years (timedelta's range is larger)
+    "comm_timeout": _optional(lambda value, where: _to_float(value, where, gt=0.0, le=1e9)),
     "prefetch": _int_rule(0),
     "check_unit_order": _to_bool,
     "collective_impl": lambda value, where: _to_choice(value, where, ("auto", "native", "p2p")),
@@ -515,7 +530,7 @@ class ZeroConfig:
     gradient_clipping: float | None = None
     gradient_accumulation_steps: int | None = None
     # zero_strategy's own knobs
-    comm_timeout: float = 300.0  # seconds
+    comm_timeout: float | None = None  # seconds; None: the process group's own timeout
     prefetch: int = 1  # units gathered ahead of use
     check_unit_order: bool = True
     collective_impl: str = "auto"
@@ -648,12 +663,13 @@ _ZERO_BLOCK_KEYS: dict[str, str] = {
     )},
     "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
 }  # fmt: skip
+_ZERO_BLOCK_LEGACY = ("cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")  # read by _zero_block
 _ZERO_BLOCK_IGNORED = (
     "round_robin_gradients", "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
     "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
     "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather",
     "memory_efficient_linear", "stage3_module_granularity_threshold", "use_multi_rank_bucket_allreduce",
-    "log_trace_cache_warnings", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory",
+    "log_trace_cache_warnings",
     "legacy_stage1", "pipeline_loading_checkpoint", "override_module_apply", "use_all_reduce_for_fetch_params",
 )  # fmt: skip
 _BF16_KEYS = ("enabled",)
@@ -717,7 +733,7 @@ class _DeepSpeedReader:
     def read(self, d: Mapping[str, Any]) -> ZeroConfig:
         moved = {key: f"zero_optimization.{key}" for key in _ZERO_BLOCK_KEYS}
         frontend = _check_keys(d, "", self.source, _DS_TOP_KEYS, _FRONTEND_KEYS, moved=moved)
-        self._zero_block(self.block(d, "zero_optimization", _ZERO_BLOCK_KEYS, _ZERO_BLOCK_IGNORED))
+        self._zero_block(self.block(d, "zero_optimization", (*_ZERO_BLOCK_KEYS, *_ZERO_BLOCK_LEGACY), _ZERO_BLOCK_IGNORED))
         own = self.block(d, "zero_strategy", _OWN_BLOCK_KEYS)
         for key in _OWN_BLOCK_KEYS:
             if key != "reduce_dtype":
@@ -741,6 +757,11 @@ class _DeepSpeedReader:
             self.put(key, value, f"{path}.{key}" if path else key)
 
     def _zero_block(self, block: Mapping[str, Any]) -> None:
+        # DeepSpeed's legacy switches: offload to the CPU (refused at initialize until offload exists)
+        for key, name in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+            if self.leaf(block, key, "zero_optimization", _to_bool):
+                pin = self.leaf(block, "cpu_offload_use_pin_memory", "zero_optimization", _to_bool)
+                self.put(name, OffloadConfig(device="cpu", pin_memory=bool(pin)), f"zero_optimization.{key}")
         for key, raw in block.items():
             name = _ZERO_BLOCK_KEYS.get(key)
             if name is None or raw is None or _is_auto(raw):
@@ -788,6 +809,29 @@ class _DeepSpeedReader:
 
 
 # --------------------------------------------------------------------------- engine-facing helpers
+
+
+# Settings read with DeepSpeed's names but not acted on: the value that would change nothing
+# here (None: any explicit value is reported), and what DeepSpeed does with the setting.
+_NOT_APPLIED: dict[str, tuple[Any, str]] = {
+    "allgather_bucket_size": (None, "bounds each parameter all-gather at ZeRO-1/2 (here each reduction bucket is gathered in one piece)"),
+    "stage3_prefetch_bucket_size": (None, "bounds the bytes prefetched at ZeRO-3 (here `prefetch` whole units are gathered ahead)"),
+    "sub_group_size": (None, "steps the optimizer over sub-groups of this many elements (here one step over the rank's shard)"),
+    "reduce_scatter": (True, "false averages gradients with all-reduce (here they are always reduce-scattered)"),
+    "allgather_partitions": (True, "false broadcasts partitions instead of all-gathering them (here always all-gathered)"),
+    "contiguous_gradients": (True, "false keeps gradients out of one contiguous buffer (here shards are always contiguous)"),
+    "stage3_gather_16bit_weights_on_model_save": (False, "gathers 16-bit weights for save_16bit_model (here use zero_strategy.full_state_dict or export_full)"),
+}
+
+
+def not_applied_settings(cfg: ZeroConfig) -> list[str]:
+    """One message per setting the config sets that this engine does not act on."""
+    out = []
+    for name, (neutral, what) in _NOT_APPLIED.items():
+        if not cfg.explicitly_set(name) or (neutral is not None and getattr(cfg, name) == neutral):
+            continue
+        out.append(f"{name}={getattr(cfg, name)!r} is read but not applied by zero_strategy; in DeepSpeed it {what}")
+    return out
 
 
 def unsupported_features(cfg: ZeroConfig) -> list[str]:

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import socket
 import warnings
 import weakref
+import zlib
 from typing import Any, Callable, Iterator
 
 import torch
@@ -29,8 +32,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from zero_strategy import collectives as C
-from zero_strategy._swap import swap_class
-from zero_strategy.config import ZeroConfig, unsupported_features
+from zero_strategy._swap import swap_class, unswap_class
+from zero_strategy.config import ZeroConfig, not_applied_settings, unsupported_features
 from zero_strategy.init import check_placeholder, forget_pieces, is_placeholder, materialize_full, sharded_init_piece
 from zero_strategy.grads import AllReduceAtEnd, GradReducer, GradSchedule, ReduceAtStep, ReduceAtUnitEnd, ReduceInBackward
 from zero_strategy.group import InPlaceMasters, SeparateMasters, ShardGroup, build_groups
@@ -46,6 +49,7 @@ __all__ = ["GradState", "TrainingState", "ZeroEngine", "ZeroModule", "get_engine
 
 
 _LIVE: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
+_WARNED: set[str] = set()
 
 
 def live_engines() -> list["ZeroEngine"]:
@@ -54,6 +58,10 @@ def live_engines() -> list["ZeroEngine"]:
 
 class ZeroEngine:
     def __init__(self, module: nn.Module, config: ZeroConfig, process_group: Any = None, policy: UnitPolicy = None) -> None:
+        for message in not_applied_settings(config):
+            if message not in _WARNED:  # once per setting and process
+                _WARNED.add(message)
+                warnings.warn(message, UserWarning, stacklevel=3)
         missing = unsupported_features(config)
         if missing:
             raise NotImplementedError(
@@ -83,6 +91,7 @@ class ZeroEngine:
         self._skip_step = False
         self.last_step_skipped = False
         self._loss_scaled = False  # fp16: was a scaled loss backpropagated in this window?
+        self.destroyed = False
         self._hooks: list[Any] = []
         if config.gradient_accumulation_steps not in (None, 1):
             warnings.warn(
@@ -96,6 +105,7 @@ class ZeroEngine:
         named = _unique_named_parameters(module)
         self._names = {id(p): n for n, p in named}
         _check_params(named, self.ctx)
+        _agree_on_setup(self.ctx, config, named)
         built_sharded = [p for _, p in named if sharded_init_piece(p) is not None]
         for n, p in named:
             if sharded_init_piece(p) is not None:
@@ -605,6 +615,27 @@ class ZeroEngine:
         self._schedule_hooks.clear()
         _LIVE.discard(self)
 
+    def destroy(self) -> None:
+        """Hand the model back as a plain module and free what the engine holds: ZeRO-3 gathers
+        every unit into ordinary full parameters (a collective: call it on every rank), the
+        hooks go, the module gets its own class back, gradient shards, masters' gradients and
+        communication buffers are dropped. The bound optimizer cannot step afterwards."""
+        if self.training_state is not TrainingState.IDLE:
+            raise RuntimeError(f"destroy() during {self.training_state.name.lower()}; call it between steps")
+        self.reducer.wait_all()
+        if isinstance(self.params, ShardedParams):
+            self.params.materialize(f"destroy (step {self.step_count})")
+        self.close()
+        for g in self.groups:
+            g.release_grad_shard()
+            for p in g.params:
+                p.grad = None
+        self.ctx.pool.clear()
+        self.destroyed = True
+        if getattr(self.module, "_zero_engine", None) is self:
+            unswap_class(self.module)
+            del self.module._zero_engine
+
 
 class ZeroModule:
     """Mixin placed in front of the model's class by ``initialize`` (as FSDP2 does)."""
@@ -689,6 +720,54 @@ def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]
     return list(module.named_parameters(remove_duplicate=True))
 
 
+def _agree_on_setup(ctx: C.CommContext, config: ZeroConfig, named: list[tuple[str, nn.Parameter]]) -> None:
+    """One small all-gather at initialize: every rank must have the same config and the same
+    parameters (names, shapes, dtypes, trainable or not), and on CUDA its own (host, device).
+    Otherwise every rank raises, naming the first difference, instead of the engines issuing
+    collectives that do not match."""
+    if not ctx.distributed:
+        return
+    desc = {
+        "config": json.dumps(config.to_dict(), sort_keys=True, default=str),
+        "params": [f"{n} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}{'' if p.requires_grad else ' frozen'}" for n, p in named],
+    }
+    digest = zlib.crc32(json.dumps(desc, sort_keys=True).encode())
+    device = (socket.gethostname(), ctx.device.index) if ctx.device.type == "cuda" else None
+    seen = C.all_gather_objects(ctx, (digest, device), what="initialize() agreement on the model and config")
+    if ctx.device.type == "cuda":
+        places: dict[Any, list[int]] = {}
+        for r, (_, where) in enumerate(seen):
+            places.setdefault(where, []).append(r)
+        shared = [(where, ranks) for where, ranks in places.items() if len(ranks) > 1]
+        if shared:
+            (host, index), ranks = shared[0]
+            raise RuntimeError(
+                f"initialize(): ranks {ranks} all use cuda:{index} on host {host}; give every process its own GPU with "
+                "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init_process_group()"
+            )
+    if len({d for d, _ in seen}) == 1:
+        return
+    everyone = C.all_gather_objects(ctx, desc, what="initialize() differences")
+    for key in ("config", "params"):
+        values = [e[key] for e in everyone]
+        if all(v == values[0] for v in values):
+            continue
+        r = next(i for i, v in enumerate(values) if v != values[0])
+        if key == "config":
+            a, b = json.loads(values[0]), json.loads(values[r])
+            field = next(k for k in a if a[k] != b.get(k))
+            detail = f"config field {field!r} is {a[field]!r} on rank 0 but {b.get(field)!r} on rank {r}"
+        else:
+            a, b = values[0], values[r]
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            detail = (f"parameter #{i} is '{a[i] if i < len(a) else 'missing'}' on rank 0 but "
+                      f"'{b[i] if i < len(b) else 'missing'}' on rank {r}")  # fmt: skip
+        raise ValueError(
+            f"initialize(): the ranks disagree: {detail}. Every rank must build the same model and pass the same "
+            "config (seed and construct identically; read the same config file)"
+        )
+
+
 def _check_params(named: list[tuple[str, nn.Parameter]], ctx: C.CommContext) -> None:
     for n, p in named:
         if not p.is_contiguous() and sharded_init_piece(p) is None:
@@ -698,6 +777,11 @@ def _check_params(named: list[tuple[str, nn.Parameter]], ctx: C.CommContext) -> 
             )
         if p.device.type == "meta":
             raise ValueError(f"initialize(): parameter '{n}' is on the meta device (never materialised); build it on a real device")
+        if p.device != named[0][1].device:
+            raise ValueError(
+                f"initialize(): parameter '{n}' is on {p.device} but '{named[0][0]}' is on {named[0][1].device}; ZeRO "
+                "shards one device's parameters per rank: move the model to one device before initialize()"
+            )
         if p.device.type != ctx.device.type:
             raise ValueError(
                 f"initialize(): parameter '{n}' is on {p.device} but the process group communicates on "

@@ -60,15 +60,13 @@ def _write_safetensors(
 
 
 def _checkpoint_entries(path: str, dtype: torch.dtype | None) -> tuple[list[tuple[str, list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
-    from zero_strategy.checkpoint import META, _resolve
+    from zero_strategy.checkpoint import _read_meta
+    from zero_strategy.checkpoint_files import SafeFileSystemReader
 
-    path = _resolve(path)
-    meta_file = os.path.join(path, META)
-    if not os.path.exists(meta_file):
-        raise FileNotFoundError(f"export_full(): {path!r} is not a zero_strategy checkpoint (no {META})")
-    with open(meta_file) as f:
-        meta = json.load(f)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"export_full(): {path!r} is not a directory; give a checkpoint written by save_checkpoint")
+    path, meta = _read_meta(path, "export_full()")
+    saved = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     names = meta.get("state_names") or meta["shapes"]
     entries = []
     for name in names:
@@ -82,7 +80,7 @@ def _checkpoint_entries(path: str, dtype: torch.dtype | None) -> tuple[list[tupl
         key = f"model.{meta.get('aliases', {}).get(name, name)}"
         md = saved[key]
         t = torch.empty(md.size, dtype=md.properties.dtype)
-        dcp.load({key: t}, checkpoint_id=path, no_dist=True)
+        dcp.load({key: t}, storage_reader=SafeFileSystemReader(path), no_dist=True)
         return t
 
     return entries, read

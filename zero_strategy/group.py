@@ -88,6 +88,13 @@ class ShardGroup:
     def grad_shard_if_allocated(self) -> torch.Tensor | None:
         return self._grad_shard
 
+    def release_grad_shard(self) -> None:
+        """Free the gradient shard (and the masters' gradients, views of it)."""
+        for m in self.masters:
+            m.grad = None
+        self._grad_shard = None
+        self.grad_valid = False
+
     @property
     def name(self) -> str:
         if self.label is not None:

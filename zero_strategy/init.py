@@ -156,7 +156,7 @@ def _all_module_classes() -> list[type]:
 
 
 @contextlib.contextmanager
-def sharded_init(*, process_group: Any = None, comm_timeout: float = 300.0) -> Iterator[None]:
+def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None) -> Iterator[None]:
     """Build models inside this block so that no rank ever holds all of their parameters.
 
     Collective: every rank builds the same modules in the same order."""

@@ -134,6 +134,8 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, engine: "ZeroEngine") -> to
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer.zero_engine.destroyed:  # type: ignore[attr-defined]
+        raise RuntimeError("optimizer.step(): its model's zero_strategy engine was destroyed; build a new optimizer")
     if optimizer.zero_engine.optimizer is not optimizer:  # type: ignore[attr-defined]
         raise RuntimeError(
             "optimizer.step(): this optimizer was replaced by zero_strategy.replace_optimizer(); step the new one"

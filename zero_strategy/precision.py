@@ -103,18 +103,30 @@ class GradScalerSchedule:
 class LossScaler:
     """The fp16 loss scale and its schedule (one of the two above, chosen by type)."""
 
-    def __init__(self, schedule: DeepSpeedSchedule | GradScalerSchedule, enabled: bool) -> None:
+    def __init__(self, schedule: DeepSpeedSchedule | GradScalerSchedule, enabled: bool, max_consecutive_skips: int = 50) -> None:
         self.enabled = enabled
         self.schedule = schedule
         self.scale = schedule.initial if enabled else 1.0
         self._good_steps = 0
         self._hysteresis_left = schedule.cfg.hysteresis if isinstance(schedule, DeepSpeedSchedule) else 1
         self.skipped_steps = 0
+        self.consecutive_skips = 0
+        self.max_consecutive_skips = max_consecutive_skips
+
+    def _refuse_endless_skipping(self, at_floor: bool = False) -> None:
+        if self.consecutive_skips >= self.max_consecutive_skips or at_floor:
+            raise RuntimeError(
+                f"fp16: {self.consecutive_skips} optimizer steps in a row were skipped because the gradients overflowed, "
+                f"and the loss scale is {self.scale:g}{' (min_loss_scale: it cannot fall further)' if at_floor else ''}. "
+                "The gradients are inf/NaN at any scale: the model has diverged or the data holds inf/NaN. Lower the "
+                "learning rate, check the inputs, or train in bf16 (max_consecutive_skips sets how many skips are tolerated)"
+            )
 
     def update(self, found_inf: bool) -> None:
         """Called once per optimizer step, on every rank with the same ``found_inf``."""
         if not self.enabled:
             return
+        self.consecutive_skips = self.consecutive_skips + 1 if found_inf else 0
         if found_inf:
             self.skipped_steps += 1
         s = self.schedule
@@ -122,6 +134,7 @@ class LossScaler:
             if found_inf:
                 self.scale *= s.backoff_factor
                 self._good_steps = 0
+                self._refuse_endless_skipping()
                 return
             self._good_steps += 1
             if self._good_steps == s.growth_interval:
@@ -132,11 +145,15 @@ class LossScaler:
         if found_inf:
             self._good_steps = 0
             if not cfg.dynamic:
+                self._refuse_endless_skipping()
                 return
+            # an overflow at min_loss_scale with no hysteresis left: the scale cannot fall further
+            at_floor = self.scale <= cfg.min_loss_scale and self._hysteresis_left <= 1
             if self._hysteresis_left <= 1:
                 self.scale = max(self.scale / 2.0, cfg.min_loss_scale)
             else:
                 self._hysteresis_left -= 1
+            self._refuse_endless_skipping(at_floor)
             return
         self._good_steps += 1
         if cfg.consecutive_hysteresis:
@@ -150,4 +167,4 @@ def select_scaler(config_loss_scale: LossScaleConfig, precision: Precision, *, e
     """DeepSpeed's schedule for 16-bit parameters or an explicit fp16 block, GradScaler's in mixed mode."""
     mixed = not precision.low_params
     schedule = GradScalerSchedule() if mixed and not explicit else DeepSpeedSchedule(config_loss_scale)
-    return LossScaler(schedule, enabled=precision.uses_loss_scaling)
+    return LossScaler(schedule, enabled=precision.uses_loss_scaling, max_consecutive_skips=config_loss_scale.max_consecutive_skips)

@@ -381,3 +381,13 @@ class ShardedParams:
         # units' included, hold the old values: free them, so the next use gathers again.
         for u in self.units:
             u.reshard()
+
+    def materialize(self, step: str) -> None:
+        """Gather every unit and leave its full parameters in the module for good (destroy)."""
+        for u in self.units:
+            u.unshard_async(step)
+        for u in self.units:
+            u.wait_unshard(self.names)
+            u.persistent = True  # nothing frees them again
+            self.meter.add(-u.full_bytes)
+            u.full = [torch.empty(0, dtype=f.dtype, device=f.device) for f in u.full]  # the parameters own the storages now

@@ -27,7 +27,9 @@ the ZeRO models and hand everything else to the Accelerator's own methods:
   shards through ``zero_strategy.save_checkpoint`` (subdirectories ``zero_strategy_model``,
   ``zero_strategy_model_1``, ...), which load at any number of processes; Accelerate itself
   saves a small marker for each optimizer (its own code would write rank 0's shard only) and
-  no full model weights.
+  no full model weights. ``save_state(dir)`` writes the whole save, Accelerate's scheduler,
+  sampler and RNG files included, into a fresh ``dir/state-<step>`` and moves ``dir/latest``
+  once all of it is durable; ``load_state(dir)`` follows ``latest``.
 """
 
 from __future__ import annotations
@@ -248,11 +250,22 @@ def _binding_of(accelerator: Accelerator) -> _Binding:
     save_state, load_state = accelerator.save_state, accelerator.load_state
 
     def bound_save_state(output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        if output_dir is None or accelerator.project_configuration.automatic_checkpoint_naming:
+            with _flag(binding):  # Accelerate names a fresh directory per save itself
+                return save_state(output_dir, safe_serialization, **kwargs)
+        # One unit: everything this save writes (the shards, and Accelerate's scheduler, sampler
+        # and RNG files) goes into a fresh versioned directory; `latest` names it only once all
+        # of it is durable, so a crash never pairs new weights with an old scheduler.
+        version = zs.begin_versioned_save(output_dir, f"state-{accelerator.step}")
         with _flag(binding):
-            return save_state(output_dir, safe_serialization, **kwargs)
+            save_state(version, safe_serialization, **kwargs)
+        zs.commit_versioned_save(version, keep_last=1)  # the previous state goes once this one is durable
+        return version
 
     def bound_load_state(input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         binding.loaded_step = None
+        if input_dir is not None:
+            input_dir = zs.resolve_checkpoint(input_dir)  # follows `latest` (a plain name inside it)
         load_state(input_dir, load_kwargs, **kwargs)
         if binding.loaded_step is not None:  # the same on every rank, also ranks the save did not have
             accelerator.step = binding.loaded_step

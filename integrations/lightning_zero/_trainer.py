@@ -290,7 +290,8 @@ def build(ns: str) -> tuple[type, type]:
                 return checkpoint
             optimizer = self.optimizers[0] if self.optimizers else None
             zs.load_checkpoint(path, self.model, optimizer)
-            return zs.read_checkpoint_object(path, LIGHTNING_OBJECT, weights_only=bool(weights_only))
+            # None: torch's safe default (weights_only), as Lightning's own loading passes it on
+            return zs.read_checkpoint_object(path, LIGHTNING_OBJECT, weights_only=weights_only)
 
         @override
         def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -143,9 +143,13 @@ def test_zero_plugin_matches_accelerate_ddp(trained: dict[str, Any], stage: int)
     assert r1[f"zero{stage}"]["weights_len"] == 0
     assert zero["unwrapped_is_model"] and zero["unwrapped_is_net"]
     # save_state wrote the shards through the core, and only a marker for the optimizer
+    # one unit: Accelerate's own files and the shards in one versioned directory that `latest` names
     ck = trained["ckpt"] / f"zero{stage}"
-    assert (ck / "zero_strategy_model" / "latest").read_text().strip() == f"step-{SAVE_AT}"
-    assert not (ck / "model.safetensors").exists()
+    version = ck / (ck / "latest").read_text().strip()
+    assert version.name == f"state-{SAVE_AT * GAS}", version
+    assert (version / "zero_strategy_model" / "latest").read_text().strip() == f"step-{SAVE_AT}"
+    assert (version / "random_states_0.pkl").exists() and (version / "scheduler.bin").exists()
+    assert not (version / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize("world", [1, 3])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -496,7 +497,7 @@ def test_save_never_writes_into_an_existing_checkpoint_and_checks_objects(tmp_pa
     assert (tmp_path / "latest").read_text().strip() == "step-0.1"
     with pytest.raises(ValueError, match="step-0' exists"):
         zs.save_checkpoint(tmp_path, model, opt, tag="step-0")
-    with pytest.raises(RuntimeError, match="could not pickle"):
+    with pytest.raises(RuntimeError, match="could not start the save .*pickle"):
         zs.save_checkpoint(tmp_path, model, opt, objects={"bad": lambda: 0})
     assert (tmp_path / "latest").read_text().strip() == "step-0.1"
 
@@ -523,8 +524,14 @@ def test_zero3_zero_dim_parameter_and_partial_saves_pruned(tmp_path) -> None:
         o.step()
     with zs.gathered_parameters(model):
         assert torch.equal(model.scale, ref.scale) and torch.equal(model.blocks[1].weight, ref.blocks[1].weight)
-    (tmp_path / "step-0").mkdir()  # the remains of a save killed before its metadata
+    (tmp_path / "step-0").mkdir()  # the remains of our save killed before its metadata: its owner is gone
     (tmp_path / "step-0" / "__0_0.distcp").write_bytes(b"x")
+    import json
+    import subprocess
+    import sys
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
+    (tmp_path / "step-0" / ".zero_owner.json").write_text(json.dumps({"host": os.uname().nodename, "pid": dead, "created": 0.0}))
     (tmp_path / "notes").mkdir()  # not ours: kept
     zs.save_checkpoint(tmp_path, model, opt, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes", "step-1"]
@@ -590,3 +597,18 @@ def test_a_forward_between_clip_and_step_does_not_reopen_finalized_gradients() -
         with zs.gathered_parameters(model):
             for (n, a), b in zip(model.named_parameters(), plain.parameters()):
                 assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (stage, n)
+
+
+def test_fp16_endless_overflow_raises() -> None:
+    """Gradients that overflow at every scale must not skip steps forever in silence."""
+    for cfg, steps in ((zs.ZeroConfig(stage=2, precision="fp16", loss_scale={"max_consecutive_skips": 5}), 5),
+                       (zs.ZeroConfig(stage=2, precision="fp16", loss_scale={"initial_scale_power": 2, "hysteresis": 1}), 3)):  # fmt: skip
+        torch.manual_seed(0)
+        model, opt = zs.initialize(torch.nn.Linear(4, 1), lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
+        model.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+        with pytest.raises(RuntimeError, match=r"fp16: \d+ optimizer steps in a row were skipped"):
+            for _ in range(steps + 5):
+                zs.backward(model(torch.ones(2, 4, dtype=torch.float16)).float().sum(), model=model)
+                opt.step()
+                opt.zero_grad()
+        assert model.zero_engine.scaler.consecutive_skips == steps, (cfg.loss_scale, model.zero_engine.scaler.consecutive_skips)

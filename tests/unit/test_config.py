@@ -81,7 +81,7 @@ def test_defaults():
     assert not cfg.precision.enabled and cfg.precision.autocast_dtype is None
     assert cfg.loss_scale.hysteresis == 1 and cfg.loss_scale.dynamic
     assert cfg.gradient_clipping is None and cfg.gradient_accumulation_steps is None
-    assert (cfg.comm_timeout, cfg.prefetch, cfg.check_unit_order, cfg.collective_impl) == (300.0, 1, True, "auto")
+    assert (cfg.comm_timeout, cfg.prefetch, cfg.check_unit_order, cfg.collective_impl) == (None, 1, True, "auto")  # None: the group's timeout
     assert cfg.stage3_prefetch_bucket_size == 50_000_000 and cfg.sub_group_size == 1_000_000_000
     assert not any(cfg.explicitly_set(f.name) for f in dataclasses.fields(cfg) if f.name != "_explicit")
     assert unsupported_features(cfg) == []
@@ -413,10 +413,34 @@ def test_warns_once_for_ignored_deepspeed_keys():
     messages = [str(w.message) for w in record]
     assert len(messages) == 1
     assert "does not implement" in messages[0] and "ds.json" in messages[0]
-    for key in ("zero_optimization.round_robin_gradients", "zero_optimization.cpu_offload",
-                "bf16.immediate_grad_update", "fp16.auto_cast"):  # fmt: skip
+    for key in ("zero_optimization.round_robin_gradients", "bf16.immediate_grad_update", "fp16.auto_cast"):
         assert key in messages[0]
-    assert cfg.stage == 2 and cfg.precision.param_dtype == torch.bfloat16
+    assert "cpu_offload" not in messages[0]  # read: DeepSpeed's legacy switch for offload_optimizer
+    assert cfg.stage == 2 and cfg.precision.param_dtype == torch.bfloat16 and not cfg.offload_optimizer.enabled
+
+
+def test_legacy_cpu_offload_means_optimizer_offload_and_is_refused():
+    cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}})
+    assert cfg.offload_optimizer == OffloadConfig(device="cpu", pin_memory=True)
+    assert unsupported_features(cfg) == ["offload_optimizer (device='cpu')"]  # initialize refuses it, no silent run
+
+
+def test_settings_read_but_not_applied_are_reported_once_at_initialize():
+    import zero_strategy as zs
+    from zero_strategy.config import not_applied_settings
+
+    cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "allgather_bucket_size": 5e8, "reduce_scatter": False,
+                                                      "contiguous_gradients": True, "sub_group_size": 1e9}})  # fmt: skip
+    messages = not_applied_settings(cfg)
+    assert [m.split("=")[0] for m in messages] == ["allgather_bucket_size", "sub_group_size", "reduce_scatter"]
+    assert all("is read but not applied by zero_strategy; in DeepSpeed it" in m for m in messages)
+    assert not_applied_settings(ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "reduce_scatter": True}})) == []
+    with pytest.warns(UserWarning, match="allgather_bucket_size=500000000 is read but not applied") as record:
+        zs.initialize(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
+    assert sum("not applied" in str(w.message) for w in record) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: a second engine says nothing
+        zs.initialize(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
 
 
 def test_warns_for_frontend_owned_keys():
