@@ -26,6 +26,7 @@ execution (see ``checkpoint_files.py``).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -68,7 +69,9 @@ __all__ = [
 META = "zero_meta.json"
 LATEST = "latest"
 COMPLETE = ".zero_complete"  # a versioned directory that a front-end's save filled (commit_versioned_save)
-FORMAT = 3  # 2: frozen parameters saved flattened (sharded at ZeRO-3); 3: CRC32 of every file
+# 2: frozen parameters saved flattened (sharded at ZeRO-3); 3: CRC32 of every file; 4: the fp16
+# loss scaler's counters
+FORMAT = 4
 
 # Fault injection for tests: called as FAULT_HOOK(point, rank) at "before_write",
 # "after_write" and "before_latest"; a test can kill the process there.
@@ -147,6 +150,7 @@ def _state(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, want_opt
         sd[f"model.{fqn}"] = b
     sd["engine.step_count"] = torch.tensor(engine.step_count, dtype=torch.int64)
     sd["engine.loss_scale"] = torch.tensor(engine.scaler.scale, dtype=torch.float64)
+    sd["engine.loss_scaler_counters"] = engine.scaler.counters()
     return sd
 
 
@@ -159,9 +163,10 @@ def _pointer_name(engine: ZeroEngine) -> str:
     return f"{LATEST}-{ranks[0]}-{ranks[-1]}-{zlib.crc32(repr(ranks).encode()):08x}"
 
 
-def _create_version_dir(root: str, tag: str, explicit: bool) -> str:
+def _create_version_dir(root: str, tag: str, explicit: bool, pointer: str = LATEST) -> str:
     """Rank 0: create ``root/<tag>`` (or ``<tag>.1``, ``.2``, ...) *exclusively*, so two jobs saving
-    into one root never share a directory, and mark it with its owner. Returns the name."""
+    into one root never share a directory, and mark it with its owner and the pointer that will
+    name it (pruning counts a subgroup's saves apart from another's). Returns the name."""
     os.makedirs(root, exist_ok=True)
     for k in range(10_000):
         name = tag if k == 0 else f"{tag}.{k}"
@@ -174,7 +179,7 @@ def _create_version_dir(root: str, tag: str, explicit: bool) -> str:
                     "existing checkpoint (it could be the one `latest` names). Pick a new tag or remove it"
                 ) from None
             continue
-        write_atomic(os.path.join(root, name, OWNER), json.dumps(owner_record()))
+        write_atomic(os.path.join(root, name, OWNER), json.dumps({**owner_record(), "pointer": pointer}))
         fsync_dir(root)
         return name
     raise RuntimeError(f"save_checkpoint(): could not create a directory for tag {tag!r} under {root!r}")
@@ -225,7 +230,7 @@ def save_checkpoint(
     failure: BaseException | None = None
     if rank == 0:
         try:
-            name = _create_version_dir(root, tag, explicit)
+            name = _create_version_dir(root, tag, explicit, _pointer_name(engine))
             for obj_name, obj in (objects or {}).items():
                 buf = io.BytesIO()
                 torch.save(obj, buf)
@@ -249,7 +254,7 @@ def save_checkpoint(
     try:
         _fault("before_write", rank)
         writer, sums, write_errors = checksumming_writer(path)
-        dcp.save(_state(engine, optimizer, None), storage_writer=writer, process_group=engine.ctx.bounded_group)
+        dcp.save(_state(engine, optimizer, None), storage_writer=writer, process_group=C.bounded_group(engine.ctx))
         _fault("after_shards", rank)
         all_sums: dict[str, int] = {}
         for part in C.all_gather_objects(engine.ctx, sums, what="checkpoint checksums"):
@@ -290,7 +295,7 @@ def save_checkpoint(
             write_atomic(os.path.join(root, _pointer_name(engine)), name + "\n")  # complete and durable: point at it
             _fault("after_latest", rank)
             if keep_last is not None:
-                _prune(root, name, keep_last)
+                _prune(root, name, keep_last, _pointer_name(engine))
         except Exception as exc:
             failure = exc
     _agree(engine, failure, "save_checkpoint: moving `latest`")
@@ -436,20 +441,26 @@ def _restore_group_settings(optimizer: torch.optim.Optimizer, saved: list[dict[s
                 group[key] = value
 
 
-def _prune(root: str, current: str, keep_last: int) -> None:
-    """Remove this library's oldest complete checkpoints beyond ``keep_last`` (never
-    ``current``), and the remains of saves whose owner process is gone. Directories without the
-    owner marker (another tool's, an unrelated DCP checkpoint) and another live job's save in
-    progress are never touched."""
+def _prune(root: str, current: str, keep_last: int, pointer: str = LATEST) -> None:
+    """Remove this library's oldest complete checkpoints beyond ``keep_last`` among those saved
+    for ``pointer`` (never ``current``, never one that any ``latest*`` pointer names), and the
+    remains of saves whose owner process is gone. Directories without the owner marker
+    (another tool's, an unrelated DCP checkpoint), another process subgroup's saves and another
+    live job's save in progress are never touched."""
+    named = {current}
+    for d in os.listdir(root):
+        if (d == LATEST or d.startswith(f"{LATEST}-")) and os.path.isfile(os.path.join(root, d)):
+            with contextlib.suppress(OSError, UnicodeDecodeError), open(os.path.join(root, d)) as f:
+                named.add(f.read(4096).strip())
     entries = []
     for d in os.listdir(root):
         full = os.path.join(root, d)
-        owner = read_owner(full) if d != current and os.path.isdir(full) and not os.path.islink(full) else None
+        owner = read_owner(full) if d not in named and os.path.isdir(full) and not os.path.islink(full) else None
         if owner is None:
             continue
         complete = os.path.exists(os.path.join(full, META)) or os.path.exists(os.path.join(full, COMPLETE))
         entries.append((d, full, owner, complete))
-    done = sorted((e for e in entries if e[3]), key=lambda e: e[2].get("created", 0.0))
+    done = sorted((e for e in entries if e[3] and e[2].get("pointer", LATEST) == pointer), key=lambda e: e[2].get("created", 0.0))
     doomed = [e[1] for e in done[: max(0, len(done) - (keep_last - 1))]]
     doomed += [e[1] for e in entries if not e[3] and owner_is_gone(e[2])]
     for full in doomed:
@@ -461,8 +472,9 @@ def _prune(root: str, current: str, keep_last: int) -> None:
 def read_checkpoint_object(path: str | os.PathLike[str], name: str, *, weights_only: bool | None = True) -> Any:
     """An object saved with ``save_checkpoint(..., objects={name: obj})`` (``path``: the root,
     whose ``latest`` is followed, or a versioned directory). Not collective. Read with torch's
-    ``weights_only`` unpickler by default (``None``: torch's default, which is the same);
-    ``weights_only=False`` runs whatever the file's pickle says: only for files you trust."""
+    ``weights_only`` unpickler unless ``weights_only=False`` is passed (``None``, as Lightning
+    passes it, is read as True: torch < 2.6 and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD would make it
+    False); ``weights_only=False`` runs whatever the file's pickle says: only for files you trust."""
     path, meta = _read_meta(path, "read_checkpoint_object()")
     file = f"{name}.pt"
     files = meta.get("files", {})
@@ -470,7 +482,7 @@ def read_checkpoint_object(path: str | os.PathLike[str], name: str, *, weights_o
         saved = sorted(n[:-3] for n in files if n.endswith(".pt"))
         raise ValueError(f"read_checkpoint_object(): checkpoint {path!r} has no object {name!r} (it has {saved})")
     verify_checksums(path, _file_records(files), [file])
-    return torch.load(inside(path, file, "read_checkpoint_object()"), map_location="cpu", weights_only=weights_only)
+    return torch.load(inside(path, file, "read_checkpoint_object()"), map_location="cpu", weights_only=weights_only is not False)
 
 
 def _version() -> str:
@@ -502,6 +514,7 @@ def _read_meta(path: str | os.PathLike[str], caller: str, pointer: str = LATEST)
     meta_path = os.path.join(path, META)
     if not os.path.exists(meta_path):
         raise ValueError(f"{caller}: {path!r} is not a zero_strategy checkpoint (no {META})")
+    inside(path, META, caller)  # a symlink out of the checkpoint is not followed
     with open(meta_path) as f:
         try:
             meta = json.load(f)
@@ -572,9 +585,14 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
     engine.reducer.wait_all()
     want = {k for k in saved if k.startswith("optim.")} if optimizer is not None else None
     sd = _state(engine, optimizer, want)
-    dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=engine.ctx.bounded_group)
+    if int(meta.get("format", 1)) < 4:
+        del sd["engine.loss_scaler_counters"]  # an older checkpoint: the schedule restarts its window
+    dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))
     engine.step_count = int(sd["engine.step_count"])
-    engine.scaler.scale = float(sd["engine.loss_scale"]) if engine.scaler.enabled else engine.scaler.scale
+    if engine.scaler.enabled:
+        engine.scaler.scale = float(sd["engine.loss_scale"])
+        if "engine.loss_scaler_counters" in sd:
+            engine.scaler.load_counters(sd["engine.loss_scaler_counters"])
     engine.params.after_step(engine)  # full parameters / unit rows follow the loaded masters
     if optimizer is not None and meta.get("param_groups") is not None:
         _restore_group_settings(optimizer, meta["param_groups"])

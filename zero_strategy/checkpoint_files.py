@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 __all__ = [
     "OWNER",
@@ -104,6 +104,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
+        inside(self.path, os.path.basename(path), f"{self.path}: DCP metadata")
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
@@ -119,7 +120,7 @@ class SafeFileSystemReader(FileSystemReader):
             )
         for info in (metadata.storage_data or {}).values():
             inside(self.path, getattr(info, "relative_path", None), f"{path}: data file")
-        metadata.storage_meta = metadata.storage_meta or type(metadata.storage_meta)()
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()  # None in older or edited files
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -210,6 +211,8 @@ def verify_checksums(path: str, files: dict[str, dict[str, int]], names: list[st
     for name in names:
         full = inside(path, name, f"{path}/zero_meta.json: file")
         want = files[name]
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int) or not isinstance(want.get("crc32", 0), int):
+            raise CheckpointFileError(f"{path}/zero_meta.json: the record of {name!r} is damaged ({want!r}); the checkpoint is corrupted")
         if not os.path.exists(full):
             raise CheckpointFileError(f"checkpoint file {full!r} is missing; the checkpoint is incomplete (load an earlier one)")
         size = os.path.getsize(full)

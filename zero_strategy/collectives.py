@@ -18,6 +18,7 @@ bench/RESULTS.md). On NCCL the native collectives are used.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,6 +34,7 @@ __all__ = [
     "Handle",
     "all_gather",
     "all_reduce",
+    "bounded_group",
     "broadcast_coalesced",
     "comm_stats",
     "make_context",
@@ -129,9 +131,6 @@ class CommContext:
     # gloo: Work.wait(timeout) costs nothing; on NCCL it blocks the CPU until the collective
     # completes (no overlap), so there the process group's timeout and watchdog bound the wait
     timed_wait: bool = True
-    # for collectives that obey only their group's timeout (DCP's, object collectives): the
-    # group itself, or a gloo group of the same ranks created with comm_timeout
-    bounded_group: dist.ProcessGroup | None = None
 
     @property
     def distributed(self) -> bool:
@@ -175,25 +174,31 @@ def make_context(
     if impl not in ("native", "p2p"):
         raise ValueError(f"collective_impl={impl!r} is not one of 'auto', 'native', 'p2p'")
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    bounded = group
-    if timeout != group_timeout(group):
-        bounded = _bounded_group(ranks, timeout)
     return CommContext(
         group, dist.get_rank(group), dist.get_world_size(group), timeout, impl, device, global_ranks=ranks,
-        timed_wait=backend != "nccl", bounded_group=bounded,
+        timed_wait=backend != "nccl",
     )  # fmt: skip
 
 
-_BOUNDED: dict[tuple[tuple[int, ...], timedelta], dist.ProcessGroup] = {}
+# (the default group it was made under, the group): a group outlives neither the default group
+# nor a re-initialisation in the same process
+_BOUNDED: dict[tuple[tuple[int, ...], timedelta], tuple[Any, dist.ProcessGroup]] = {}
 
 
-def _bounded_group(ranks: tuple[int, ...], timeout: timedelta) -> dist.ProcessGroup:
-    """A gloo group over ``ranks`` created with ``timeout`` (once per ranks and timeout; only the
-    members take part in creating it)."""
-    key = (ranks, timeout)
-    if key not in _BOUNDED:
-        _BOUNDED[key] = dist.new_group(list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=True)
-    return _BOUNDED[key]
+def bounded_group(ctx: CommContext) -> dist.ProcessGroup | None:
+    """The group for collectives that obey only their group's timeout (DCP's): ``ctx.group``
+    itself when comm_timeout is the group's timeout, else a gloo group of the same ranks created
+    with comm_timeout (once per ranks and timeout; only the members take part). Created on first
+    use, after ``initialize`` checked that every rank has the same comm_timeout, so every rank
+    creates it or none does."""
+    if not ctx.distributed or ctx.timeout == group_timeout(ctx.group):
+        return ctx.group
+    key, world = (ctx.global_ranks, ctx.timeout), dist.distributed_c10d._get_default_group()
+    made = _BOUNDED.get(key)
+    if made is None or made[0] is not world:
+        made = (world, dist.new_group(list(ctx.global_ranks), timeout=ctx.timeout, backend="gloo", use_local_synchronization=True))
+        _BOUNDED[key] = made
+    return made[1]
 
 
 class Handle:
@@ -254,11 +259,20 @@ def _done_handle(ctx: CommContext, kind: str, what: str, elements: int, element_
     return Handle(ctx, kind, what, [], elements, element_size, 0.0)
 
 
-def _issue(ctx: CommContext, kind: str, what: str, fn: Callable[[], list[dist.Work]]) -> list[dist.Work]:
+def _issue(ctx: CommContext, kind: str, what: str, fn: Callable[[], list[dist.Work]], peers: Sequence[int] = ()) -> list[dist.Work]:
+    """Start a collective; a peer whose connection is already closed fails it here (gloo), and
+    the error names the peer when there is only one it could be."""
     try:
         return fn()
     except Exception as e:
-        raise CollectiveError(f"rank {ctx.rank}: {kind} of {what} could not be issued: {e}") from e
+        others = sorted(set(peers))
+        who = (
+            f"Rank {others[0]} of the group (global rank {ctx.global_ranks[others[0]]}) did not complete its part"
+            if len(others) == 1
+            else f"One of ranks {others} of the group probably died" if others
+            else "Another rank probably died or took a different code path"
+        )
+        raise CollectiveError(f"rank {ctx.rank}: {kind} of {what} could not be issued: {e}. {who}; look at the other ranks' errors.") from e
 
 
 def _native_all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
@@ -300,7 +314,7 @@ def all_gather(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, what: 
                     ops.append(dist.P2POp(dist.irecv, rows[j], peer, ctx.group))
             return dist.batch_isend_irecv(ops)
 
-        works = _issue(ctx, "all_gather", what, p2p)
+        works = _issue(ctx, "all_gather", what, p2p, peers)
     return Handle(ctx, "all_gather", what, works, out.numel(), out.element_size(), time.perf_counter() - t0, peers=peers)
 
 
@@ -337,7 +351,7 @@ def reduce_scatter(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, wh
             out.add_(part)
         ctx.pool.put(recv)
 
-    works = _issue(ctx, "reduce_scatter", what, p2p)
+    works = _issue(ctx, "reduce_scatter", what, p2p, peers)
     peer_list = [j for j in peers for _ in range(2)]  # a send and a receive each
     return Handle(ctx, "reduce_scatter", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0, finish, peer_list)
 
@@ -355,17 +369,25 @@ def all_reduce(ctx: CommContext, t: torch.Tensor, *, op: str = "sum", what: str)
 
 
 def all_gather_objects(ctx: CommContext, obj: Any, *, what: str) -> list[Any]:
-    """Every rank's ``obj`` (small, picklable, produced by this library), in rank order. Bounded
-    by comm_timeout (object collectives obey only their group's timeout: they run on
-    ``ctx.bounded_group``)."""
+    """Every rank's ``obj`` (small, JSON-encodable: tuples come back as lists), in rank order.
+
+    Sent as bytes over the group's own tensor collectives, so each rank's wait is bounded by its
+    comm_timeout (torch's object collectives obey only the group's timeout) and nothing a peer
+    sends is unpickled."""
     if not ctx.distributed:
-        return [obj]
-    out: list[Any] = [None] * ctx.world_size
-    try:
-        dist.all_gather_object(out, obj, group=ctx.bounded_group)
-    except Exception as e:
-        raise CollectiveError(f"rank {ctx.rank}: all_gather_object of {what} failed: {e}") from e
-    return out
+        return [json.loads(json.dumps(obj))]
+    data = json.dumps(obj).encode()
+    sizes = torch.zeros(ctx.world_size, dtype=torch.int64, device=ctx.device)
+    sizes[ctx.rank] = len(data)
+    all_gather(ctx, sizes, sizes[ctx.rank : ctx.rank + 1], what=f"{what} (sizes)").wait()
+    width = max(int(sizes.max()), 1)
+    out = torch.zeros(ctx.world_size * width, dtype=torch.uint8, device=ctx.device)
+    rows = out.view(ctx.world_size, width)
+    if data:
+        rows[ctx.rank, : len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    all_gather(ctx, out, rows[ctx.rank], what=what).wait()
+    host = rows.cpu()
+    return [json.loads(bytes(host[r, : int(n)].tolist()).decode()) for r, n in enumerate(sizes.tolist())]
 
 
 def init_default_group(backend: str, timeout_s: float) -> None:

@@ -93,6 +93,7 @@ class ZeroEngine:
         self._loss_scaled = False  # fp16: was a scaled loss backpropagated in this window?
         self.destroyed = False
         self._hooks: list[Any] = []
+        self._on_destroy: list[Callable[[], None]] = []
         if config.gradient_accumulation_steps not in (None, 1):
             warnings.warn(
                 f"gradient_accumulation_steps={config.gradient_accumulation_steps} is read by the Lightning and "
@@ -257,7 +258,7 @@ class ZeroEngine:
         if not ok and self.training_state is TrainingState.FORWARD:
             self.training_state = TrainingState.IDLE
         if self.zero3 is not None:
-            self.zero3.root_post_forward(agree=ok)
+            self.zero3.root_post_forward(ok=ok)
 
     def _refresh_masters(self) -> None:
         with torch.no_grad():
@@ -635,6 +636,14 @@ class ZeroEngine:
         if getattr(self.module, "_zero_engine", None) is self:
             unswap_class(self.module)
             del self.module._zero_engine
+        callbacks, self._on_destroy = self._on_destroy, []
+        for fn in callbacks:
+            fn()
+
+    def on_destroy(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` at the end of :meth:`destroy` (a front-end undoes what it added to the
+        module, e.g. a forward wrapper)."""
+        self._on_destroy.append(fn)
 
 
 class ZeroModule:
@@ -737,7 +746,7 @@ def _agree_on_setup(ctx: C.CommContext, config: ZeroConfig, named: list[tuple[st
     if ctx.device.type == "cuda":
         places: dict[Any, list[int]] = {}
         for r, (_, where) in enumerate(seen):
-            places.setdefault(where, []).append(r)
+            places.setdefault(tuple(where), []).append(r)
         shared = [(where, ranks) for where, ranks in places.items() if len(ranks) > 1]
         if shared:
             (host, index), ranks = shared[0]
@@ -769,6 +778,14 @@ def _agree_on_setup(ctx: C.CommContext, config: ZeroConfig, named: list[tuple[st
 
 
 def _check_params(named: list[tuple[str, nn.Parameter]], ctx: C.CommContext) -> None:
+    for other in list(_LIVE):
+        shared = next((n for n, p in named if id(p) in other._names), None)
+        if shared is not None:
+            raise ValueError(
+                f"initialize(): parameter '{shared}' already belongs to {type(other.module).__name__}, which "
+                "zero_strategy manages; two engines would reduce and step the same parameter. Put both models "
+                "into one module (e.g. an nn.ModuleDict) and initialize that once"
+            )
     for n, p in named:
         if not p.is_contiguous() and sharded_init_piece(p) is None:
             raise ValueError(

@@ -113,6 +113,14 @@ class LossScaler:
         self.consecutive_skips = 0
         self.max_consecutive_skips = max_consecutive_skips
 
+    def counters(self) -> torch.Tensor:
+        """The schedule's position, saved in checkpoints next to the scale (as GradScaler saves
+        its growth tracker): good steps in the window, hysteresis left, skips."""
+        return torch.tensor([self._good_steps, self._hysteresis_left, self.consecutive_skips, self.skipped_steps], dtype=torch.int64)
+
+    def load_counters(self, t: torch.Tensor) -> None:
+        self._good_steps, self._hysteresis_left, self.consecutive_skips, self.skipped_steps = (int(v) for v in t.tolist())
+
     def _refuse_endless_skipping(self, at_floor: bool = False) -> None:
         if self.consecutive_skips >= self.max_consecutive_skips or at_floor:
             raise RuntimeError(

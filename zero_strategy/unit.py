@@ -175,15 +175,22 @@ class UnitStorage:
         # a memory-less placeholder otherwise (reads give NaN, writes raise), so touching a
         # sharded parameter never reads freed memory. Views autograd saved in forward keep the
         # storage object and see the data again when the unit is gathered for backward.
+        # The placeholders are installed by :meth:`take_over`, once every unit was built: a
+        # unit that fails to build leaves the model's parameters untouched.
         self.full = [torch.empty(p.shape, dtype=self.dtype, device=ctx.device) for p in self.params]
-        for p, f in zip(self.params, self.full):
+        for f in self.full:
             f.untyped_storage().resize_(0)
-            p.data = placeholder(p.shape, self.dtype, ctx.device)
         self.state = ShardedState.SHARDED
         self._numel_bytes = [p.numel() * f.element_size() for p, f in zip(self.params, self.full)]
         self._handle: C.Handle | None = None
         self._buf: torch.Tensor | None = None
         self._step = ""
+
+    def take_over(self) -> None:
+        """Point every parameter at its memory-less placeholder: from here on the unit's rows
+        hold the only copy of the values."""
+        for p in self.params:
+            p.data = placeholder(p.shape, self.dtype, self.ctx.device)
 
     @property
     def name(self) -> str:
@@ -336,6 +343,8 @@ class ShardedParams:
             self.units.append(u)
             if u.group is not None:
                 self.groups.append(u.group)
+        for u in self.units:  # every unit was built: only now do the parameters lose their data
+            u.take_over()
         self.names = {u.tag: u.name for u in self.units}
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
 

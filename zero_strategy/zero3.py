@@ -116,7 +116,10 @@ class Zero3Hooks:
         """Every rank says which list unit it is about to enter (0: the forward ends). If ranks
         differ, every list involved is pinned, on every rank in the same order: its units are
         gathered now and from then on together with the root unit (gathered for the whole
-        forward and backward, reduced at the end of backward). Returns whether all agreed."""
+        forward and backward, reduced at the end of backward). If a rank has ended its forward,
+        every list is pinned: that rank takes part in no further agreement, so no other rank may
+        ask for one. Pinned sets stay equal on every rank, so the k-th agreement of each rank
+        meets the k-th of the others. Returns whether all agreed."""
         ctx = self.engine.ctx
         out = torch.zeros(ctx.world_size, dtype=torch.int64, device=ctx.device)
         mine = out[ctx.rank : ctx.rank + 1]
@@ -125,7 +128,10 @@ class Zero3Hooks:
         tags = out.tolist()
         if len(set(tags)) == 1:
             return True
-        lists = sorted({self.list_of[t] for t in tags if t in self.list_of})
+        if 0 in tags:  # a rank has ended its forward: no list may ask for another agreement
+            lists = list(range(len(self.lists)))
+        else:
+            lists = sorted({self.list_of[t] for t in tags if t in self.list_of})
         log.warning(
             "zero_strategy: ZeRO-3 ranks enter different blocks of a list at %s (%s); the list%s %s now stay%s "
             "gathered with the root unit (more memory, no divergence). To keep them sharded, decorate the module "
@@ -154,12 +160,15 @@ class Zero3Hooks:
         for u in ([self.root] if self.root is not None else []) + pinned:
             u.wait_unshard(self.names)
 
-    def root_post_forward(self, *, agree: bool = True) -> None:
-        if agree and self._checking():
+    def root_post_forward(self, *, ok: bool = True) -> None:
+        """The forward ended (``ok``) or raised. After an exception nothing may wait on the
+        other ranks: a gather still in flight stays so (its next use waits on it)."""
+        if ok and self._checking():
             self._agree(0)  # a rank that skipped the last list units meets the others here
         if not torch.is_grad_enabled():
             for u in self.all_units:  # eval / no_grad: nothing but persistent units stays gathered
-                u.release()
+                if ok or u.state is not ShardedState.UNSHARDING:
+                    u.release()
 
     # -- units -----------------------------------------------------------------------------
     def _pre_forward(self, u: UnitStorage) -> None:

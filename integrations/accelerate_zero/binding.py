@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from functools import partial
 from types import MethodType
 from typing import Any, Callable, Iterator
 
@@ -218,6 +219,14 @@ class _Binding:
 _BOUND = ("backward", "clip_grad_norm_", "clip_grad_value_", "unscale_gradients", "get_state_dict", "trigger_sync_in_backward")
 
 
+
+def _drop_forward_wrapper(model: Any) -> None:
+    """``zs.destroy``: the plain module gets its class's forward back (no Accelerate marks)."""
+    model.__dict__.pop("forward", None)
+    model.__dict__.pop("_original_forward", None)
+    model.__dict__.pop("_is_accelerate_prepared", None)
+
+
 def _check_accelerator(accelerator: Any) -> None:
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"ZeroPlugin.prepare(accelerator=...): expected an accelerate.Accelerator, got {type(accelerator).__name__}")
@@ -307,6 +316,7 @@ def prepare_with_zero(plugin: ZeroPlugin, accelerator: Any, objects: tuple[Any, 
             # come back in fp32 (a loss computed from them outside forward is computed in fp32)
             model._original_forward = model.forward
             model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+            model.zero_engine.on_destroy(partial(_drop_forward_wrapper, model))
         model._is_accelerate_prepared = True  # tracked by the Accelerator, not wrapped in DDP or autocast
         if optimizer is not None:
             wrapped = ZeroAcceleratedOptimizer(optimizer, model)

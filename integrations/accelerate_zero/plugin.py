@@ -167,7 +167,12 @@ def pair_models_and_optimizers(objects: tuple[Any, ...]) -> list[tuple[nn.Module
     owner: dict[int, int] = {}
     for k, m in enumerate(models):
         for p in m.parameters():
-            owner.setdefault(id(p), k)
+            if owner.setdefault(id(p), k) != k:
+                raise ValueError(
+                    f"ZeroPlugin.prepare(): {type(models[owner[id(p)]]).__name__} and {type(m).__name__} share a "
+                    "parameter; two engines would reduce and step it twice. Prepare one module that holds both "
+                    "(e.g. an nn.ModuleDict)"
+                )
     paired: dict[int, torch.optim.Optimizer] = {}
     for opt in optimizers:
         ks = {owner.get(id(p)) for g in opt.param_groups for p in g["params"]}

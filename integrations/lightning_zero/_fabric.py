@@ -178,7 +178,7 @@ def build(ns: str) -> tuple[type, type]:
             model_key, opt_key = _split(state)
             path = Path(self.broadcast(os.fspath(path)))
             zs.load_checkpoint(path, state[model_key], state.get(opt_key))
-            # None: torch's safe default (weights_only), as Fabric's own loading passes it on
+            # None (Fabric's default) reads as weights_only=True: only an explicit False opts out
             meta = zs.read_checkpoint_object(path, FABRIC_OBJECT, weights_only=weights_only)
             saved = dict(meta["state"])
             for key, obj in list(state.items()):

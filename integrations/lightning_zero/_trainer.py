@@ -290,7 +290,7 @@ def build(ns: str) -> tuple[type, type]:
                 return checkpoint
             optimizer = self.optimizers[0] if self.optimizers else None
             zs.load_checkpoint(path, self.model, optimizer)
-            # None: torch's safe default (weights_only), as Lightning's own loading passes it on
+            # None (Lightning's default) reads as weights_only=True: only an explicit False opts out
             return zs.read_checkpoint_object(path, LIGHTNING_OBJECT, weights_only=weights_only)
 
         @override

@@ -133,3 +133,19 @@ def test_cli_launch_refuses_bad_config_before_launching(tmp_path: Path, capsys: 
     good = write(tmp_path, "zero_optimization:\n  stage: 3\n", "good.yaml")
     with pytest.raises(ValueError, match="--cpu with --num_processes 2 starts ONE process"):
         launch.launch(["--zero-config", good, "--cpu", "--num_processes", "2", "train.py"])
+
+
+def test_shared_parameters_and_destroy_after_mixed_precision() -> None:
+    from accelerate import Accelerator
+
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    other.weight = model.weight
+    with pytest.raises(ValueError, match="Linear and Linear share a parameter.*nn.ModuleDict"):
+        pair_models_and_optimizers((model, other))
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    model, opt = ZeroPlugin(stage=2).prepare(acc, torch.nn.Linear(2, 2), None)
+    x = torch.ones(1, 2)
+    assert model(x).dtype == torch.float32  # autocast inside, outputs converted to fp32
+    zs.destroy(model)
+    assert type(model) is torch.nn.Linear and "forward" not in vars(model)
+    assert torch.equal(model(x), torch.nn.functional.linear(x, model.weight, model.bias))

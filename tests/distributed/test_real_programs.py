@@ -350,14 +350,31 @@ def _moe():
     return TopTwoMoE
 
 
+def _ddp_then_zero3(cls):
+    """("ddp", DDP(find_unused_parameters), model, AdamW), then ("zero", the ZeRO-3 model under the
+    default policy, model, optimizer): the same float64 model, seeded alike."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zero_strategy as zs
+
+    for mode in ("ddp", "zero"):
+        torch.manual_seed(0)
+        model = cls().double()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if mode == "ddp":
+            yield mode, DDP(model, find_unused_parameters=True), model, opt
+        else:
+            net, opt = zs.initialize(model, opt, stage=3, stage3_param_persistence_threshold=0)
+            yield mode, net, model, opt
+
+
 def case_moe_default_policy(rank: int, world: int, accum: bool) -> dict:
     """The default policy makes each expert a unit; ranks that skip experts must not diverge.
     Routing is the same on every rank until step 5 (all experts picked), then differs."""
     import torch
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import zero_strategy as zs
 
     TopTwoMoE = _moe()
 
@@ -367,14 +384,8 @@ def case_moe_default_policy(rank: int, world: int, accum: bool) -> dict:
         return torch.tensor([[(rank * 5 + step + micro) % V, 3]])  # two tokens: some experts skipped
 
     runs = {}
-    for mode in ("ddp", "zero"):
-        torch.manual_seed(0)
-        model = TopTwoMoE().double()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        if mode == "ddp":
-            net = DDP(model, find_unused_parameters=True)
-        else:
-            net, opt = zs.initialize(model, opt, stage=3, stage3_param_persistence_threshold=0)
+    for mode, net, model, opt in _ddp_then_zero3(TopTwoMoE):
+        if mode == "zero":
             assert [u.label for u in model.zero_engine.params.units] == [f"experts.{e}" for e in range(4)] + ["<root>"]
         losses, used = [], []
         for step in range(8):
@@ -397,6 +408,49 @@ def case_moe_default_policy(rank: int, world: int, accum: bool) -> dict:
     for k, v in ref_state.items():
         assert_close(state[k], v, rtol=1e-6, atol=1e-12, what=f"MoE {k}")
     return {"used": used, "pinned": runs["pinned"]}
+
+
+def case_two_lists(rank: int, world: int, extra_on: int) -> None:
+    """Two lists under the default policy: ``blocks`` always runs, ``experts`` is conditional, and
+    one rank runs one more expert at the very end of its forward. That rank's last agreement
+    meets the others' end of forward: every list must be pinned then, or the longer rank asks
+    for an agreement nobody joins (a collective mismatch)."""
+    import torch
+    from torch import nn
+
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+            self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+
+        def forward(self, x, n_experts: int):
+            for b in self.blocks:
+                x = torch.tanh(b(x))
+            for e in self.experts[:n_experts]:
+                x = x + e(x)
+            return x.square().mean()
+
+    runs = {}
+    for mode, net, model, opt in _ddp_then_zero3(Net):
+        losses = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            n = 1 + (step >= 1) + (step >= 1 and rank == extra_on)  # all equal at step 0
+            loss = net(torch.randn(3, D, generator=g, dtype=torch.float64), n)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[mode] = (losses, _state(model, mode == "zero"))
+        if mode == "zero":
+            labels = [u.label for u in model.zero_engine.params.units]
+            assert labels == ["blocks.0", "blocks.1", "experts.0", "experts.1", "experts.2"], labels  # no root parameters
+            assert model.zero_engine.zero3.pinned == {1, 2, 3, 4, 5}, model.zero_engine.zero3.pinned
+    assert_close(runs["zero"][0], runs["ddp"][0], rtol=1e-9, what="two-list losses")
+    for k, v in runs["ddp"][1].items():
+        assert_close(runs["zero"][1][k], v, rtol=1e-6, atol=1e-12, what=f"two-list {k}")
 
 
 def case_gpt_default_units(rank: int, world: int) -> None:
@@ -432,6 +486,7 @@ def _world2(rank: int, world: int, root: str) -> dict:
     case_frozen_zero3(rank, world, root)
     case_stale_after_load(rank, world)
     case_gpt_default_units(rank, world)
+    run_subtests(lambda **kw: case_two_lists(rank, world, **kw), subtest_grid(extra_on=[0, 1]), label="two lists")
     moe = {}
     run_subtests(lambda accum: moe.update({accum: case_moe_default_policy(rank, world, accum)}),
                  subtest_grid(accum=[False, True]), label="moe")  # fmt: skip

@@ -55,7 +55,7 @@ def _rewrite_meta_record(version: Path, name: str) -> None:
     meta_path.write_text(json.dumps(meta))
 
 
-def test_malicious_metadata_and_object_files_run_no_code(tmp_path: Path) -> None:
+def test_malicious_metadata_and_object_files_run_no_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt = _model()
     _train(model, opt)
     version = Path(zs.save_checkpoint(tmp_path / "ck", model, opt, objects={"trainer": {"step": 1}}))
@@ -73,6 +73,10 @@ def test_malicious_metadata_and_object_files_run_no_code(tmp_path: Path) -> None
     _rewrite_meta_record(version, "trainer.pt")
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         zs.read_checkpoint_object(tmp_path / "ck", "trainer")
+    # Lightning's weights_only=None stays safe where torch's default would not be
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        zs.read_checkpoint_object(tmp_path / "ck", "trainer", weights_only=None)
     assert not marker.exists(), "a checkpoint file ran code"
 
 
@@ -246,3 +250,61 @@ def test_a_save_that_dies_at_any_point_leaves_a_loadable_checkpoint(tmp_path: Pa
     saved = torch.load(tmp_path / f"state-{latest[-1]}.pt", weights_only=True)  # exactly what was saved
     for k, v in model.state_dict().items():
         assert torch.equal(v, saved[k]), (point, k)
+
+
+def test_metadata_files_are_not_followed_out_and_damaged_records_are_named(tmp_path: Path) -> None:
+    model, opt = _model()
+    _train(model, opt)
+    version = Path(zs.save_checkpoint(tmp_path / "ck", model, opt))
+    # DCP metadata written without storage_meta (older torch, or edited): loads
+    md = pickle.loads((version / ".metadata").read_bytes())
+    md.storage_meta = None
+    (version / ".metadata").write_bytes(pickle.dumps(md))
+    _rewrite_meta_record(version, ".metadata")
+    zs.load_checkpoint(tmp_path / "ck", model, opt)
+    # a damaged record in zero_meta.json is named, not a KeyError
+    meta = json.loads((version / "zero_meta.json").read_text())
+    good = dict(meta["files"])
+    meta["files"][".metadata"] = {"crc32": 1}
+    (version / "zero_meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointFileError, match=r"the record of '\.metadata' is damaged"):
+        zs.load_checkpoint(tmp_path / "ck", model, opt)
+    meta["files"] = good
+    (version / "zero_meta.json").write_text(json.dumps(meta))
+    # symlinks out of the checkpoint are not followed, for the metadata files either
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for name in (".metadata", "zero_meta.json"):
+        os.replace(version / name, outside / name)
+        os.symlink(outside / name, version / name)
+        with pytest.raises(CheckpointFileError, match="outside"):
+            zs.load_checkpoint(tmp_path / "ck", model, opt)
+        os.remove(version / name)
+        os.replace(outside / name, version / name)
+    zs.load_checkpoint(tmp_path / "ck", model, opt)
+
+
+def test_pruning_spares_what_any_pointer_names_and_other_subgroups_saves(tmp_path: Path) -> None:
+    """Pipeline stages share a root, each with its own ``latest-<ranks>`` pointer: one stage's
+    keep_last counts its own saves only, and no directory a pointer names is removed."""
+    from zero_strategy.checkpoint import COMPLETE
+    from zero_strategy.checkpoint_files import OWNER
+
+    root = tmp_path / "ck"
+    model, opt = _model()
+    zs.save_checkpoint(root, model, opt, tag="a")
+    record = json.loads((root / "a" / OWNER).read_text())
+    assert record["pointer"] == "latest"
+
+    def fake_save(name: str, pointer: str, created: float) -> None:
+        (root / name).mkdir()
+        (root / name / OWNER).write_text(json.dumps({**record, "pointer": pointer, "created": created}))
+        (root / name / COMPLETE).write_text("")
+
+    fake_save("stage-b-old", "latest-1-1-0000abcd", 1.0)
+    fake_save("stage-b", "latest-1-1-0000abcd", 2.0)
+    (root / "latest-1-1-0000abcd").write_text("stage-b\n")
+    fake_save("pinned", "latest", 0.5)  # ours, but a pointer (a copy someone made) names it
+    (root / "latest-backup").write_text("pinned\n")
+    zs.save_checkpoint(root, model, opt, tag="b", keep_last=1)
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["b", "pinned", "stage-b", "stage-b-old"]

@@ -96,6 +96,12 @@ def _disagree_worker(rank: int, world: int, root: str) -> dict:
         out["config"] = "accepted"
     except ValueError as e:
         out["config"] = str(e)
+    # comm_timeout only on rank 1 (the group's timeout on rank 0): still one agreement, no hang
+    try:
+        zs.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1), stage=2, comm_timeout=45 if rank else None)
+        out["timeout"] = "accepted"
+    except ValueError as e:
+        out["timeout"] = str(e)
     # a different model on one rank
     try:
         zs.initialize(torch.nn.Linear(4, 4 + rank), lambda p: torch.optim.SGD(p, lr=0.1), stage=2)
@@ -103,7 +109,8 @@ def _disagree_worker(rank: int, world: int, root: str) -> dict:
     except ValueError as e:
         out["model"] = str(e)
     # a checkpoint one rank sees damaged: all ranks raise the same error, at once
-    model, opt = zs.initialize(torch.nn.Linear(64, 64), lambda p: torch.optim.SGD(p, lr=0.1), stage=2)
+    # comm_timeout unlike the group's: DCP runs on a gloo group made with it, on first use
+    model, opt = zs.initialize(torch.nn.Linear(64, 64), lambda p: torch.optim.SGD(p, lr=0.1), stage=2, comm_timeout=45)
     try:  # ranks that ask for different tags
         zs.save_checkpoint(root + "-tags", model, opt, tag=f"t{rank}")
         out["tag"] = "saved"
@@ -133,6 +140,7 @@ def test_ranks_that_disagree_all_raise_the_same_error_at_once(launch, tmp_path: 
     results = launch(_disagree_worker, 2, args=(str(tmp_path / "ck"),), timeout=120)
     for r in results:
         assert "config field 'prefetch' is 1 on rank 0 but 2 on rank 1" in r["config"], r
+        assert "config field 'comm_timeout' is None on rank 0 but 45" in r["timeout"], r
         assert "parameter #0 is 'weight (4, 4) float32' on rank 0 but 'weight (5, 4) float32' on rank 1" in r["model"], r
         assert "does not match the checksum" in r["load"] and r["load_s"] < 20, r
         assert "the ranks asked for different tags ['t0', 't1']" in r["tag"], r

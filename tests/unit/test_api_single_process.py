@@ -612,3 +612,72 @@ def test_fp16_endless_overflow_raises() -> None:
                 opt.step()
                 opt.zero_grad()
         assert model.zero_engine.scaler.consecutive_skips == steps, (cfg.loss_scale, model.zero_engine.scaler.consecutive_skips)
+
+
+def test_a_failed_zero3_initialize_leaves_the_model_as_it_was() -> None:
+    """The dtype check of the last (root) unit fails after the block units were built: no
+    parameter may have lost its values, and the retry the error asks for must work."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))
+            self.proj = torch.nn.Linear(2, 2)
+            self.head = torch.nn.Linear(2, 2).double()  # the root unit mixes float32 and float64
+
+    torch.manual_seed(0)
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="mixes parameter dtypes"):
+        zs.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3)
+    assert type(model) is Net
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    model.head.float()
+    zs.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=3)
+    with zs.gathered_parameters(model):
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k].float()), k
+
+
+def test_a_parameter_of_a_managed_model_is_refused_by_a_second_engine() -> None:
+    student = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 2))
+    teacher = torch.nn.Sequential(student[0], torch.nn.Linear(2, 2))  # shares the embedding
+    zs.initialize(student, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=2)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' already belongs to Sequential.*nn.ModuleDict"):
+        zs.initialize(teacher, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=2)
+    assert getattr(teacher, "zero_engine", None) is None
+    zs.destroy(student)  # a destroyed engine no longer owns it
+    zs.initialize(teacher, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=2)
+
+
+def test_fp16_scaler_schedule_resumes_where_it_was_saved(tmp_path) -> None:
+    """Saved after an absorbed overflow (hysteresis used) in the middle of a window: the resumed
+    run halves at the next overflow and doubles at the same step as the uninterrupted one."""
+    cfg = zs.ZeroConfig(stage=2, precision="fp16", loss_scale={"initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3})
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), config=cfg)
+        inject = [False]
+        model[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")) if inject[0] else g)
+        return model, opt, inject
+
+    def run(model, opt, inject, steps) -> list[float]:
+        scales = []
+        for step in steps:
+            inject[0] = step in (3, 4)
+            zs.backward(model(torch.ones(2, 4, dtype=torch.float16)).float().sum(), model=model)
+            opt.step()
+            opt.zero_grad()
+            scales.append(model.zero_engine.scaler.scale)
+        return scales
+
+    whole = run(*build(), range(9))
+    model, opt, inject = build()
+    first = run(model, opt, inject, range(4))
+    zs.save_checkpoint(tmp_path, model, opt)
+    model, opt, inject = build()
+    zs.load_checkpoint(tmp_path, model, opt)
+    assert first + run(model, opt, inject, range(4, 9)) == whole == [256, 256, 512, 512, 256, 256, 256, 512, 512]

@@ -47,4 +47,6 @@ def test_tolerances_are_inclusive_and_named() -> None:
         assert_close([1.0, 2.5], [1.0, 2.0], rtol=1e-3, what="losses")
     with pytest.raises(AssertionError, match=r"state\['w'\]: element 2"):
         assert_state_close({"w": torch.tensor([1.0, 2.0, 4.0])}, {"w": torch.tensor([1.0, 2.0, 3.0])}, rtol=1e-3)
-    assert_state_close({"w": torch.ones(3, dtype=torch.bfloat16)}, {"w": torch.ones(3)}, rtol=0.0)
+    with pytest.raises(AssertionError, match=r"state\['w'\]: dtype torch.bfloat16 but the reference has torch.float32"):
+        assert_state_close({"w": torch.ones(3, dtype=torch.bfloat16)}, {"w": torch.ones(3)}, rtol=0.0)
+    assert_state_close({"w": torch.ones(3, dtype=torch.bfloat16)}, {"w": torch.ones(3)}, rtol=0.0, check_dtype=False)

@@ -98,11 +98,17 @@ def assert_close(got: Any, ref: Any, *, rtol: float, atol: float = 0.0, what: st
             )
 
 
-def assert_state_close(got: Mapping[str, Any], ref: Mapping[str, Any], *, rtol: float, atol: float = 0.0, what: str = "state") -> None:
-    """:func:`assert_close` for every tensor of two state dicts with the same keys."""
+def assert_state_close(
+    got: Mapping[str, Any], ref: Mapping[str, Any], *, rtol: float, atol: float = 0.0, what: str = "state", check_dtype: bool = True
+) -> None:
+    """:func:`assert_close` for every tensor of two state dicts with the same keys (and, unless
+    ``check_dtype=False``, the same dtypes: a bf16 copy of fp32 weights is not the same state)."""
     if set(got) != set(ref):
         raise AssertionError(f"{what}: keys differ: {sorted(set(got) ^ set(ref))[:5]}")
     if not ref:
         raise AssertionError(f"{what}: nothing to compare (both state dicts are empty)")
     for key in ref:
-        assert_close(got[key], ref[key], rtol=rtol, atol=atol, what=f"{what}[{key!r}]")
+        a, b = got[key], ref[key]
+        if check_dtype and getattr(a, "dtype", None) != getattr(b, "dtype", None):
+            raise AssertionError(f"{what}[{key!r}]: dtype {getattr(a, 'dtype', type(a))} but the reference has {getattr(b, 'dtype', type(b))}")
+        assert_close(a, b, rtol=rtol, atol=atol, what=f"{what}[{key!r}]")
