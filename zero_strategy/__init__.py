@@ -1,5 +1,6 @@
 """zero-strategy: ZeRO (Zero Redundancy Optimizer) for PyTorch in one small core."""
 
+from zero_strategy._version import __version__
 from zero_strategy.api import (
     backward,
     clip_grad_norm_,
@@ -20,14 +21,15 @@ from zero_strategy.checkpoint import (
 )
 from zero_strategy.collectives import CollectiveError, comm_stats, reset_comm_stats
 from zero_strategy.config import ZeroConfig, resolve_overrides
+from zero_strategy.construction import sharded_init
 from zero_strategy.export import export_full, full_state_dict
-from zero_strategy.init import load_full_state_dict, sharded_init
+from zero_strategy.loading import load_full_state_dict
 from zero_strategy.partition import zero_auto_partition
 from zero_strategy.unit import UnitDivergence
 
-__version__ = "0.1.0.dev0"
 
 __all__ = [
+    "__version__",
     "CollectiveError",
     "UnitDivergence",
     "ZeroConfig",

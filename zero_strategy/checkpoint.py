@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from zero_strategy import collectives as C
+from zero_strategy._version import __version__
 from zero_strategy.checkpoint_files import (
     OWNER,
     CheckpointFileError,
@@ -55,7 +56,6 @@ from zero_strategy.checkpoint_files import (
     write_atomic,
 )
 from zero_strategy.engine import ZeroEngine, get_engine, persistent_buffers
-from zero_strategy.unit import ShardedParams
 
 __all__ = [
     "begin_versioned_save",
@@ -135,22 +135,15 @@ def _state(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, want_opt
                     continue
                 per_element = value.shape == m.shape and key != "step"
                 sd[f"optim.{fqn}.{key}"] = _piece(engine, mesh, value, numel) if per_element else value
-    managed = {id(p) for g in engine.groups for p in g.params}
     for fqn, p in engine.module.named_parameters():
-        if id(p) in managed:
+        if engine.master_of(p) is not None:
             continue
         # frozen: flattened too, so a ZeRO-3 run's pieces and a ZeRO-1/2 run's full tensor reshard
-        where = engine.params.unit_of(p) if isinstance(engine.params, ShardedParams) else None
-        if where is not None:
-            unit, i = where
-            sd[f"model.{fqn}"] = _piece(engine, mesh, unit.piece(i), p.numel())
-        else:
-            sd[f"model.{fqn}"] = p.data.view(-1)
+        flat = engine.flat_value(p)
+        sd[f"model.{fqn}"] = _piece(engine, mesh, flat, p.numel()) if engine.config.stage == 3 else flat
     for fqn, b in persistent_buffers(engine.module).items():  # what state_dict() holds
         sd[f"model.{fqn}"] = b
-    sd["engine.step_count"] = torch.tensor(engine.step_count, dtype=torch.int64)
-    sd["engine.loss_scale"] = torch.tensor(engine.scaler.scale, dtype=torch.float64)
-    sd["engine.loss_scaler_counters"] = engine.scaler.counters()
+    sd.update(engine.progress_state())
     return sd
 
 
@@ -216,7 +209,7 @@ def save_checkpoint(
         if not name.isidentifier():
             raise ValueError(f"save_checkpoint(objects={{{name!r}: ...}}): use a plain identifier as the name")
     engine = get_engine(model)
-    engine.reducer.wait_all()
+    engine.wait_for_reductions()
     explicit = tag is not None
     tag = tag or f"step-{engine.step_count}"
     if "/" in tag or os.sep in tag or tag.startswith(".") or tag == LATEST or tag.startswith(LATEST + "-"):
@@ -390,7 +383,7 @@ def _write_meta(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, ext
         "stage": engine.config.stage,
         "world_size": engine.ctx.world_size,
         "torch": torch.__version__,
-        "zero_strategy": _version(),
+        "zero_strategy": __version__,
         "config": engine.config.to_dict(),
         "shapes": shapes,
         "extra": extra or {},
@@ -475,7 +468,7 @@ def read_checkpoint_object(path: str | os.PathLike[str], name: str, *, weights_o
     ``weights_only`` unpickler unless ``weights_only=False`` is passed (``None``, as Lightning
     passes it, is read as True: torch < 2.6 and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD would make it
     False); ``weights_only=False`` runs whatever the file's pickle says: only for files you trust."""
-    path, meta = _read_meta(path, "read_checkpoint_object()")
+    path, meta = read_meta(path, "read_checkpoint_object()")
     file = f"{name}.pt"
     files = meta.get("files", {})
     if file not in files:
@@ -483,12 +476,6 @@ def read_checkpoint_object(path: str | os.PathLike[str], name: str, *, weights_o
         raise ValueError(f"read_checkpoint_object(): checkpoint {path!r} has no object {name!r} (it has {saved})")
     verify_checksums(path, _file_records(files), [file])
     return torch.load(inside(path, file, "read_checkpoint_object()"), map_location="cpu", weights_only=weights_only is not False)
-
-
-def _version() -> str:
-    import zero_strategy
-
-    return zero_strategy.__version__
 
 
 def _resolve(path: str, pointer: str = LATEST) -> str:
@@ -508,7 +495,7 @@ def _resolve(path: str, pointer: str = LATEST) -> str:
     return path
 
 
-def _read_meta(path: str | os.PathLike[str], caller: str, pointer: str = LATEST) -> tuple[str, dict[str, Any]]:
+def read_meta(path: str | os.PathLike[str], caller: str, pointer: str = LATEST) -> tuple[str, dict[str, Any]]:
     """The versioned directory ``path`` names (following its pointer) and its metadata."""
     path = _resolve(os.fspath(path), pointer)
     meta_path = os.path.join(path, META)
@@ -569,7 +556,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
     failure: BaseException | None = None
     resolved, meta = os.fspath(path), {}
     try:
-        resolved, meta = _read_meta(path, "load_checkpoint()", _pointer_name(engine))
+        resolved, meta = read_meta(path, "load_checkpoint()", _pointer_name(engine))
         _validate_for_load(engine, resolved, meta, optimizer)
         reader = SafeFileSystemReader(resolved)
         saved = set(reader.read_metadata().state_dict_metadata)
@@ -582,18 +569,13 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
             raise failure
         kind, text = first
         raise (ValueError if kind == "ValueError" else CheckpointFileError)(f"load_checkpoint(): another rank refused the checkpoint: {text}")
-    engine.reducer.wait_all()
+    engine.wait_for_reductions()
     want = {k for k in saved if k.startswith("optim.")} if optimizer is not None else None
     sd = _state(engine, optimizer, want)
     if int(meta.get("format", 1)) < 4:
         del sd["engine.loss_scaler_counters"]  # an older checkpoint: the schedule restarts its window
     dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))
-    engine.step_count = int(sd["engine.step_count"])
-    if engine.scaler.enabled:
-        engine.scaler.scale = float(sd["engine.loss_scale"])
-        if "engine.loss_scaler_counters" in sd:
-            engine.scaler.load_counters(sd["engine.loss_scaler_counters"])
-    engine.params.after_step(engine)  # full parameters / unit rows follow the loaded masters
+    engine.load_progress(sd)  # step, loss scale; the parameters follow the loaded masters
     if optimizer is not None and meta.get("param_groups") is not None:
         _restore_group_settings(optimizer, meta["param_groups"])
     return dict(meta.get("extra", {}))

@@ -8,15 +8,13 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any, Optional
 
-import torch
+from zero_strategy.config import DTYPES
 
 __all__ = ["export", "main"]
-
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 
 
 def export(checkpoint: str, out: str, dtype: Optional[str] = None) -> str:
@@ -25,13 +23,14 @@ def export(checkpoint: str, out: str, dtype: Optional[str] = None) -> str:
     Args:
         checkpoint: directory written by zero_strategy.save_checkpoint.
         out: output file, .safetensors (streamed, default) or .pt.
-        dtype: cast floating tensors to fp32, bf16 or fp16 (default: as saved).
+        dtype: cast floating tensors to fp32, bf16 or fp16, or another name in
+            :data:`zero_strategy.config.DTYPES` (default: as saved).
     """
     from zero_strategy.export import export_full
 
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"--dtype {dtype!r}: use one of {sorted(_DTYPES)}")
-    path = export_full(checkpoint, out, dtype=_DTYPES[dtype] if dtype else None)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    path = export_full(checkpoint, out, dtype=DTYPES[dtype] if dtype else None)
     print(path)
     return path
 
@@ -45,17 +44,33 @@ def _plugin_commands() -> dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
 
 
+def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
+    extra = ", ".join(sorted(commands))
+    parser = argparse.ArgumentParser(
+        prog="zero-strategy",
+        description="zero_strategy commands" + (f"; also from installed front-ends: {extra} (see `zero-strategy NAME --help`)" if extra else ""),
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ex = sub.add_parser("export", help="export a checkpoint to one .safetensors or .pt file", description=export.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ex.add_argument("checkpoint", help="directory written by zero_strategy.save_checkpoint (its root or a versioned subdirectory)")
+    ex.add_argument("out", help="output file, .safetensors (streamed) or .pt")
+    ex.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors (default: as saved)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     commands = _plugin_commands()
     if args and args[0] in commands:  # e.g. `launch` from accelerate_zero: it parses its own arguments
         commands[args[0]].load()(args[1:])
         return
-    from jsonargparse import CLI
-
-    extra = ", ".join(sorted(commands))
-    description = "zero_strategy commands" + (f"; also from installed front-ends: {extra} (see `zero-strategy NAME --help`)" if extra else "")
-    CLI({"export": export}, args=args, description=description)
+    parser = _parser(commands)
+    ns = parser.parse_args(args)
+    try:
+        export(ns.checkpoint, ns.out, ns.dtype)
+    except (ValueError, OSError, RuntimeError) as exc:  # a bad path or checkpoint: the message says what to do
+        parser.exit(1, f"zero-strategy {ns.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -390,31 +390,6 @@ def all_gather_objects(ctx: CommContext, obj: Any, *, what: str) -> list[Any]:
     return [json.loads(bytes(host[r, : int(n)].tolist()).decode()) for r, n in enumerate(sizes.tolist())]
 
 
-def init_default_group(backend: str, timeout_s: float) -> None:
-    """Start the default process group from the environment (RANK, WORLD_SIZE, MASTER_*)."""
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-
-
-def barrier_default_group() -> None:
-    """A barrier over the default group (if any)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def destroy_default_group(*, barrier: bool = True) -> None:
-    """Barrier (unless ``barrier=False``), then destroy the default group (if any): gloo aborts
-    less often at exit this way."""
-    if dist.is_available() and dist.is_initialized():
-        if barrier:
-            dist.barrier()
-        dist.destroy_process_group()
-
-
-def barrier(ctx: CommContext) -> None:
-    if ctx.distributed:
-        dist.barrier(group=ctx.group)
-
-
 def broadcast_coalesced(ctx: CommContext, tensors: Sequence[torch.Tensor], *, src: int = 0, what: str) -> None:
     """Copy rank ``src``'s values of ``tensors`` to every rank, one flat message per dtype."""
     if not ctx.distributed or not tensors:

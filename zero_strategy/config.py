@@ -6,6 +6,11 @@ write them), or from the flat form that ``ZeroConfig.to_dict`` produces.  Every
 user error raises ``ValueError``/``TypeError`` naming the key, the bad value and
 how to fix it.  DeepSpeed keys that this engine accepts but does not act on are
 reported once per read with a ``UserWarning``; any other unknown key is an error.
+
+Each field is declared once, with :func:`~zero_strategy.config_values.setting`: its
+default, its rule, the DeepSpeed block (and legacy aliases) it is read from, and whether
+it is read but not applied.  The coercion on construction, the flat and DeepSpeed readers,
+their key tables and :func:`not_applied_settings` are all derived from those declarations.
 """
 
 from __future__ import annotations
@@ -13,19 +18,36 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
-import numbers
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
+
+from zero_strategy.config_values import (
+    Reader,
+    Rule,
+    apply_rule,
+    check_keys,
+    coerce_fields,
+    float_rule,
+    in_source,
+    int_rule,
+    is_auto,
+    optional,
+    read_block,
+    setting,
+    settings_of,
+    to_bool,
+    to_choice,
+    to_float,
+    to_int,
+)
 
 __all__ = [
+    "DTYPES",
     "FRONTEND_PRECISION",
     "PRECISION_NAMES",
     "LossScaleConfig",
@@ -38,104 +60,17 @@ __all__ = [
     "unsupported_features",
 ]
 
-# --------------------------------------------------------------------------- value parsing
-
-_Rule = Callable[[Any, str], Any]  # (raw value, "where" label for errors) -> coerced value
-
-
-def _in(source: str | None) -> str:
-    return f" (in {source})" if source else ""
-
-
-def _is_auto(value: Any) -> bool:
-    """Hugging Face writes ``"auto"`` for values it fills in itself: read it as "not set"."""
-    return isinstance(value, str) and value.strip().lower() == "auto"
-
-
-def _parse_number(value: Any, where: str) -> numbers.Real:
-    if isinstance(value, bool):
-        raise TypeError(f"{where}: expected a number, got the bool {value!r}")
-    if isinstance(value, numbers.Real):
-        return value
-    if isinstance(value, str):
-        text = value.strip()
-        for parse in (int, float):  # "1e9" is a string in YAML 1.1; int() first keeps big ints exact
-            try:
-                return parse(text)
-            except ValueError:
-                pass
-        raise ValueError(f"{where}: could not parse {value!r} as a number")
-    raise TypeError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
-
-
-def _to_int(value: Any, where: str, *, minimum: int | None = 0) -> int:
-    number = _parse_number(value, where)
-    if not isinstance(number, numbers.Integral):
-        as_float = float(number)
-        if not (math.isfinite(as_float) and as_float.is_integer()):
-            raise ValueError(f"{where}: expected a whole number, got {value!r}")
-        number = as_float
-    result = int(number)
-    if minimum is not None and result < minimum:
-        bound = "> 0" if minimum == 1 else f">= {minimum}"
-        raise ValueError(f"{where}: must be {bound}, got {result}")
-    return result
-
-
-def _to_float(
-    value: Any, where: str, *, gt: float | None = None, ge: float | None = None, le: float | None = None
-) -> float:
-    result = float(_parse_number(value, where))
-    if not math.isfinite(result):
-        raise ValueError(f"{where}: must be a finite number, got {value!r}")
-    checks = (
-        (">", gt, gt is None or result > gt),
-        (">=", ge, ge is None or result >= ge),
-        ("<=", le, le is None or result <= le),
-    )
-    for op, bound, ok in checks:
-        if not ok:
-            raise ValueError(f"{where}: must be {op} {bound}, got {result}")
-    return result
-
-
-def _to_bool(value: Any, where: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    hint = "; write true or false without quotes" if isinstance(value, str) else ""
-    raise TypeError(f"{where}: expected true or false, got {type(value).__name__} {value!r}{hint}")
-
-
-def _to_choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
-    if isinstance(value, str) and value.strip().lower() in choices:
-        return value.strip().lower()
-    options = ", ".join(repr(c) for c in choices)
-    raise ValueError(f"{where}: {value!r} is not one of {options}")
-
-
-def _int_rule(minimum: int | None, maximum: int | None = None) -> Callable[[Any, str], int]:
-    def rule(value: Any, where: str) -> int:
-        result = _to_int(value, where, minimum=minimum)
-        if maximum is not None and result > maximum:
-            raise ValueError(f"{where}: must be <= {maximum}, got {result}")
-        return result
-
-    return rule
-
-
-def _optional(rule: _Rule) -> _Rule:
-    return lambda value, where: None if value is None else rule(value, where)
-
 # --------------------------------------------------------------------------- dtypes
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-_REDUCE_DTYPES = {
+# dtype names -> dtype: one table, read by the dtype fields here and the CLI's ``export --dtype``.
+DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
 }  # fmt: skip
-# Precision names -> (param_dtype, autocast_dtype): one table, read by the core, both front-ends
-# and the CLI. "mixed" keeps fp32 parameters and runs the forward under autocast (what DDP does
+_DTYPE_NAMES = {dtype: name for name, dtype in reversed(DTYPES.items())}  # dtype -> its first (short) name
+# Precision names -> (param_dtype, autocast_dtype): one table, read by the core and both
+# front-ends. "mixed" keeps fp32 parameters and runs the forward under autocast (what DDP does
 # with Lightning's "*-mixed" and Accelerate's mixed_precision); the 16-bit names store the
 # parameters the model computes with in 16 bits, with fp32 master shards (DeepSpeed's
 # bf16/fp16.enabled, Lightning's "*-true"), and autocast too.
@@ -182,8 +117,8 @@ def _to_dtype16(value: Any, where: str) -> torch.dtype | None:
         raise ValueError(f"{where}: {value} is not supported; use torch.bfloat16, torch.float16 or None (fp32)")
     if isinstance(value, str):
         key = value.strip().lower()
-        if key in _REDUCE_DTYPES:
-            dtype = _REDUCE_DTYPES[key]
+        if key in DTYPES:
+            dtype = DTYPES[key]
             return None if dtype == torch.float32 else dtype
         if key in PRECISION_NAMES:
             raise ValueError(
@@ -212,8 +147,8 @@ def _precision_pair(value: Any, where: str) -> tuple[torch.dtype | None, torch.d
 def _to_reduce_dtype(value: Any, where: str) -> torch.dtype:
     if isinstance(value, torch.dtype) and value in _DTYPE_NAMES:
         return value
-    if isinstance(value, str) and value.strip().lower() in _REDUCE_DTYPES:
-        return _REDUCE_DTYPES[value.strip().lower()]
+    if isinstance(value, str) and value.strip().lower() in DTYPES:
+        return DTYPES[value.strip().lower()]
     raise ValueError(f"{where}: {value!r} is not a supported reduction dtype; use 'fp32', 'bf16' or 'fp16'")
 
 
@@ -224,71 +159,13 @@ def _precision_name(cfg: "PrecisionConfig") -> str:
     return f"param_dtype={cfg.param_dtype}, autocast_dtype={cfg.autocast_dtype}"
 
 
-# --------------------------------------------------------------------------- mapping helpers
-
-
-def _check_keys(
-    block: Any,
-    path: str,
-    source: str | None,
-    valid: Iterable[str],
-    ignored: Iterable[str] = (),
-    moved: Mapping[str, str] | None = None,
-) -> list[str]:
-    """Raise on keys that are neither valid nor ignored; return the dotted paths of ignored keys."""
-    if not isinstance(block, Mapping):
-        label = path or "config"
-        raise TypeError(f"{label}: expected a mapping, got {type(block).__name__} {block!r}{_in(source)}")
-    valid, ignored = frozenset(valid), frozenset(ignored)
-    for key in block:
-        if key in valid or key in ignored:
-            continue
-        full = f"{path}.{key}" if path else str(key)
-        where = f" in {source}" if source else ""
-        candidates = sorted(valid | ignored)
-        close = difflib.get_close_matches(str(key), candidates, n=1)
-        if moved and key in moved:
-            hint = f"did you mean '{moved[key]}'? (it belongs inside that block)"
-        elif close:
-            hint = f"did you mean '{close[0]}'?"
-        else:
-            scope = f"under '{path}'" if path else "at the top level"
-            hint = f"valid keys {scope} are: {', '.join(candidates)}"
-        raise ValueError(f"unknown key '{full}'{where}; {hint}")
-    return [f"{path}.{key}" if path else key for key in block if key in ignored]
-
-
-def _apply(rule: _Rule, value: Any, where: str, source: str | None) -> Any:
-    try:
-        return rule(value, where)
-    except (ValueError, TypeError) as exc:
-        if not source:
-            raise
-        raise type(exc)(f"{exc}{_in(source)}") from None
-
-
-def _read_block(
-    block: Any, path: str, source: str | None, rules: Mapping[str, _Rule]
-) -> dict[str, Any]:
-    """Validate a flat block whose keys are exactly the field names in ``rules``; skip "auto"."""
-    _check_keys(block, path, source, rules)
-    return {
-        key: _apply(rules[key], raw, f"{path}.{key}", source) for key, raw in block.items() if not _is_auto(raw)
-    }
-
-
-def _coerce_fields(obj: Any, rules: Mapping[str, _Rule], prefix: str) -> None:
-    for name, rule in rules.items():
-        object.__setattr__(obj, name, rule(getattr(obj, name), f"{prefix}.{name}"))
-
-
 # --------------------------------------------------------------------------- sub-configs
 
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
 def _to_offload_device(value: Any, where: str) -> str:
-    return "none" if value is None else _to_choice(value, where, _OFFLOAD_DEVICES)
+    return "none" if value is None else to_choice(value, where, _OFFLOAD_DEVICES)
 
 
 def _to_path(value: Any, where: str) -> str | None:
@@ -299,21 +176,7 @@ def _to_path(value: Any, where: str) -> str | None:
     raise TypeError(f"{where}: expected a path string, got {type(value).__name__} {value!r}")
 
 
-_OFFLOAD_RULES: dict[str, _Rule] = {
-    "device": _to_offload_device,
-    "nvme_path": _to_path,
-    "pin_memory": _to_bool,
-    "buffer_count": _int_rule(1),
-    "buffer_size": _int_rule(1),
-    "max_in_cpu": _int_rule(0),
-    "fast_init": _to_bool,
-    "pipeline_read": _to_bool,
-    "pipeline_write": _to_bool,
-    "ratio": lambda value, where: _to_float(value, where, ge=0.0, le=1.0),
-}
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class OffloadConfig:
     """Where optimizer state or parameters live between uses (DeepSpeed's offload blocks).
 
@@ -321,33 +184,26 @@ class OffloadConfig:
     it, and the engine checks it when it builds the offload.
     """
 
-    device: str = "none"
-    nvme_path: str | None = None
-    pin_memory: bool = False
-    buffer_count: int = 5
-    buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
-    fast_init: bool = False
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    ratio: float = 1.0
+    device: str = setting("none", _to_offload_device)
+    nvme_path: str | None = setting(None, _to_path)
+    pin_memory: bool = setting(False, to_bool)
+    buffer_count: int = setting(5, int_rule(1))
+    buffer_size: int = setting(100_000_000, int_rule(1))
+    max_in_cpu: int = setting(1_000_000_000, int_rule(0))
+    fast_init: bool = setting(False, to_bool)
+    pipeline_read: bool = setting(False, to_bool)
+    pipeline_write: bool = setting(False, to_bool)
+    ratio: float = setting(1.0, float_rule(ge=0.0, le=1.0))
 
     def __post_init__(self) -> None:
-        _coerce_fields(self, _OFFLOAD_RULES, "OffloadConfig")
+        coerce_fields(self, "OffloadConfig")
 
     @property
     def enabled(self) -> bool:
         return self.device != "none"
 
 
-_PRECISION_RULES: dict[str, _Rule] = {
-    "param_dtype": _to_dtype16,
-    "reduce_dtype": _to_reduce_dtype,
-    "autocast_dtype": _to_dtype16,
-}
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
     """Training precision, three dtypes:
 
@@ -362,12 +218,12 @@ class PrecisionConfig:
     (16-bit parameters) or the fields themselves.
     """
 
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype = torch.float32
-    autocast_dtype: torch.dtype | None = None
+    param_dtype: torch.dtype | None = setting(None, _to_dtype16)
+    reduce_dtype: torch.dtype = setting(torch.float32, _to_reduce_dtype)
+    autocast_dtype: torch.dtype | None = setting(None, _to_dtype16)
 
     def __post_init__(self) -> None:
-        _coerce_fields(self, _PRECISION_RULES, "PrecisionConfig")
+        coerce_fields(self, "PrecisionConfig")
         p, a = self.param_dtype, self.autocast_dtype
         if p is not None and a is not None and p != a:
             raise ValueError(
@@ -391,46 +247,37 @@ class PrecisionConfig:
         return self.param_dtype or self.autocast_dtype
 
 
-_LOSS_SCALE_RULES: dict[str, _Rule] = {
-    "initial_scale_power": _int_rule(0, 64),  # 2**64: fp16's whole range and more
-    "loss_scale": lambda value, where: _to_float(value, where, ge=0.0),
-    "loss_scale_window": _int_rule(1),
-    "hysteresis": _int_rule(1),
-    "min_loss_scale": lambda value, where: _to_float(value, where, gt=0.0),
-    "consecutive_hysteresis": _to_bool,
-    "max_consecutive_skips": _int_rule(1),
-}
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
-    """fp16 loss scaling. ``loss_scale`` 0 means dynamic scaling; a positive value is a static scale."""
+    """fp16 loss scaling. ``loss_scale`` 0 means dynamic scaling; a positive value is a static scale.
 
-    initial_scale_power: int = 16
-    loss_scale: float = 0.0
-    loss_scale_window: int = 1000
+    DeepSpeed writes these fields, under their own names, in its ``fp16`` block.
+    """
+
+    initial_scale_power: int = setting(16, int_rule(0, 64))  # 2**64: fp16's whole range and more
+    loss_scale: float = setting(0.0, float_rule(ge=0.0))
+    loss_scale_window: int = setting(1000, int_rule(1))
     # DeepSpeed's default hysteresis is 2 (tolerate one overflow before halving). Ours is 1:
     # halve the scale on every overflow, as torch.amp.GradScaler does. An explicit
     # ``hysteresis`` in a DeepSpeed file is honoured.
-    hysteresis: int = 1
-    min_loss_scale: float = 1.0
-    consecutive_hysteresis: bool = False
+    hysteresis: int = setting(1, int_rule(1))
+    min_loss_scale: float = setting(1.0, float_rule(gt=0.0))
+    consecutive_hysteresis: bool = setting(False, to_bool)
     # zero_strategy's: this many overflowing (skipped) steps in a row raise instead of training
     # on in silence; so does an overflow at min_loss_scale once the scale cannot fall further
-    max_consecutive_skips: int = 50
+    max_consecutive_skips: int = setting(50, int_rule(1))
 
     def __post_init__(self) -> None:
-        _coerce_fields(self, _LOSS_SCALE_RULES, "LossScaleConfig")
+        coerce_fields(self, "LossScaleConfig")
 
     @property
     def dynamic(self) -> bool:
         return self.loss_scale == 0.0
 
 
-def _nested_reader(
-    cls: type, rules: Mapping[str, _Rule], shorthand: str = "", scalars: tuple[type, ...] = (),
-    scalar: Callable[..., Any] | None = None,
-) -> Callable[..., Any]:
+def _nested(
+    cls: type, shorthand: str = "", scalars: tuple[type, ...] = (), scalar: Callable[..., Any] | None = None
+) -> Reader:
     """Reader for a sub-config field: an instance, None (defaults), a mapping, or a scalar of type
     ``scalars`` that sets field ``shorthand`` (``offload_optimizer="cpu"``) or is read by
     ``scalar(value, where=...)`` (``precision="bf16-mixed"``)."""
@@ -441,12 +288,12 @@ def _nested_reader(
         if value is None:
             return cls()
         if isinstance(value, Mapping):
-            return cls(**_read_block(value, where, source, rules))
+            return cls(**read_block(value, where, source, cls))
         if not isinstance(value, scalars) or isinstance(value, bool):
-            raise TypeError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}{_in(source)}")
+            raise TypeError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}{in_source(source)}")
         if scalar is not None:
-            return _apply(lambda v, w: scalar(v, where=w), value, where, source)
-        return cls(**{shorthand: _apply(rules[shorthand], value, where, source)})
+            return apply_rule(lambda v, w: scalar(v, where=w), value, where, source)
+        return cls(**{shorthand: settings_of(cls)[shorthand].metadata["read"](value, where, source)})
 
     return read
 
@@ -455,7 +302,7 @@ def _nested_reader(
 
 
 def _to_stage(value: Any, where: str) -> int:
-    stage = _to_int(value, where, minimum=None)
+    stage = to_int(value, where, minimum=None)
     if stage == 0:
         raise ValueError(
             f"{where}: stage 0 is plain data parallelism; use torch DDP "
@@ -466,37 +313,18 @@ def _to_stage(value: Any, where: str) -> int:
     return stage
 
 
-_ZERO_RULES: dict[str, _Rule] = {
-    "stage": _to_stage,
-    "reduce_bucket_size": _int_rule(1),
-    "allgather_bucket_size": _int_rule(1),
-    "overlap_comm": _to_bool,
-    "contiguous_gradients": _to_bool,
-    "reduce_scatter": _to_bool,
-    "allgather_partitions": _to_bool,
-    "stage3_max_live_parameters": _int_rule(0),
-    "stage3_max_reuse_distance": _int_rule(0),
-    "stage3_prefetch_bucket_size": _int_rule(0),
-    "stage3_param_persistence_threshold": _int_rule(0),
-    "stage3_gather_16bit_weights_on_model_save": _to_bool,
-    "sub_group_size": _int_rule(1),
-    "gradient_clipping": _optional(lambda value, where: _to_float(value, where, gt=0.0)),
-    "gradient_accumulation_steps": _optional(_int_rule(1)),
-    # None: the process group's own timeout; at most about 31 years (timedelta's range is larger)
-    "comm_timeout": _optional(lambda value, where: _to_float(value, where, gt=0.0, le=1e9)),
-    "prefetch": _int_rule(0),
-    "check_unit_order": _to_bool,
-    "collective_impl": lambda value, where: _to_choice(value, where, ("auto", "native", "p2p")),
-}
-_NESTED: dict[str, Callable[[Any, str, str | None], Any]] = {
-    "offload_optimizer": _nested_reader(OffloadConfig, _OFFLOAD_RULES, "device", (str,)),
-    "offload_param": _nested_reader(OffloadConfig, _OFFLOAD_RULES, "device", (str,)),
-    "precision": _nested_reader(PrecisionConfig, _PRECISION_RULES, scalar=PrecisionConfig.from_name, scalars=(str, torch.dtype, int)),
-    "loss_scale": _nested_reader(LossScaleConfig, _LOSS_SCALE_RULES),
-}
+def _ds_clip(value: Any, where: str) -> float | None:
+    """DeepSpeed's gradient_clipping: 0 is its default, "off", and is read as "not set"."""
+    clip = to_float(value, where, ge=0.0)
+    return None if clip == 0.0 else clip
 
 
-@dataclass(frozen=True)
+_ZO, _OWN, _TOP = "zero_optimization", "zero_strategy", ""  # DeepSpeed blocks ("": the top level)
+_OFFLOAD = _nested(OffloadConfig, "device", (str,))
+_COLLECTIVE_IMPLS = ("auto", "native", "p2p")
+
+
+@dataclasses.dataclass(frozen=True)
 class ZeroConfig:
     """Settings of the ZeRO engine. Field names follow DeepSpeed's ``zero_optimization`` keys.
 
@@ -508,38 +336,52 @@ class ZeroConfig:
     ``explicitly_set`` falls back to "differs from the default". For ``precision``, "set"
     means the training dtype was chosen (bf16/fp16 enabled); ``reduce_dtype`` alone does
     not count.
+
+    Each field's ``setting(default, rule, ds=block, ...)`` says where DeepSpeed writes it;
+    ``precision`` and ``loss_scale`` are read from DeepSpeed's ``bf16``/``fp16`` blocks and
+    ``communication_data_type`` (see ``_DeepSpeedReader._precision``).
     """
 
-    stage: int = 2
-    reduce_bucket_size: int = 4_000_000  # elements (16 MB fp32: gloo is fastest at or below ~32 MB)
-    allgather_bucket_size: int = 4_000_000  # elements
-    overlap_comm: bool = True
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    allgather_partitions: bool = True
-    offload_optimizer: OffloadConfig = OffloadConfig()
-    offload_param: OffloadConfig = OffloadConfig()
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    stage3_gather_16bit_weights_on_model_save: bool = False
-    sub_group_size: int = 1_000_000_000
-    precision: PrecisionConfig = PrecisionConfig()
-    loss_scale: LossScaleConfig = LossScaleConfig()
-    gradient_clipping: float | None = None
-    gradient_accumulation_steps: int | None = None
-    # zero_strategy's own knobs
-    comm_timeout: float | None = None  # seconds; None: the process group's own timeout
-    prefetch: int = 1  # units gathered ahead of use
-    check_unit_order: bool = True
-    collective_impl: str = "auto"
-    _explicit: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    stage: int = setting(2, _to_stage, ds=_ZO)
+    # elements (16 MB fp32: gloo is fastest at or below ~32 MB)
+    reduce_bucket_size: int = setting(4_000_000, int_rule(1), ds=_ZO)
+    allgather_bucket_size: int = setting(4_000_000, int_rule(1), ds=_ZO, not_applied=(
+        None, "bounds each parameter all-gather at ZeRO-1/2 (here each reduction bucket is gathered in one piece)"))
+    overlap_comm: bool = setting(True, to_bool, ds=_ZO)
+    contiguous_gradients: bool = setting(True, to_bool, ds=_ZO, not_applied=(
+        True, "false keeps gradients out of one contiguous buffer (here shards are always contiguous)"))
+    reduce_scatter: bool = setting(True, to_bool, ds=_ZO, not_applied=(
+        True, "false averages gradients with all-reduce (here they are always reduce-scattered)"))
+    allgather_partitions: bool = setting(True, to_bool, ds=_ZO, not_applied=(
+        True, "false broadcasts partitions instead of all-gathering them (here always all-gathered)"))
+    offload_optimizer: OffloadConfig = setting(OffloadConfig(), read=_OFFLOAD, ds=_ZO)
+    offload_param: OffloadConfig = setting(OffloadConfig(), read=_OFFLOAD, ds=_ZO)
+    stage3_max_live_parameters: int = setting(1_000_000_000, int_rule(0), ds=_ZO)
+    stage3_max_reuse_distance: int = setting(1_000_000_000, int_rule(0), ds=_ZO)
+    stage3_prefetch_bucket_size: int = setting(50_000_000, int_rule(0), ds=_ZO, not_applied=(
+        None, "bounds the bytes prefetched at ZeRO-3 (here `prefetch` whole units are gathered ahead)"))
+    stage3_param_persistence_threshold: int = setting(100_000, int_rule(0), ds=_ZO)
+    stage3_gather_16bit_weights_on_model_save: bool = setting(
+        False, to_bool, ds=_ZO, aliases=("stage3_gather_fp16_weights_on_model_save",), not_applied=(
+            False, "gathers 16-bit weights for save_16bit_model (here use zero_strategy.full_state_dict or "
+                   "export_full)"))
+    sub_group_size: int = setting(1_000_000_000, int_rule(1), ds=_ZO, not_applied=(
+        None, "steps the optimizer over sub-groups of this many elements (here one step over the rank's shard)"))
+    precision: PrecisionConfig = setting(PrecisionConfig(), read=_nested(
+        PrecisionConfig, scalar=PrecisionConfig.from_name, scalars=(str, torch.dtype, int)))
+    loss_scale: LossScaleConfig = setting(LossScaleConfig(), read=_nested(LossScaleConfig))
+    gradient_clipping: float | None = setting(None, optional(float_rule(gt=0.0)), ds=_TOP, ds_rule=_ds_clip)
+    gradient_accumulation_steps: int | None = setting(None, optional(int_rule(1)), ds=_TOP)
+    # zero_strategy's own knobs. comm_timeout: seconds; None: the process group's own timeout;
+    # at most about 31 years (timedelta's range is larger)
+    comm_timeout: float | None = setting(None, optional(float_rule(gt=0.0, le=1e9)), ds=_OWN)
+    prefetch: int = setting(1, int_rule(0), ds=_OWN)  # units gathered ahead of use
+    check_unit_order: bool = setting(True, to_bool, ds=_OWN)
+    collective_impl: str = setting("auto", lambda value, where: to_choice(value, where, _COLLECTIVE_IMPLS), ds=_OWN)
+    _explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _coerce_fields(self, _ZERO_RULES, "ZeroConfig")
-        for name, reader in _NESTED.items():
-            object.__setattr__(self, name, reader(getattr(self, name), f"ZeroConfig.{name}", None))
+        coerce_fields(self, "ZeroConfig")
         explicit = frozenset(self._explicit)
         unknown = sorted(explicit - set(_FIELD_NAMES))
         if unknown:
@@ -597,6 +439,7 @@ class ZeroConfig:
         text = file.read_text(encoding="utf-8")
         try:
             if suffix in (".yaml", ".yml"):
+                yaml = _yaml(source)
                 data = yaml.safe_load(text)
             elif suffix == ".json":
                 data = json.loads(text)
@@ -604,7 +447,7 @@ class ZeroConfig:
                 raise ValueError(
                     f"{source}: unsupported config file type {suffix or '(none)'!r}; use .yaml, .yml or .json"
                 )
-        except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        except (_yaml_error(), json.JSONDecodeError) as exc:
             raise ValueError(f"could not parse {source}: {exc}") from None
         if not isinstance(data, Mapping):
             got = "an empty file" if data is None else f"a {type(data).__name__}"
@@ -628,8 +471,9 @@ class ZeroConfig:
         )
 
 
-_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ZeroConfig) if f.name != "_explicit")
-_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+_SETTINGS: dict[str, dataclasses.Field] = settings_of(ZeroConfig)
+_FIELD_NAMES: tuple[str, ...] = tuple(_SETTINGS)
+_DEFAULTS: dict[str, Any] = {name: spec.default for name, spec in _SETTINGS.items()}
 
 
 def _check_field_name(name: str, error: type[Exception], caller: str) -> None:
@@ -640,29 +484,26 @@ def _check_field_name(name: str, error: type[Exception], caller: str) -> None:
     raise error(f"{caller}: unknown setting {name!r}; {hint}")
 
 
-def _read_field(name: str, raw: Any, where: str, source: str) -> Any:
-    if name in _NESTED:
-        return _NESTED[name](raw, where, source)
-    return _apply(_ZERO_RULES[name], raw, where, source)
-
-
 def _read_native(d: Mapping[str, Any], source: str) -> ZeroConfig:
-    values = {key: _read_field(key, raw, key, source) for key, raw in d.items() if not _is_auto(raw)}
+    values = {key: _SETTINGS[key].metadata["read"](raw, key, source) for key, raw in d.items() if not is_auto(raw)}
     return ZeroConfig(**values, _explicit=frozenset(values))
 
 
 # --------------------------------------------------------------------------- DeepSpeed reader
 
-# DeepSpeed zero_optimization key -> ZeroConfig field.
-_ZERO_BLOCK_KEYS: dict[str, str] = {
-    **{name: name for name in (
-        "stage", "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter",
-        "reduce_bucket_size", "contiguous_gradients", "offload_param", "offload_optimizer",
-        "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save", "sub_group_size",
-    )},
-    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-}  # fmt: skip
+
+def _ds_keys() -> dict[str, dict[str, str]]:
+    """DeepSpeed block ("": the top level) -> {key in that block: ZeroConfig field}, from the
+    fields' ``ds`` and ``aliases`` declarations."""
+    table: dict[str, dict[str, str]] = {_ZO: {}, _OWN: {}, _TOP: {}}
+    for name, spec in _SETTINGS.items():
+        block = spec.metadata["ds"]
+        if block is not None:
+            table[block].update(dict.fromkeys((name, *spec.metadata["aliases"]), name))
+    return table
+
+
+_DS_KEYS = _ds_keys()
 _ZERO_BLOCK_LEGACY = ("cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")  # read by _zero_block
 _ZERO_BLOCK_IGNORED = (
     "round_robin_gradients", "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
@@ -672,11 +513,12 @@ _ZERO_BLOCK_IGNORED = (
     "log_trace_cache_warnings",
     "legacy_stage1", "pipeline_loading_checkpoint", "override_module_apply", "use_all_reduce_for_fetch_params",
 )  # fmt: skip
+# Where DeepSpeed (and zero_strategy's own block) write the gradient reduction dtype: read by _precision.
+_REDUCE_DTYPE_KEYS = ((_TOP, "communication_data_type"), (_OWN, "reduce_dtype"))
 _BF16_KEYS = ("enabled",)
 _BF16_IGNORED = ("immediate_grad_update", "check_grad_overflow")
-_FP16_KEYS = ("enabled", *_LOSS_SCALE_RULES)
+_FP16_KEYS = ("enabled", *settings_of(LossScaleConfig))
 _FP16_IGNORED = ("auto_cast", "fp16_master_weights_and_grads")
-_OWN_BLOCK_KEYS = ("comm_timeout", "prefetch", "check_unit_order", "collective_impl", "reduce_dtype")
 # Top-level keys owned by the training loop or front-end: accepted, ignored, reported.
 _FRONTEND_KEYS = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "steps_per_print", "wall_clock_breakdown",
@@ -686,17 +528,10 @@ _FRONTEND_KEYS = (
     "checkpoint", "aio", "compression_training", "data_efficiency", "elasticity", "autotuning",
     "seq_parallel_communication_data_type",
 )  # fmt: skip
-_TOP_KEYS = (
-    "zero_optimization", "bf16", "fp16", "communication_data_type",
-    "gradient_clipping", "gradient_accumulation_steps", "zero_strategy",
+_DS_TOP_KEYS = frozenset(
+    [*(block for block in _DS_KEYS if block), *_DS_KEYS[_TOP], "bf16", "fp16",
+     *(key for block, key in _REDUCE_DTYPE_KEYS if block == _TOP), *_FRONTEND_KEYS]
 )  # fmt: skip
-_DS_TOP_KEYS = frozenset(_TOP_KEYS) | frozenset(_FRONTEND_KEYS)
-
-
-def _ds_clip(value: Any, where: str) -> float | None:
-    """DeepSpeed's gradient_clipping: 0 is its default, "off", and is read as "not set"."""
-    clip = _to_float(value, where, ge=0.0)
-    return None if clip == 0.0 else clip
 
 
 class _DeepSpeedReader:
@@ -716,30 +551,28 @@ class _DeepSpeedReader:
             )
         self.values[name], self.where[name] = value, where
 
-    def leaf(self, block: Mapping[str, Any], key: str, path: str, rule: _Rule) -> Any:
+    def leaf(self, block: Mapping[str, Any], key: str, path: str, rule: Rule) -> Any:
         """The coerced value of ``block[key]``, or None when it is missing or "auto"."""
         raw = block.get(key)
-        if raw is None or _is_auto(raw):
+        if raw is None or is_auto(raw):
             return None
-        return _apply(rule, raw, f"{path}.{key}" if path else key, self.source)
+        return apply_rule(rule, raw, f"{path}.{key}" if path else key, self.source)
 
     def block(self, d: Mapping[str, Any], key: str, valid: Iterable[str], ignored: Iterable[str] = ()) -> Mapping:
         raw = d.get(key)
-        if raw is None or _is_auto(raw):
+        if raw is None or is_auto(raw):
             return {}
-        self.ignored += _check_keys(raw, key, self.source, valid, ignored)
+        self.ignored += check_keys(raw, key, self.source, valid, ignored)
         return raw
 
     def read(self, d: Mapping[str, Any]) -> ZeroConfig:
-        moved = {key: f"zero_optimization.{key}" for key in _ZERO_BLOCK_KEYS}
-        frontend = _check_keys(d, "", self.source, _DS_TOP_KEYS, _FRONTEND_KEYS, moved=moved)
-        self._zero_block(self.block(d, "zero_optimization", (*_ZERO_BLOCK_KEYS, *_ZERO_BLOCK_LEGACY), _ZERO_BLOCK_IGNORED))
-        own = self.block(d, "zero_strategy", _OWN_BLOCK_KEYS)
-        for key in _OWN_BLOCK_KEYS:
-            if key != "reduce_dtype":
-                self.put_leaf(own, key, "zero_strategy", _ZERO_RULES[key])
-        self.put_leaf(d, "gradient_accumulation_steps", "", _ZERO_RULES["gradient_accumulation_steps"])
-        self.put_leaf(d, "gradient_clipping", "", _ds_clip)
+        moved = {key: f"{_ZO}.{key}" for key in _DS_KEYS[_ZO]}
+        frontend = check_keys(d, "", self.source, _DS_TOP_KEYS, _FRONTEND_KEYS, moved=moved)
+        zero = self.block(d, _ZO, (*_DS_KEYS[_ZO], *_ZERO_BLOCK_LEGACY), _ZERO_BLOCK_IGNORED)
+        self._legacy_offload(zero)
+        own = self.block(d, _OWN, (*_DS_KEYS[_OWN], *(key for block, key in _REDUCE_DTYPE_KEYS if block == _OWN)))
+        for path, block in ((_ZO, zero), (_OWN, own), (_TOP, d)):
+            self.put_fields(block, path)
         precision = self._precision(d, own)  # may set loss_scale
         explicit = set(self.values)
         if precision is not None:
@@ -750,39 +583,42 @@ class _DeepSpeedReader:
         self._warn(frontend)
         return cfg
 
-    def put_leaf(self, block: Mapping[str, Any], key: str, path: str, rule: _Rule) -> None:
-        """Set field ``key`` from ``block[key]`` unless it is missing or "auto"."""
-        value = self.leaf(block, key, path, rule)
-        if value is not None:
-            self.put(key, value, f"{path}.{key}" if path else key)
+    def put_fields(self, block: Mapping[str, Any], path: str) -> None:
+        """Set the ZeroConfig fields that DeepSpeed block ``path`` holds, skipping missing and "auto" ones."""
+        table = _DS_KEYS[path]
+        for key, raw in block.items():
+            name = table.get(key)
+            if name is None or raw is None or is_auto(raw):
+                continue
+            where = f"{path}.{key}" if path else key
+            value = _SETTINGS[name].metadata["ds_read"](raw, where, self.source)
+            if value is not None:  # e.g. gradient_clipping 0: DeepSpeed's "off"
+                self.put(name, value, where)
 
-    def _zero_block(self, block: Mapping[str, Any]) -> None:
+    def _legacy_offload(self, block: Mapping[str, Any]) -> None:
         # DeepSpeed's legacy switches: offload to the CPU (refused at initialize until offload exists)
         for key, name in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
-            if self.leaf(block, key, "zero_optimization", _to_bool):
-                pin = self.leaf(block, "cpu_offload_use_pin_memory", "zero_optimization", _to_bool)
-                self.put(name, OffloadConfig(device="cpu", pin_memory=bool(pin)), f"zero_optimization.{key}")
-        for key, raw in block.items():
-            name = _ZERO_BLOCK_KEYS.get(key)
-            if name is None or raw is None or _is_auto(raw):
-                continue
-            where = f"zero_optimization.{key}"
-            self.put(name, _read_field(name, raw, where, self.source), where)
+            if self.leaf(block, key, _ZO, to_bool):
+                pin = self.leaf(block, "cpu_offload_use_pin_memory", _ZO, to_bool)
+                self.put(name, OffloadConfig(device="cpu", pin_memory=bool(pin)), f"{_ZO}.{key}")
 
     def _precision(self, d: Mapping[str, Any], own: Mapping[str, Any]) -> PrecisionConfig | None:
         bf16 = self.block(d, "bf16", _BF16_KEYS, _BF16_IGNORED)
         fp16 = self.block(d, "fp16", _FP16_KEYS, _FP16_IGNORED)
-        bf16_on = self.leaf(bf16, "enabled", "bf16", _to_bool) is True
-        fp16_on = self.leaf(fp16, "enabled", "fp16", _to_bool) is True
+        bf16_on = self.leaf(bf16, "enabled", "bf16", to_bool) is True
+        fp16_on = self.leaf(fp16, "enabled", "fp16", to_bool) is True
         if bf16_on and fp16_on:
             raise ValueError(f"bf16.enabled and fp16.enabled are both true in {self.source}; enable at most one")
-        scale = {key: self.leaf(fp16, key, "fp16", rule) for key, rule in _LOSS_SCALE_RULES.items()}
-        scale = {key: value for key, value in scale.items() if value is not None}
+        scale = {}
+        for key, spec in settings_of(LossScaleConfig).items():
+            raw = fp16.get(key)
+            if raw is not None and not is_auto(raw):
+                scale[key] = spec.metadata["read"](raw, f"fp16.{key}", self.source)
         if scale:
             self.put("loss_scale", LossScaleConfig(**scale), "fp16")
         reduce = {}
-        for block, key, path in ((d, "communication_data_type", ""), (own, "reduce_dtype", "zero_strategy")):
-            value = self.leaf(block, key, path, _to_reduce_dtype)
+        for path, key in _REDUCE_DTYPE_KEYS:
+            value = self.leaf(own if path else d, key, path, _to_reduce_dtype)
             if value is not None:
                 reduce[f"{path}.{key}" if path else key] = value
         if len(set(reduce.values())) > 1:
@@ -811,17 +647,15 @@ class _DeepSpeedReader:
 # --------------------------------------------------------------------------- engine-facing helpers
 
 
-# Settings read with DeepSpeed's names but not acted on: the value that would change nothing
-# here (None: any explicit value is reported), and what DeepSpeed does with the setting.
-_NOT_APPLIED: dict[str, tuple[Any, str]] = {
-    "allgather_bucket_size": (None, "bounds each parameter all-gather at ZeRO-1/2 (here each reduction bucket is gathered in one piece)"),
-    "stage3_prefetch_bucket_size": (None, "bounds the bytes prefetched at ZeRO-3 (here `prefetch` whole units are gathered ahead)"),
-    "sub_group_size": (None, "steps the optimizer over sub-groups of this many elements (here one step over the rank's shard)"),
-    "reduce_scatter": (True, "false averages gradients with all-reduce (here they are always reduce-scattered)"),
-    "allgather_partitions": (True, "false broadcasts partitions instead of all-gathering them (here always all-gathered)"),
-    "contiguous_gradients": (True, "false keeps gradients out of one contiguous buffer (here shards are always contiguous)"),
-    "stage3_gather_16bit_weights_on_model_save": (False, "gathers 16-bit weights for save_16bit_model (here use zero_strategy.full_state_dict or export_full)"),
-}
+# Settings read with DeepSpeed's names but not acted on (their ``not_applied`` declarations):
+# name -> (the value that would change nothing here, None: any explicit value is reported; what
+# DeepSpeed does with it). Those without a neutral value come first, each group in field order.
+_NOT_APPLIED: dict[str, tuple[Any, str]] = dict(
+    sorted(
+        ((name, spec.metadata["not_applied"]) for name, spec in _SETTINGS.items() if spec.metadata["not_applied"]),
+        key=lambda item: item[1][0] is not None,
+    )
+)
 
 
 def not_applied_settings(cfg: ZeroConfig) -> list[str]:
@@ -893,3 +727,20 @@ def resolve_overrides(cfg: ZeroConfig, *, source: str, **explicit: Any) -> ZeroC
             )
         changes[name] = applied
     return cfg.replace(**changes) if changes else cfg
+
+
+def _yaml(source: str) -> Any:
+    """PyYAML, imported when a YAML file is read (the core imports with torch alone)."""
+    try:
+        import yaml
+    except ImportError:
+        raise ImportError(f"reading {source} needs PyYAML: pip install pyyaml (or give the config as .json)") from None
+    return yaml
+
+
+def _yaml_error() -> type[Exception]:
+    try:
+        import yaml
+    except ImportError:
+        return json.JSONDecodeError  # no YAML was parsed
+    return yaml.YAMLError

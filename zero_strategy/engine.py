@@ -1,8 +1,12 @@
 """The engine behind ``zero_strategy.initialize``: one per model.
 
-It owns the communication context, the shard groups (parameters, master pieces, gradient
-shards), the gradient reducer and the precision policy, and drives them from module hooks and
-optimizer step hooks. States are explicit and every transition checks where it starts from.
+It owns the communication context, the parameter storage (full parameters at ZeRO-1/2, unit
+rows at ZeRO-3), the shard groups, the gradient reducer, the precision policy and every hook:
+module hooks around the model's forward (and each unit's at ZeRO-3), tensor hooks where
+gradients reach a unit, post-accumulate-grad hooks (ZeRO-2) and the end-of-backward callback.
+Layers below it never see the engine: it calls their lifecycle methods (``GradReducer``,
+``UnitScheduler``, ``ParamStorage``) and pushes settings down. States are explicit enums that
+change in one method each, which checks the state they leave.
 
 What ``p.grad`` holds (``p`` a model parameter):
 
@@ -13,17 +17,15 @@ What ``p.grad`` holds (``p`` a model parameter):
 - Both: this rank's averaged gradient pieces are the ``.grad`` of the optimizer's master
   pieces after ``clip_grad_norm_`` or during ``step()``. ``zero_strategy.full_grad(model, p)``
   returns the full averaged gradient (a collective: call it on every rank).
+- Without an optimizer (``initialize(model, None)``) at ZeRO-1/2: DDP's full averaged gradient.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import socket
 import warnings
 import weakref
-import zlib
 from typing import Any, Callable, Iterator
 
 import torch
@@ -34,29 +36,38 @@ from torch.utils._pytree import tree_flatten
 from zero_strategy import collectives as C
 from zero_strategy._swap import swap_class, unswap_class
 from zero_strategy.config import ZeroConfig, not_applied_settings, unsupported_features
-from zero_strategy.init import check_placeholder, forget_pieces, is_placeholder, materialize_full, sharded_init_piece
+from zero_strategy.construction import materialize_full
 from zero_strategy.grads import AllReduceAtEnd, GradReducer, GradSchedule, ReduceAtStep, ReduceAtUnitEnd, ReduceInBackward
-from zero_strategy.group import InPlaceMasters, SeparateMasters, ShardGroup, build_groups
+from zero_strategy.group import GroupSpec, InPlaceMasters, SeparateMasters, ShardGroup, build_groups
 from zero_strategy.partition import UnitPolicy, find_units
-from zero_strategy.unit import ReplicatedParams, ShardedParams, refresh_masters
+from zero_strategy.pieces import check_placeholder, forget_pieces, is_placeholder, sharded_init_piece
 from zero_strategy.precision import select_precision, select_scaler
-from zero_strategy.states import GradState, TrainingState
-from zero_strategy.zero3 import Zero3Hooks
+from zero_strategy.setup_checks import agree_on_setup, check_params, refuse_norm_layers_with_running_stats
+from zero_strategy.states import GRAD_TRANSITIONS, TRAINING_TRANSITIONS, GradState, TrainingState, check_transition
+from zero_strategy.unit import ParamStorage, ReplicatedParams, ShardedParams, UnitStorage, refresh_masters
+from zero_strategy.zero3 import UnitScheduler, Zero3Settings
 
 __all__ = ["GradState", "TrainingState", "ZeroEngine", "ZeroModule", "get_engine", "live_engines", "persistent_buffers"]
 
-
-
-
 _LIVE: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
 _WARNED: set[str] = set()
-
 
 def live_engines() -> list["ZeroEngine"]:
     return list(_LIVE)
 
 
+def _call_weakly(ref: "weakref.ref[ZeroEngine]", method: str, *args: Any) -> None:
+    engine = ref()
+    if engine is not None:
+        getattr(engine, method)(*args)
+
+
 class ZeroEngine:
+    optimizer: torch.optim.Optimizer | None  # the bound optimizer (set_optimizer), None: model only
+    params: ParamStorage
+    groups: list[ShardGroup]  # the optimizer's shard groups (ZeRO-3: one per unit with trainable parameters)
+    zero3: UnitScheduler | None  # ZeRO-3's unit lifecycle, None at ZeRO-1/2
+
     def __init__(self, module: nn.Module, config: ZeroConfig, process_group: Any = None, policy: UnitPolicy = None) -> None:
         for message in not_applied_settings(config):
             if message not in _WARNED:  # once per setting and process
@@ -76,7 +87,7 @@ class ZeroEngine:
         )
         self.precision = select_precision(config.precision)
         self.scaler = select_scaler(config.loss_scale, self.precision, explicit=config.explicitly_set("loss_scale"))
-        self.optimizer: torch.optim.Optimizer | None = None  # set by set_optimizer (initialize binds it)
+        self.optimizer = None
         self.training_state = TrainingState.IDLE
         self.grad_state = GradState.EMPTY
         self.step_count = 0
@@ -86,13 +97,13 @@ class ZeroEngine:
         self._backward_sync = False
         self._sync_buffers_next = True
         self._root_depth = 0  # nesting of calls of the root module (only the outermost one acts)
-        self._backward_callback_queued = False
         self._clipped_with: float | None = None
         self._skip_step = False
         self.last_step_skipped = False
         self._loss_scaled = False  # fp16: was a scaled loss backpropagated in this window?
         self.destroyed = False
         self._hooks: list[Any] = []
+        self._schedule_hooks: list[Any] = []
         self._on_destroy: list[Callable[[], None]] = []
         if config.gradient_accumulation_steps not in (None, 1):
             warnings.warn(
@@ -105,47 +116,10 @@ class ZeroEngine:
 
         named = _unique_named_parameters(module)
         self._names = {id(p): n for n, p in named}
-        _check_params(named, self.ctx)
-        _agree_on_setup(self.ctx, config, named)
-        built_sharded = [p for _, p in named if sharded_init_piece(p) is not None]
-        for n, p in named:
-            if sharded_init_piece(p) is not None:
-                check_placeholder(p.data, n)
-        if config.stage != 3:  # ZeRO-1/2 keep full parameters: gather what sharded_init cut
-            for p in built_sharded:
-                materialize_full(p)
-        full_params = [p.detach() for _, p in named if sharded_init_piece(p) is None]
-        C.broadcast_coalesced(self.ctx, full_params + list(module.buffers()), what="initial module state")
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        if self.precision.low_params:
-            _refuse_norm_layers_with_running_stats(module, config)
-        self.params: ReplicatedParams | ShardedParams
-        if config.stage == 3:
-            plan = find_units(module, policy)
-            units, self.unit_rule = plan.units, plan.rule
-            # each unit's rows hold this rank's pieces; the fp32 masters are views of them
-            self.params = ShardedParams(
-                module, units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold
-            )
-            self.groups: list[ShardGroup] = self.params.groups
-            forget_pieces(built_sharded)  # their pieces live in the unit rows now
-        else:
-            self.unit_rule = "size buckets"
-            self.groups = build_groups(
-                list(reversed(trainable)),
-                bucket_numel=config.reduce_bucket_size,
-                world_size=self.ctx.world_size,
-                rank=self.ctx.rank,
-                master_dtype_for=self.precision.master_dtype_for,
-                reduce_dtype_for=self.precision.grad_reduce_dtype,
-                master_policy=SeparateMasters() if self.precision.low_params else InPlaceMasters(),
-            )
-            with torch.no_grad():  # 16-bit parameters, after the fp32 masters were taken from them
-                for _, p in named:
-                    target = self.precision.param_dtype_for(p)
-                    if p.dtype != target:
-                        p.data = p.data.to(target)
-            self.params = ReplicatedParams()
+        owned = {pid: type(e.module).__name__ for e in list(_LIVE) for pid in e._names}
+        check_params(named, self.ctx, owned)
+        agree_on_setup(self.ctx, config, named)
+        self._build(named, policy)
         self._master: dict[int, torch.Tensor] = {}
         for g in self.groups:
             for p, m in zip(g.params, g.masters):
@@ -155,13 +129,59 @@ class ZeroEngine:
             self.ctx,
             max_in_flight=2 if config.overlap_comm else 0,
             grad_factor=lambda: 1.0 / (self.ctx.world_size * self.scaler.scale),
-            describe_step=lambda: f"step {self.step_count}",
+            describe_step=self._step_label,
         )
-        self.zero3 = Zero3Hooks(self, plan) if config.stage == 3 else None
-        self._schedule_hooks: list[Any] = []
+        if isinstance(self.params, ShardedParams):
+            settings = Zero3Settings(
+                prefetch=config.prefetch,
+                max_live_parameters=config.stage3_max_live_parameters,
+                max_reuse_distance=config.stage3_max_reuse_distance,
+                check_unit_order=config.check_unit_order,
+            )
+            self.zero3 = UnitScheduler(self.params, self._plan, self.reducer, settings)
+        else:
+            self.zero3 = None
         self.schedule: GradSchedule = self._schedule_for(None)
         self._install_hooks()
         _LIVE.add(self)
+
+    def _build(self, named: list[tuple[str, nn.Parameter]], policy: UnitPolicy) -> None:
+        """The parameter storage and the shard groups: at ZeRO-3 each unit's rows hold this
+        rank's pieces and the masters are views of them; at ZeRO-1/2 the groups are size buckets
+        and the masters are views of the parameters (or fp32 copies for 16-bit parameters)."""
+        config, module = self.config, self.module
+        built_sharded = [p for _, p in named if sharded_init_piece(p) is not None]
+        for n, p in named:
+            if sharded_init_piece(p) is not None:
+                check_placeholder(p.data, n)
+        if config.stage != 3:  # ZeRO-1/2 keep full parameters: gather what sharded_init cut
+            for p in built_sharded:
+                materialize_full(p)
+        full_params = [p.detach() for _, p in named if sharded_init_piece(p) is None]
+        C.broadcast_coalesced(self.ctx, full_params + list(module.buffers()), what="initial module state")
+        if self.precision.low_params:
+            refuse_norm_layers_with_running_stats(module, config)
+        if config.stage == 3:
+            self._plan = find_units(module, policy)
+            storage = ShardedParams(module, self._plan.units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold)
+            self.params, self.groups = storage, storage.groups
+            forget_pieces(built_sharded)  # their pieces live in the unit rows now
+            return
+        spec = GroupSpec(
+            world_size=self.ctx.world_size,
+            rank=self.ctx.rank,
+            master_dtype_for=self.precision.master_dtype_for,
+            reduce_dtype_for=self.precision.grad_reduce_dtype,
+            master_policy=SeparateMasters() if self.precision.low_params else InPlaceMasters(),
+        )
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        self.groups = build_groups(list(reversed(trainable)), spec, bucket_numel=config.reduce_bucket_size)
+        with torch.no_grad():  # 16-bit parameters, after the fp32 masters were taken from them
+            for _, p in named:
+                target = self.precision.param_dtype_for(p)
+                if p.dtype != target:
+                    p.data = p.data.to(target)
+        self.params = ReplicatedParams(self.ctx, self.groups, [p for _, p in named], max_in_flight=2 if config.overlap_comm else 0)
 
     def _schedule_for(self, optimizer: torch.optim.Optimizer | None) -> GradSchedule:
         if self.config.stage == 3:
@@ -173,16 +193,39 @@ class ZeroEngine:
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Bind (or, with None, drop) the optimizer whose masters this engine feeds; the
         gradient schedule follows (without an optimizer ZeRO-1/2 reduce full gradients)."""
-        if self.training_state is not TrainingState.IDLE:
-            raise RuntimeError(f"set_optimizer() during {self.training_state.name.lower()}; call it between steps")
+        self._expect_idle("set_optimizer()", "call it between steps")
         self.zero_grad(set_to_none=True)
         for h in self._schedule_hooks:
             h.remove()
         self.optimizer = optimizer
         self.schedule = self._schedule_for(optimizer)
-        self._schedule_hooks = list(self.schedule.install(self))
+        self._schedule_hooks = self._install_schedule_hooks()
 
-    # -- queries -------------------------------------------------------------------------
+    # -- states ----------------------------------------------------------------------------
+    def _set_training(self, new: TrainingState, what: str) -> None:
+        """The one place the training state changes, from the states it may leave."""
+        where = f"rank {self.ctx.rank}: {what} ({self._step_label()})"
+        self.training_state = check_transition(TRAINING_TRANSITIONS, self.training_state, new, where)
+
+    def _set_grad(self, new: GradState, what: str) -> None:
+        """The one place the gradient state changes, from the states it may leave."""
+        where = f"rank {self.ctx.rank}: {what} ({self._step_label()}), for the gradients,"
+        self.grad_state = check_transition(GRAD_TRANSITIONS, self.grad_state, new, where)
+
+    def _expect_idle(self, call: str, fix: str, *, forward_ok: bool = False) -> None:
+        """Calls that only make sense between steps refuse to run inside backward, and (unless
+        ``forward_ok``) inside forward. Lightning's manual optimization steps inside the
+        forward it redirects to ``training_step``, after a backward that ended there."""
+        if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
+            self._abort_backward()  # the last backward raised before its end: nothing runs now
+        allowed = (TrainingState.IDLE, TrainingState.FORWARD) if forward_ok else (TrainingState.IDLE,)
+        if self.training_state not in allowed:
+            raise RuntimeError(f"{call} during {self.training_state.name.lower()} ({self._step_label()}); {fix}")
+
+    def _step_label(self) -> str:
+        return f"step {self.step_count}"
+
+    # -- queries ---------------------------------------------------------------------------
     def param_names(self) -> dict[int, str]:
         return self._names
 
@@ -200,30 +243,32 @@ class ZeroEngine:
         lo, hi = g.layout.local_range(i)
         return value.detach().reshape(-1)[lo:hi].clone()
 
-    def _check_state(self, what: str, *allowed: GradState) -> None:
-        current = self.grad_state
-        if current not in allowed:
-            raise AssertionError(
-                f"rank {self.ctx.rank}: {what} needs state {' or '.join(a.name for a in allowed)}, "
-                f"but the engine is in {current.name} (step {self.step_count})"
-            )
-
-    # -- hooks ---------------------------------------------------------------------------
+    # -- hooks (all of them registered here) --------------------------------------------------
     def _install_hooks(self) -> None:
         m = self.module
         self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
         self._hooks.append(m.register_forward_hook(self._post_forward, always_call=True))
-        self._schedule_hooks = list(self.schedule.install(self))
+        self._schedule_hooks = self._install_schedule_hooks()
         if self.zero3 is not None:
-            self._hooks.extend(self.zero3.install())
+            for module, u in self.zero3.module_units:
+                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, u)))
+                self._hooks.append(module.register_forward_hook(functools.partial(self._unit_post_forward, u)))
             self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
-            sharded = {id(p) for u in self.params.units for p in u.params}  # type: ignore[union-attr]
+            sharded = {id(p) for u in self.zero3.all_units for p in u.params}
             for sub in m.modules():
                 local = [n for n, p in sub._parameters.items() if p is not None and id(p) in sharded]
                 if local:
                     self._hooks.append(sub._register_state_dict_hook(functools.partial(self._refuse_sharded_state_dict, local)))
         else:  # masters that are not views of the parameters must follow a load
             self._hooks.append(m.register_load_state_dict_post_hook(lambda mod, incompatible: self._refresh_masters()))
+
+    def _install_schedule_hooks(self) -> list[Any]:
+        if not self.schedule.reduces_when_ready:
+            return []
+        # The hook lives in C++ on the parameter, where the garbage collector cannot see a cycle
+        # through it: it holds the engine weakly, so a dropped model frees its engine.
+        hook = functools.partial(_call_weakly, weakref.ref(self), "on_grad_accumulated")
+        return [p.register_post_accumulate_grad_hook(hook) for g in self.groups for p in g.params]
 
     def _refuse_load_state_dict(self, *args: Any) -> None:
         raise RuntimeError(
@@ -256,7 +301,7 @@ class ZeroEngine:
         an exception only local state is put back: no collective, the other ranks may be anywhere
         (and a KeyboardInterrupt skips the forward hooks, which reset the training state)."""
         if not ok and self.training_state is TrainingState.FORWARD:
-            self.training_state = TrainingState.IDLE
+            self._set_training(TrainingState.IDLE, "a forward that raised")
         if self.zero3 is not None:
             self.zero3.root_post_forward(ok=ok)
 
@@ -279,13 +324,13 @@ class ZeroEngine:
         if self._sync_buffers_next and module.training:
             buffers = list(module.buffers())
             if buffers:  # like DDP's broadcast_buffers: rank 0's buffers win
-                C.broadcast_coalesced(self.ctx, buffers, what=f"module buffers (step {self.step_count})")
-        if self.training_state is TrainingState.IDLE:
-            self.training_state = TrainingState.FORWARD
+                C.broadcast_coalesced(self.ctx, buffers, what=f"module buffers ({self._step_label()})")
+        if self.training_state is TrainingState.IDLE:  # (inside a running backward: a recomputation)
+            self._set_training(TrainingState.FORWARD, "forward")
         if torch.is_grad_enabled() and self._sync:
             self._backward_sync = True  # the backward of this forward reduces (DDP's rule)
         if self.zero3 is not None:
-            self.zero3.root_pre_forward()
+            self.zero3.root_pre_forward(training=module.training)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._root_depth > 1:
@@ -293,13 +338,28 @@ class ZeroEngine:
         # As DDP: buffers are broadcast before a forward that follows a synced training forward.
         self._sync_buffers_next = torch.is_grad_enabled() and self._sync
         if self.training_state is TrainingState.FORWARD:
-            self.training_state = TrainingState.IDLE
+            self._set_training(TrainingState.IDLE, "the end of forward")
         if not torch.is_grad_enabled():
             return output
         for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._on_output_grad)
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._on_output_grad)
         return output
+
+    def _unit_pre_forward(self, u: UnitStorage, module: nn.Module, args: Any) -> None:
+        self.zero3.pre_forward(u)  # type: ignore[union-attr]  # registered at ZeRO-3 only
+
+    def _unit_post_forward(self, u: UnitStorage, module: nn.Module, args: Any, output: Any) -> Any:
+        self.zero3.post_forward(u)  # type: ignore[union-attr]  # registered at ZeRO-3 only
+        if torch.is_grad_enabled():  # gradients reaching an output start the unit's backward
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(self._unit_pre_backward, u))
+        return output
+
+    def _unit_pre_backward(self, u: UnitStorage, grad: torch.Tensor) -> None:
+        self._queue_end_of_backward()
+        self.zero3.pre_backward(u)  # type: ignore[union-attr]  # registered at ZeRO-3 only
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._queue_end_of_backward()
@@ -307,15 +367,16 @@ class ZeroEngine:
     def _queue_end_of_backward(self) -> None:
         """The first hook of a backward: gradients are coming (only a backward moves the
         gradient state, so a forward after ``clip_grad_norm_`` does not reopen it)."""
-        if not self._backward_callback_queued:
-            self._backward_callback_queued = True
-            self.training_state = TrainingState.BACKWARD
-            self.grad_state = GradState.ACCUMULATING
-            Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.training_state is TrainingState.BACKWARD:
+            return  # queued already
+        self._set_training(TrainingState.BACKWARD, "backward")
+        self._set_grad(GradState.ACCUMULATING, "backward")
+        if self.zero3 is not None:
+            self.zero3.backward_started(sync=self._backward_sync)
+        Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _abort_backward(self) -> None:
-        self._backward_callback_queued = False
-        self.training_state = TrainingState.IDLE
+        self._set_training(TrainingState.IDLE, "a backward that raised")
         self.reducer.abort_backward()
         if self.zero3 is not None:
             self.zero3.abort_backward()
@@ -335,10 +396,11 @@ class ZeroEngine:
         self._backward_sync = True
 
     def _end_of_backward(self) -> None:
-        self._backward_callback_queued = False
-        self.training_state = TrainingState.IDLE
+        self._set_training(TrainingState.IDLE, "the end of backward")
         sync = self._backward_sync
-        self.schedule.end_of_backward(self, sync=sync)
+        self.schedule.end_of_backward(self.reducer, sync=sync)
+        if self.zero3 is not None:
+            self.zero3.end_of_backward()
         if sync:
             self._backward_sync = False  # until a forward outside no_sync() (or sync_next_backward)
 
@@ -356,7 +418,7 @@ class ZeroEngine:
             self._sync = prev
 
     def _need_optimizer(self, call: str) -> None:
-        if isinstance(self.schedule, AllReduceAtEnd):
+        if self.schedule.full_grads:
             raise RuntimeError(
                 f"{call}: this model was set up without an optimizer (initialize(model, None)), so there are no "
                 "gradient shards to work on; at ZeRO-1/2 p.grad holds the full averaged gradient (use "
@@ -368,6 +430,8 @@ class ZeroEngine:
         if self.grad_state is GradState.FINAL:
             return
         self._need_optimizer("finalize_grads()")
+        self._expect_idle("finalizing the gradients (clip_grad_norm_, optimizer.step(), full_grad)",
+                          "call it after loss.backward() returns", forward_ok=True)  # fmt: skip
         unmanaged = [n for n, p in self.module.named_parameters() if p.grad is not None and not self.reducer.manages(p)]
         if unmanaged:
             raise RuntimeError(
@@ -379,23 +443,8 @@ class ZeroEngine:
                 "fp16 training needs a scaled loss: gradients are unscaled by the loss scale, so call "
                 "zero_strategy.backward(loss) or optimizer.scale_loss(loss).backward() instead of loss.backward()"
             )
-        used = self.reducer.finalize()
-        k = 0
-        for g in self.groups:
-            views = g.master_grad_views()
-            for m, v in zip(g.masters, views):
-                m.grad = v if bool(used[k]) and g.grad_valid else None
-                k += 1
-        self._skip_step = False
-        if self.scaler.enabled:
-            local_bad = any(not bool(torch.isfinite(g.grad_shard).all()) for g in self.groups if g.grad_valid)
-            flag = torch.tensor([1 if local_bad else 0], dtype=torch.int32, device=self.ctx.device)
-            C.all_reduce(self.ctx, flag, op="max", what=f"overflow check (step {self.step_count})").wait()
-            self._skip_step = bool(flag.item())
-        self.grad_state = GradState.FINAL
-
-    def _master_grads(self) -> list[torch.Tensor]:
-        return [m.grad for g in self.groups for m in g.masters if m.grad is not None]
+        self._skip_step = self.reducer.finish(check_overflow=self.scaler.enabled)
+        self._set_grad(GradState.FINAL, "finalize_grads()")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _from_config: bool = False) -> torch.Tensor:
         cfg_clip = self.config.gradient_clipping
@@ -406,51 +455,25 @@ class ZeroEngine:
                 "clip_grad_norm_ with the same value)"
             )
         self.finalize_grads()
-        grads = self._master_grads()
-        norm_type = float(norm_type)
-        if norm_type <= 0:
-            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): use a positive p-norm or float('inf')")
-        dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-        dev = self.ctx.device
-        if norm_type == float("inf"):
-            local = max((g.abs().max().to(dtype) for g in grads if g.numel()), default=torch.zeros((), dtype=dtype, device=dev))
-            total = local.reshape(1).clone()
-            C.all_reduce(self.ctx, total, op="max", what=f"gradient norm (step {self.step_count})").wait()
-            total = total[0]
-        else:
-            local = torch.zeros((), dtype=dtype, device=dev)
-            for g in grads:
-                local += torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
-            total = local.reshape(1).clone()
-            C.all_reduce(self.ctx, total, op="sum", what=f"gradient norm (step {self.step_count})").wait()
-            total = total[0] ** (1.0 / norm_type)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0 and grads and bool(torch.isfinite(total)):
-            torch._foreach_mul_(grads, coef)
+        total = self.reducer.clip_grad_norm_(max_norm, norm_type)
         self._clipped_with = float(max_norm)
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp every gradient element to ``[-clip_value, clip_value]`` (element-wise, so the
-        shards give DDP's result without communication beyond finishing the reduction)."""
+        """Clamp every gradient element to ``[-clip_value, clip_value]``."""
         if not clip_value > 0:
             raise ValueError(f"clip_grad_value_(clip_value={clip_value}): use a positive value")
         self.finalize_grads()
-        grads = self._master_grads()
-        if grads:
-            torch._foreach_clamp_min_(grads, -float(clip_value))
-            torch._foreach_clamp_max_(grads, float(clip_value))
+        self.reducer.clip_grad_value_(clip_value)
 
     # -- optimizer step ------------------------------------------------------------------
     def before_optimizer_step(self) -> None:
+        self._expect_idle("optimizer.step()", "call it after loss.backward() returns", forward_ok=True)
         self.finalize_grads()
-        self._check_state("optimizer.step() after finalize_grads", GradState.FINAL)
         if self.config.gradient_clipping is not None and self._clipped_with is None:
             self.clip_grad_norm_(self.config.gradient_clipping, _from_config=True)
         if self._skip_step:
-            for g in self.groups:
-                for m in g.masters:
-                    m.grad = None
+            self.reducer.drop_master_grads()
 
     def after_optimizer_step(self) -> None:
         skipped = self._skip_step
@@ -459,48 +482,28 @@ class ZeroEngine:
         self._clipped_with = None
         self._loss_scaled = False
         if not skipped:
-            self.params.after_step(self)
+            self.params.after_step(self._step_label())
         self.step_count += 1
+        if self.zero3 is not None:
+            self.zero3.step = self._step_label()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget this window's gradients. Full gradients in ``p.grad`` are always dropped.
-        With ``set_to_none=False`` the master pieces keep zeroed gradients, and parameters that
-        had one keep counting as "has a gradient" (the optimizer still updates them, e.g. with
-        weight decay), as with a zeroed ``.grad`` under DDP."""
-        if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
-            self._abort_backward()
-        self.reducer.wait_all()
-        full_grads = isinstance(self.schedule, AllReduceAtEnd)  # model-only ZeRO-1/2: p.grad is DDP's
-        for g in self.groups:
-            for p in g.params:
-                if full_grads and not set_to_none and p.grad is not None:
-                    p.grad.zero_()
-                else:
-                    p.grad = None
-            if set_to_none:
-                for m in g.masters:
-                    m.grad = None
-            elif g.grad_shard_if_allocated is not None:
-                g.grad_shard.zero_()
-        if set_to_none:
-            self.reducer.reset_window()
+        """Forget this window's gradients (see :meth:`GradReducer.zero_grad`)."""
+        self._expect_idle("zero_grad()", "call it between steps", forward_ok=True)
+        self.reducer.zero_grad(set_to_none=set_to_none, full_grads=self.schedule.full_grads)
         self._clipped_with = None
         self._loss_scaled = False
-        self.grad_state = GradState.EMPTY
+        self._set_grad(GradState.EMPTY, "zero_grad()")
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Any = None, modifier_rank: int | None = None) -> Iterator[None]:
-        if self.training_state is not TrainingState.IDLE:
-            raise RuntimeError(
-                f"gathered_parameters() was entered during {self.training_state.name.lower()}; use it between "
-                "steps (parameters are gathered automatically inside forward and backward)"
-            )
+        self._expect_idle("gathered_parameters()", "use it between steps (parameters are gathered automatically inside forward and backward)")
         if modifier_rank is not None and not 0 <= modifier_rank < self.ctx.world_size:
             raise ValueError(
                 f"gathered_parameters(modifier_rank={modifier_rank}): use a rank of the group, 0..{self.ctx.world_size - 1}, or None"
             )
         plist = None if params is None else [params] if isinstance(params, torch.Tensor) else list(params)
-        with self.params.gathered(self, plist, modifier_rank):
+        with self.params.gathered(plist, modifier_rank, self._step_label()):
             yield
 
     def load_full_state_dict(self, get: Callable[[str], torch.Tensor], keys: list[str], *, strict: bool) -> None:
@@ -529,7 +532,7 @@ class ZeroEngine:
                         f"{tuple(target.shape)} in the model"
                     )
                 if key in params:
-                    self.params.load_full(self, target, t)
+                    self.params.load_full(target, t)
                 else:
                     target.copy_(t)
 
@@ -548,22 +551,39 @@ class ZeroEngine:
             raise ValueError(
                 f"full_grad(): parameter of shape {tuple(p.shape)} is not a trainable parameter of this model"
             )
-        if isinstance(self.schedule, AllReduceAtEnd):  # model-only ZeRO-1/2: p.grad is the full average already
+        if self.schedule.full_grads:  # model-only ZeRO-1/2: p.grad is the full average already
             return None if p.grad is None else p.grad.detach().clone()
         self.finalize_grads()
-        g, i = self.reducer.locate(p)
-        lay, n = g.layout, self.ctx.world_size
-        c = lay.chunks[i]
-        flag = torch.tensor([0 if g.masters[i].grad is None else 1], dtype=torch.int32, device=self.ctx.device)
-        C.all_reduce(self.ctx, flag, op="max", what=f"full_grad flag of {self._names[id(p)]}").wait()
-        if not flag.item():
-            return None
-        buf = torch.zeros(n * c, dtype=g.master_dtype, device=g.device)
-        row = buf.view(n, c)[self.ctx.rank]
-        piece = lay.local_view(g.grad_shard, i)
-        row[: piece.numel()].copy_(piece)
-        C.all_gather(self.ctx, buf, row, what=f"full_grad of {self._names[id(p)]}").wait()
-        return buf[: p.numel()].view(p.shape).clone()
+        return self.reducer.full_grad(p, self._names[id(p)])
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def wait_for_reductions(self) -> None:
+        """Let every reduction in flight land in the gradient shards (before reading them)."""
+        self.reducer.wait_all()
+
+    def flat_value(self, p: torch.Tensor) -> torch.Tensor:
+        """What this rank holds of a parameter without a master (frozen), flattened."""
+        return self.params.flat_value(p)
+
+    def progress_state(self) -> dict[str, torch.Tensor]:
+        """The engine's own training progress, as tensors a checkpoint saves beside the shards."""
+        return {
+            "engine.step_count": torch.tensor(self.step_count, dtype=torch.int64),
+            "engine.loss_scale": torch.tensor(self.scaler.scale, dtype=torch.float64),
+            "engine.loss_scaler_counters": self.scaler.counters(),
+        }
+
+    def load_progress(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back :meth:`progress_state` (the counters may be missing: an older checkpoint)
+        after the masters were loaded; the parameters follow the loaded masters."""
+        self.step_count = int(state["engine.step_count"])
+        if self.zero3 is not None:
+            self.zero3.step = self._step_label()
+        if self.scaler.enabled:
+            self.scaler.scale = float(state["engine.loss_scale"])
+            if "engine.loss_scaler_counters" in state:
+                self.scaler.load_counters(state["engine.loss_scaler_counters"])
+        self.params.after_step(f"load ({self._step_label()})")
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes held by this rank, by kind: full parameters (at ZeRO-3 only while gathered),
@@ -586,9 +606,9 @@ class ZeroEngine:
         for _, p in _unique_named_parameters(self.module):
             out["params"] += nbytes(p)
             out["full_grads"] += nbytes(p.grad)
-        sharded = isinstance(self.params, ShardedParams)
-        if sharded:
-            for u in self.params.units:
+        sharded = self.params if isinstance(self.params, ShardedParams) else None
+        if sharded is not None:
+            for u in sharded.units:
                 out["param_shards"] += nbytes(u.row) + nbytes(u.frozen_row)
         for g in self.groups:
             out["grad_shards"] += nbytes(g.grad_shard_if_allocated)
@@ -603,9 +623,9 @@ class ZeroEngine:
         out["model_state"] = sum(out.values())
         out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps
         out["comm_scratch_peak"] = self.ctx.pool.peak
-        if sharded:
-            out["gathered"] = self.params.meter.live
-            out["gathered_peak"] = self.params.meter.peak
+        if sharded is not None:
+            out["gathered"] = sharded.meter.live
+            out["gathered_peak"] = sharded.meter.peak
         return out
 
     def close(self) -> None:
@@ -621,11 +641,10 @@ class ZeroEngine:
         every unit into ordinary full parameters (a collective: call it on every rank), the
         hooks go, the module gets its own class back, gradient shards, masters' gradients and
         communication buffers are dropped. The bound optimizer cannot step afterwards."""
-        if self.training_state is not TrainingState.IDLE:
-            raise RuntimeError(f"destroy() during {self.training_state.name.lower()}; call it between steps")
+        self._expect_idle("destroy()", "call it between steps")
         self.reducer.wait_all()
         if isinstance(self.params, ShardedParams):
-            self.params.materialize(f"destroy (step {self.step_count})")
+            self.params.materialize(f"destroy ({self._step_label()})")
         self.close()
         for g in self.groups:
             g.release_grad_shard()
@@ -704,20 +723,6 @@ def get_engine(module: nn.Module) -> ZeroEngine:
     return eng
 
 
-def _refuse_norm_layers_with_running_stats(module: nn.Module, config: ZeroConfig) -> None:
-    """16-bit parameters: a BatchNorm's fp32 running statistics next to 16-bit weights fail in
-    its kernel (FSDP keeps such modules in fp32; not done here). Mixed precision keeps fp32
-    parameters, so BatchNorm is fine there."""
-    for name, m in module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.affine:
-            raise ValueError(
-                f"initialize(): precision with 16-bit parameters ({config.precision.param_dtype}) stores them in 16 "
-                f"bits, but '{name or type(m).__name__}' ({type(m).__name__}) keeps fp32 running statistics beside "
-                "its weights; use mixed precision instead ('bf16-mixed' / '16-mixed': fp32 parameters under "
-                "autocast), or replace the BatchNorm layers (e.g. GroupNorm/LayerNorm)"
-            )
-
-
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers ``state_dict()`` holds (non-persistent ones, such as RoPE's recomputed
     ``inv_freq``, are not saved or loaded)."""
@@ -727,80 +732,3 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return list(module.named_parameters(remove_duplicate=True))
-
-
-def _agree_on_setup(ctx: C.CommContext, config: ZeroConfig, named: list[tuple[str, nn.Parameter]]) -> None:
-    """One small all-gather at initialize: every rank must have the same config and the same
-    parameters (names, shapes, dtypes, trainable or not), and on CUDA its own (host, device).
-    Otherwise every rank raises, naming the first difference, instead of the engines issuing
-    collectives that do not match."""
-    if not ctx.distributed:
-        return
-    desc = {
-        "config": json.dumps(config.to_dict(), sort_keys=True, default=str),
-        "params": [f"{n} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}{'' if p.requires_grad else ' frozen'}" for n, p in named],
-    }
-    digest = zlib.crc32(json.dumps(desc, sort_keys=True).encode())
-    device = (socket.gethostname(), ctx.device.index) if ctx.device.type == "cuda" else None
-    seen = C.all_gather_objects(ctx, (digest, device), what="initialize() agreement on the model and config")
-    if ctx.device.type == "cuda":
-        places: dict[Any, list[int]] = {}
-        for r, (_, where) in enumerate(seen):
-            places.setdefault(tuple(where), []).append(r)
-        shared = [(where, ranks) for where, ranks in places.items() if len(ranks) > 1]
-        if shared:
-            (host, index), ranks = shared[0]
-            raise RuntimeError(
-                f"initialize(): ranks {ranks} all use cuda:{index} on host {host}; give every process its own GPU with "
-                "torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) before init_process_group()"
-            )
-    if len({d for d, _ in seen}) == 1:
-        return
-    everyone = C.all_gather_objects(ctx, desc, what="initialize() differences")
-    for key in ("config", "params"):
-        values = [e[key] for e in everyone]
-        if all(v == values[0] for v in values):
-            continue
-        r = next(i for i, v in enumerate(values) if v != values[0])
-        if key == "config":
-            a, b = json.loads(values[0]), json.loads(values[r])
-            field = next(k for k in a if a[k] != b.get(k))
-            detail = f"config field {field!r} is {a[field]!r} on rank 0 but {b.get(field)!r} on rank {r}"
-        else:
-            a, b = values[0], values[r]
-            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            detail = (f"parameter #{i} is '{a[i] if i < len(a) else 'missing'}' on rank 0 but "
-                      f"'{b[i] if i < len(b) else 'missing'}' on rank {r}")  # fmt: skip
-        raise ValueError(
-            f"initialize(): the ranks disagree: {detail}. Every rank must build the same model and pass the same "
-            "config (seed and construct identically; read the same config file)"
-        )
-
-
-def _check_params(named: list[tuple[str, nn.Parameter]], ctx: C.CommContext) -> None:
-    for other in list(_LIVE):
-        shared = next((n for n, p in named if id(p) in other._names), None)
-        if shared is not None:
-            raise ValueError(
-                f"initialize(): parameter '{shared}' already belongs to {type(other.module).__name__}, which "
-                "zero_strategy manages; two engines would reduce and step the same parameter. Put both models "
-                "into one module (e.g. an nn.ModuleDict) and initialize that once"
-            )
-    for n, p in named:
-        if not p.is_contiguous() and sharded_init_piece(p) is None:
-            raise ValueError(
-                f"initialize(): parameter '{n}' is not contiguous (strides {p.stride()}); ZeRO shards flattened "
-                "parameters, so make it contiguous first (e.g. model.to(memory_format=torch.contiguous_format))"
-            )
-        if p.device.type == "meta":
-            raise ValueError(f"initialize(): parameter '{n}' is on the meta device (never materialised); build it on a real device")
-        if p.device != named[0][1].device:
-            raise ValueError(
-                f"initialize(): parameter '{n}' is on {p.device} but '{named[0][0]}' is on {named[0][1].device}; ZeRO "
-                "shards one device's parameters per rank: move the model to one device before initialize()"
-            )
-        if p.device.type != ctx.device.type:
-            raise ValueError(
-                f"initialize(): parameter '{n}' is on {p.device} but the process group communicates on "
-                f"{ctx.device.type}; move the model with model.to('{ctx.device}') before initialize()"
-            )

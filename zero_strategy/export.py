@@ -25,6 +25,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from zero_strategy.api import gathered_parameters
+from zero_strategy.checkpoint import read_meta
+from zero_strategy.checkpoint_files import SafeFileSystemReader
+from zero_strategy.engine import get_engine
+
 __all__ = ["export_full", "full_state_dict"]
 
 _ST_DTYPES = {
@@ -60,12 +65,9 @@ def _write_safetensors(
 
 
 def _checkpoint_entries(path: str, dtype: torch.dtype | None) -> tuple[list[tuple[str, list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
-    from zero_strategy.checkpoint import _read_meta
-    from zero_strategy.checkpoint_files import SafeFileSystemReader
-
     if not os.path.isdir(path):
         raise FileNotFoundError(f"export_full(): {path!r} is not a directory; give a checkpoint written by save_checkpoint")
-    path, meta = _read_meta(path, "export_full()")
+    path, meta = read_meta(path, "export_full()")
     saved = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     names = meta.get("state_names") or meta["shapes"]
     entries = []
@@ -87,8 +89,6 @@ def _checkpoint_entries(path: str, dtype: torch.dtype | None) -> tuple[list[tupl
 
 
 def _live_entries(model: nn.Module, dtype: torch.dtype | None) -> tuple[list[tuple[str, list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
-    from zero_strategy.api import gathered_parameters
-
     tensors = model.state_dict(keep_vars=True)
     entries = [(n, list(t.shape), (dtype or t.dtype) if t.is_floating_point() else t.dtype) for n, t in tensors.items()]
 
@@ -113,8 +113,6 @@ def export_full(source: str | os.PathLike[str] | nn.Module, out_file: str | os.P
         else:
             _write_safetensors(out_file, entries, read)
         return out_file
-    from zero_strategy.engine import get_engine
-
     rank = get_engine(source).ctx.rank
     entries, read = _live_entries(source, dtype)
     if fmt == "pt":
@@ -137,8 +135,6 @@ def full_state_dict(
     tensors are cast to ``dtype`` if given. Parameters come as the model stores them (the
     engine's ``param_dtype`` under mixed precision).
     """
-    from zero_strategy.engine import get_engine
-
     keep = not rank0_only or get_engine(model).ctx.rank == 0
     entries, read = _live_entries(model, dtype)
     out: dict[str, torch.Tensor] = {}

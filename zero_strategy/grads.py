@@ -21,11 +21,9 @@ on any rank ends with ``master.grad = None``, so the optimizer skips it as DDP d
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -33,74 +31,65 @@ from torch import nn
 from zero_strategy import collectives as C
 from zero_strategy.group import ShardGroup
 
-if TYPE_CHECKING:
-    from zero_strategy.engine import ZeroEngine
-
-__all__ = ["AllReduceAtEnd", "GradReducer", "GradSchedule", "ReduceAtStep", "ReduceAtUnitEnd", "ReduceInBackward"]
-
-
-def _call_weakly(ref: "weakref.ref[ZeroEngine]", method: str, *args: Any) -> None:
-    engine = ref()
-    if engine is not None:
-        getattr(engine, method)(*args)
+__all__ = [
+    "AllReduceAtEnd",
+    "GradReducer",
+    "GradSchedule",
+    "ReduceAtStep",
+    "ReduceAtUnitEnd",
+    "ReduceInBackward",
+]
 
 
 @dataclass(frozen=True)
-class ReduceAtStep:
-    """ZeRO-1: nothing happens in backward; ``finalize`` reduces everything at the step."""
+class GradSchedule:
+    """When gradients are reduced: a small frozen policy, chosen by type. The engine owns the
+    hooks; it registers post-accumulate-grad hooks only for a schedule that
+    ``reduces_when_ready``, and calls :meth:`end_of_backward` from its end-of-backward callback."""
 
-    def install(self, engine: "ZeroEngine") -> list[Any]:
-        return []
+    reduces_when_ready: ClassVar[bool] = False  # reduce each group as soon as its gradients are ready
+    full_grads: ClassVar[bool] = False  # p.grad holds DDP's full averaged gradient (no sharded state)
 
-    def end_of_backward(self, engine: "ZeroEngine", *, sync: bool) -> None:
+    def end_of_backward(self, reducer: "GradReducer", *, sync: bool) -> None:
+        """A synchronising backward reduces what is left, in group order, and waits."""
+        if sync:
+            reducer.end_of_backward()
+
+
+@dataclass(frozen=True)
+class ReduceAtStep(GradSchedule):
+    """ZeRO-1: nothing happens in backward; :meth:`GradReducer.finalize` reduces everything at
+    the step."""
+
+    def end_of_backward(self, reducer: "GradReducer", *, sync: bool) -> None:
         return None
 
 
 @dataclass(frozen=True)
-class ReduceInBackward:
+class ReduceInBackward(GradSchedule):
     """ZeRO-2: post-accumulate-grad hooks launch each group as soon as it and every group
     before it are ready; the end of backward launches the rest."""
 
-    def install(self, engine: "ZeroEngine") -> list[Any]:
-        # The hook lives in C++ on the parameter, where the garbage collector cannot see a cycle
-        # through it: it holds the engine weakly, so a dropped model frees its engine.
-        hook = functools.partial(_call_weakly, weakref.ref(engine), "on_grad_accumulated")
-        return [p.register_post_accumulate_grad_hook(hook) for g in engine.groups for p in g.params]
-
-    def end_of_backward(self, engine: "ZeroEngine", *, sync: bool) -> None:
-        if sync:
-            engine.reducer.end_of_backward()
+    reduces_when_ready: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
-class ReduceAtUnitEnd:
+class ReduceAtUnitEnd(GradSchedule):
     """ZeRO-3: a unit's gradients are reduced when the next unit's backward starts (a point
-    every rank reaches in the same order), or at the end of backward (the ZeRO-3 hooks)."""
-
-    def install(self, engine: "ZeroEngine") -> list[Any]:
-        return []
-
-    def end_of_backward(self, engine: "ZeroEngine", *, sync: bool) -> None:
-        if engine.zero3 is None:
-            raise AssertionError(f"rank {engine.ctx.rank}: ReduceAtUnitEnd without ZeRO-3 hooks")
-        engine.zero3.end_of_backward(sync=sync)
+    every rank reaches in the same order, see ``zero3.py``), the rest at the end of backward."""
 
 
 @dataclass(frozen=True)
-class AllReduceAtEnd:
+class AllReduceAtEnd(GradSchedule):
     """ZeRO-1/2 without an optimizer (``initialize(model, None)``): there is no sharded state to
     reduce into, so a synchronising backward ends, as DDP's does, with every ``p.grad`` holding
     the full gradient averaged over the ranks (bucketed all-reduces, in group order)."""
 
-    def install(self, engine: "ZeroEngine") -> list[Any]:
-        return []
+    full_grads: ClassVar[bool] = True
 
-    def end_of_backward(self, engine: "ZeroEngine", *, sync: bool) -> None:
+    def end_of_backward(self, reducer: "GradReducer", *, sync: bool) -> None:
         if sync:
-            engine.reducer.all_reduce_full()
-
-
-GradSchedule = ReduceAtStep | ReduceInBackward | ReduceAtUnitEnd | AllReduceAtEnd
+            reducer.all_reduce_full()
 
 
 @dataclass
@@ -134,9 +123,10 @@ class GradReducer:
                 flat += 1
         self.num_params = flat
         self._used = torch.zeros(flat, dtype=torch.int32)
-        self._ready = [0] * len(self.groups)
-        self._launched = [False] * len(self.groups)
+        self._ready: list[int] = []
+        self._launched: list[bool] = []
         self._next = 0
+        self._forget_backward()
         self._in_flight: deque[_InFlight] = deque()
 
     # -- bookkeeping ---------------------------------------------------------------------
@@ -146,9 +136,6 @@ class GradReducer:
 
     def manages(self, p: torch.Tensor) -> bool:
         return id(p) in self._where
-
-    def mark_used(self, p: torch.Tensor) -> None:
-        self._used[self._where[id(p)][2]] = 1
 
     def on_grad_ready(self, p: nn.Parameter, *, sync: bool) -> None:
         """Called from a post-accumulate-grad hook (ZeRO-2)."""
@@ -172,6 +159,10 @@ class GradReducer:
             if not self._launched[g.index]:
                 self._launch(g)
         self.wait_all()
+        self._forget_backward()
+
+    def _forget_backward(self) -> None:
+        """No group is ready or launched: a new backward (or reduction at the step) starts."""
         self._ready = [0] * len(self.groups)
         self._launched = [False] * len(self.groups)
         self._next = 0
@@ -238,8 +229,110 @@ class GradReducer:
                 self._launch(g)
             start += k
         self.wait_all()
-        self._launched = [False] * len(self.groups)
+        self._forget_backward()
         return flags[self.num_params :].bool()
+
+    # -- finishing: what the optimizer step, clipping and inspection need -------------------
+    def finish(self, *, check_overflow: bool) -> bool:
+        """Finish reduction on every rank and give each master piece its ``.grad`` (a view of
+        its group's gradient shard; None for a parameter no rank had a gradient for, so the
+        optimizer skips it as under DDP). With ``check_overflow`` (fp16), one more all-reduce
+        tells whether any rank's shard holds inf/NaN; returns that. Collective."""
+        used = self.finalize()
+        k = 0
+        for g in self.groups:
+            for m, v in zip(g.masters, g.master_grad_views()):
+                m.grad = v if bool(used[k]) and g.grad_valid else None
+                k += 1
+        if not check_overflow:
+            return False
+        local_bad = any(not bool(torch.isfinite(g.grad_shard).all()) for g in self.groups if g.grad_valid)
+        flag = torch.tensor([1 if local_bad else 0], dtype=torch.int32, device=self.ctx.device)
+        C.all_reduce(self.ctx, flag, op="max", what=f"overflow check ({self._describe_step()})").wait()
+        return bool(flag.item())
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [m.grad for g in self.groups for m in g.masters if m.grad is not None]
+
+    def drop_master_grads(self) -> None:
+        """Every master gradient None: the optimizer leaves every piece alone (a skipped step)."""
+        for g in self.groups:
+            for m in g.masters:
+                m.grad = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Scale the master gradients by the *global* norm over all ranks' shards (DDP's
+        ``clip_grad_norm_``); returns that norm. Collective. Call after :meth:`finish`."""
+        grads = self.master_grads()
+        norm_type = float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): use a positive p-norm or float('inf')")
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        dev, what = self.ctx.device, f"gradient norm ({self._describe_step()})"
+        if norm_type == float("inf"):
+            local = max((g.abs().max().to(dtype) for g in grads if g.numel()), default=torch.zeros((), dtype=dtype, device=dev))
+            total = local.reshape(1).clone()
+            C.all_reduce(self.ctx, total, op="max", what=what).wait()
+            total = total[0]
+        else:
+            local = torch.zeros((), dtype=dtype, device=dev)
+            for g in grads:
+                local += torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
+            total = local.reshape(1).clone()
+            C.all_reduce(self.ctx, total, op="sum", what=what).wait()
+            total = total[0] ** (1.0 / norm_type)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0 and grads and bool(torch.isfinite(total)):
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every master gradient element to ``[-clip_value, clip_value]`` (element-wise:
+        the shards give DDP's result without communication). Call after :meth:`finish`."""
+        if not clip_value > 0:
+            raise ValueError(f"clip_grad_value_(clip_value={clip_value}): use a positive value")
+        grads = self.master_grads()
+        if grads:
+            torch._foreach_clamp_min_(grads, -float(clip_value))
+            torch._foreach_clamp_max_(grads, float(clip_value))
+
+    def zero_grad(self, *, set_to_none: bool, full_grads: bool) -> None:
+        """Forget this window's gradients. Full gradients in ``p.grad`` are dropped, except that
+        with ``full_grads`` (``p.grad`` is DDP's) and ``set_to_none=False`` they are zeroed. With
+        ``set_to_none=False`` the master pieces keep zeroed gradients, and parameters that had
+        one keep counting as "has a gradient" (the optimizer still updates them, e.g. with
+        weight decay), as with a zeroed ``.grad`` under DDP."""
+        self.wait_all()
+        for g in self.groups:
+            for p in g.params:
+                if full_grads and not set_to_none and p.grad is not None:
+                    p.grad.zero_()
+                else:
+                    p.grad = None
+            if set_to_none:
+                for m in g.masters:
+                    m.grad = None
+            elif g.grad_shard_if_allocated is not None:
+                g.grad_shard.zero_()
+        if set_to_none:
+            self.reset_window()
+
+    def full_grad(self, p: torch.Tensor, name: str) -> torch.Tensor | None:
+        """The full averaged gradient of ``p`` after :meth:`finish` (None if no rank had one):
+        every rank's piece, all-gathered. Collective."""
+        g, i = self.locate(p)
+        lay, n = g.layout, self.ctx.world_size
+        c = lay.chunks[i]
+        flag = torch.tensor([0 if g.masters[i].grad is None else 1], dtype=torch.int32, device=self.ctx.device)
+        C.all_reduce(self.ctx, flag, op="max", what=f"full_grad flag of {name}").wait()
+        if not flag.item():
+            return None
+        buf = torch.zeros(n * c, dtype=g.master_dtype, device=g.device)
+        row = buf.view(n, c)[self.ctx.rank]
+        piece = lay.local_view(g.grad_shard, i)
+        row[: piece.numel()].copy_(piece)
+        C.all_gather(self.ctx, buf, row, what=f"full_grad of {name}").wait()
+        return buf[: p.numel()].view(p.shape).clone()
 
     def all_reduce_full(self) -> None:
         """DDP's reduction of full gradients: ``p.grad`` becomes the average over the ranks. A
@@ -295,9 +388,7 @@ class GradReducer:
     def abort_backward(self) -> None:
         """Forget a backward that never reached its end (it raised): readiness and launches."""
         self.wait_all()
-        self._ready = [0] * len(self.groups)
-        self._launched = [False] * len(self.groups)
-        self._next = 0
+        self._forget_backward()
 
     def reset_window(self) -> None:
         """Forget gradients (``zero_grad``): the next reduction overwrites each shard."""

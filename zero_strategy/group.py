@@ -15,23 +15,28 @@ views of each unit's persistent row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from zero_strategy.init import piece_of
+from zero_strategy.pieces import piece_of
 from zero_strategy.layout import ShardLayout
 
-__all__ = ["InPlaceMasters", "MasterPolicy", "SeparateMasters", "ShardGroup", "build_groups"]
-
-
-class MasterPolicy(Protocol):
-    def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor: ...
+__all__ = ["GroupSpec", "InPlaceMasters", "MasterPolicy", "SeparateMasters", "ShardGroup", "build_groups"]
 
 
 @dataclass(frozen=True)
-class InPlaceMasters:
+class MasterPolicy:
+    """Where a master piece lives: a small frozen policy, chosen by type."""
+
+    def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """The master piece of elements ``lo:hi`` of flattened ``param``, in ``dtype``."""
+        raise NotImplementedError(f"{type(self).__name__}.make")
+
+
+@dataclass(frozen=True)
+class InPlaceMasters(MasterPolicy):
     def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         if param.dtype != dtype:
             raise AssertionError(
@@ -42,7 +47,7 @@ class InPlaceMasters:
 
 
 @dataclass(frozen=True)
-class SeparateMasters:
+class SeparateMasters(MasterPolicy):
     device: torch.device | None = None  # None: the parameter's device
 
     def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
@@ -102,39 +107,38 @@ class ShardGroup:
         first, last = self.fqns[0], self.fqns[-1]
         return f"group {self.index} ({first}{' .. ' + last if last != first else ''})"
 
+    def master_is_view(self, i: int) -> bool:
+        """Whether master piece ``i`` is a view of parameter ``i``'s own storage (the optimizer
+        then updates the parameter in place; otherwise values are copied between them)."""
+        return self.masters[i].untyped_storage().data_ptr() == self.params[i].untyped_storage().data_ptr()
+
     def master_grad_views(self) -> list[torch.Tensor]:
         return [self.layout.local_view(self.grad_shard, i) for i in range(len(self.params))]
 
 
-def _make_group(
-    index: int,
-    pending: Sequence[tuple[str, nn.Parameter]],
-    world_size: int,
-    rank: int,
-    master_dtype_for,
-    reduce_dtype_for,
-    master_policy: MasterPolicy,
-    label: str | None = None,
-) -> ShardGroup:
-    layout = ShardLayout(tuple(p.numel() for _, p in pending), world_size, rank)
-    masters = []
-    for i, (_, p) in enumerate(pending):
-        lo, hi = layout.local_range(i)
-        masters.append(master_policy.make(p, lo, hi, master_dtype_for(p)))
-    params, fqns = [p for _, p in pending], [n for n, _ in pending]
-    return ShardGroup(index, params, fqns, layout, masters, reduce_dtype_for(pending[0][1]), label)
+@dataclass(frozen=True)
+class GroupSpec:
+    """How groups are cut for this rank: the world, this rank, the master and reduction dtype of
+    each parameter (from the precision policy) and where master pieces live."""
+
+    world_size: int
+    rank: int
+    master_dtype_for: Callable[[torch.Tensor], torch.dtype]
+    reduce_dtype_for: Callable[[torch.Tensor], torch.dtype]
+    master_policy: MasterPolicy
+
+    def make_group(self, index: int, pending: Sequence[tuple[str, nn.Parameter]], label: str | None = None) -> ShardGroup:
+        """One group of ``pending`` (in that order), with its masters made by the policy."""
+        layout = ShardLayout(tuple(p.numel() for _, p in pending), self.world_size, self.rank)
+        masters = []
+        for i, (_, p) in enumerate(pending):
+            lo, hi = layout.local_range(i)
+            masters.append(self.master_policy.make(p, lo, hi, self.master_dtype_for(p)))
+        params, fqns = [p for _, p in pending], [n for n, _ in pending]
+        return ShardGroup(index, params, fqns, layout, masters, self.reduce_dtype_for(pending[0][1]), label)
 
 
-def build_groups(
-    named_params: Sequence[tuple[str, nn.Parameter]],
-    *,
-    bucket_numel: int,
-    world_size: int,
-    rank: int,
-    master_dtype_for,
-    reduce_dtype_for,
-    master_policy: MasterPolicy,
-) -> list[ShardGroup]:
+def build_groups(named_params: Sequence[tuple[str, nn.Parameter]], spec: GroupSpec, *, bucket_numel: int) -> list[ShardGroup]:
     """Cut ``named_params`` (in the order gradients are expected: reverse registration) into
     groups of at most ``bucket_numel`` elements (a larger parameter gets a group of its own),
     starting a new group whenever the dtype changes."""
@@ -143,7 +147,7 @@ def build_groups(
 
     def close() -> None:
         if pending:
-            groups.append(_make_group(len(groups), pending, world_size, rank, master_dtype_for, reduce_dtype_for, master_policy))
+            groups.append(spec.make_group(len(groups), pending))
             pending.clear()
 
     size = 0

@@ -17,7 +17,6 @@ error naming the units and the ranks, instead of swapping data silently.
 from __future__ import annotations
 
 import contextlib
-from enum import Enum, auto
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
@@ -25,54 +24,74 @@ from torch import nn
 
 from zero_strategy import collectives as C
 from zero_strategy.group import ShardGroup
-from zero_strategy.init import check_placeholder, piece_of, placeholder
 from zero_strategy.layout import ShardLayout
+from zero_strategy.pieces import check_placeholder, piece_of, placeholder
+from zero_strategy.states import SHARDED_TRANSITIONS, ShardedState, check_transition
 
 if TYPE_CHECKING:
-    from zero_strategy.engine import ZeroEngine
     from zero_strategy.precision import Precision
 
-__all__ = ["ReplicatedParams", "ShardedParams", "ShardedState", "UnitDivergence"]
+__all__ = ["ParamStorage", "ReplicatedParams", "ShardedParams", "ShardedState", "UnitDivergence", "UnitStorage"]
 
 TAG = 2  # tag elements appended to every rank's row
-
-
-class ShardedState(Enum):
-    SHARDED = auto()
-    UNSHARDING = auto()
-    UNSHARDED = auto()
 
 
 class UnitDivergence(RuntimeError):
     """Ranks gathered different ZeRO-3 units: a unit ran on some ranks and not on others."""
 
 
-class ReplicatedParams:
+class ParamStorage:
+    """Where the model's full parameters are: one storage per engine, chosen by type."""
+
+    def gathered(self, params: Sequence[torch.Tensor] | None, modifier_rank: int | None, step: str) -> contextlib.AbstractContextManager[None]:
+        """Full parameters (``params``, or all) inside the block; with ``modifier_rank``, that
+        rank's values are broadcast and kept at its end. Collective."""
+        raise NotImplementedError(f"{type(self).__name__}.gathered")
+
+    def load_full(self, p: torch.Tensor, full: torch.Tensor) -> None:
+        """Store the full value ``full`` of parameter ``p`` (and its master piece)."""
+        raise NotImplementedError(f"{type(self).__name__}.load_full")
+
+    def after_step(self, step: str) -> None:
+        """The masters changed (an optimizer step, a load): make the parameters follow."""
+        raise NotImplementedError(f"{type(self).__name__}.after_step")
+
+    def flat_value(self, p: torch.Tensor) -> torch.Tensor:
+        """What this rank holds of a parameter that has no master (frozen), flattened: its piece
+        at ZeRO-3, the whole tensor otherwise."""
+        raise NotImplementedError(f"{type(self).__name__}.flat_value")
+
+
+class ReplicatedParams(ParamStorage):
     """ZeRO-1/2: full parameters everywhere; refreshed by an all-gather after each step."""
 
+    def __init__(self, ctx: C.CommContext, groups: Sequence[ShardGroup], params: Sequence[torch.Tensor], max_in_flight: int) -> None:
+        self.ctx, self.groups, self.params, self.max_in_flight = ctx, list(groups), list(params), max_in_flight
+        self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+
     @contextlib.contextmanager
-    def gathered(self, engine: "ZeroEngine", params: Sequence[torch.Tensor] | None, modifier_rank: int | None) -> Iterator[None]:
+    def gathered(self, params: Sequence[torch.Tensor] | None, modifier_rank: int | None, step: str) -> Iterator[None]:
         """Parameters are full already; with a modifier rank, its values are broadcast and
         the masters refreshed."""
         yield
         if modifier_rank is not None:
-            plist = list(engine.module.parameters()) if params is None else list(params)
-            C.broadcast_coalesced(engine.ctx, [p.detach() for p in plist], src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
+            plist = self.params if params is None else list(params)
+            C.broadcast_coalesced(self.ctx, [p.detach() for p in plist], src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
             with torch.no_grad():
-                for g in engine.groups:
+                for g in self.groups:
                     refresh_masters(g)
 
-    def load_full(self, engine: "ZeroEngine", p: torch.Tensor, full: torch.Tensor) -> None:
+    def load_full(self, p: torch.Tensor, full: torch.Tensor) -> None:
         p.copy_(full)
-        if not engine.reducer.manages(p):  # frozen: no master
+        where = self._where.get(id(p))
+        if where is None:  # frozen: no master
             return
-        g, i = engine.reducer.locate(p)
-        m = g.masters[i]
-        if m.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
-            m.data.copy_(full.reshape(-1)[slice(*g.layout.local_range(i))])
+        g, i = where
+        if not g.master_is_view(i):
+            g.masters[i].data.copy_(full.reshape(-1)[slice(*g.layout.local_range(i))])
 
-    def after_step(self, engine: "ZeroEngine") -> None:
-        n, ctx = engine.ctx.world_size, engine.ctx
+    def after_step(self, step: str) -> None:
+        n, ctx = self.ctx.world_size, self.ctx
         pending: list[tuple[ShardGroup, C.Handle, torch.Tensor]] = []
 
         def complete(entry: tuple[ShardGroup, C.Handle, torch.Tensor]) -> None:
@@ -82,25 +101,27 @@ class ReplicatedParams:
                 g.layout.unpack_full(buf, [p.detach().view(-1) for p in g.params])
             ctx.pool.put(buf)
 
-        for g in engine.groups:
+        for g in self.groups:
             lay = g.layout
             buf = ctx.pool.get(n * lay.shard_numel, g.params[0].dtype, g.device)
             row = buf.view(n, lay.shard_numel)[ctx.rank]
             with torch.no_grad():
                 lay.pack_local([m.detach() for m in g.masters], row)
-            pending.append((g, C.all_gather(ctx, buf, row, what=f"parameters of {g.name} (step {engine.step_count})"), buf))
-            if len(pending) > engine.reducer.max_in_flight:
+            pending.append((g, C.all_gather(ctx, buf, row, what=f"parameters of {g.name} ({step})"), buf))
+            if len(pending) > self.max_in_flight:
                 complete(pending.pop(0))
         for entry in pending:
             complete(entry)
 
+    def flat_value(self, p: torch.Tensor) -> torch.Tensor:
+        return p.data.view(-1)
+
 
 def refresh_masters(g: ShardGroup) -> None:
     """Copy this rank's pieces of ``g``'s full parameters into masters that are not views."""
-    for i, (p, m) in enumerate(zip(g.params, g.masters)):
-        piece = p.detach().reshape(-1)[slice(*g.layout.local_range(i))]
-        if m.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():
-            m.data.copy_(piece)
+    for i, p in enumerate(g.params):
+        if not g.master_is_view(i):
+            g.masters[i].data.copy_(p.detach().reshape(-1)[slice(*g.layout.local_range(i))])
 
 
 class GatherMeter:
@@ -215,12 +236,10 @@ class UnitStorage:
     def numel(self) -> int:
         return sum(self.layout.numels)
 
-    def _expect(self, what: str, *states: ShardedState) -> None:
-        if self.state not in states:
-            raise AssertionError(
-                f"rank {self.ctx.rank}: {what} of {self.name} needs state "
-                f"{' or '.join(s.name for s in states)}, but it is {self.state.name}"
-            )
+    def _to(self, new: ShardedState, what: str) -> None:
+        """The one place a unit's state changes, from the states it may leave."""
+        where = f"rank {self.ctx.rank}: {what} of {self.name}"
+        self.state = check_transition(SHARDED_TRANSITIONS, self.state, new, where, note="an engine bug: please report it")
 
     def unshard_async(self, step: str) -> None:
         if self.state is not ShardedState.SHARDED:
@@ -235,13 +254,14 @@ class UnitStorage:
         slot[-1] = self.tag // 128
         self._buf, self._step = buf, step
         self._handle = C.all_gather(self.ctx, buf, slot, what=f"parameters of {self.name} ({step})")
-        self.state = ShardedState.UNSHARDING
+        self._to(ShardedState.UNSHARDING, "unshard_async")
         self.meter.add(self.full_bytes)  # counted from the moment its gather buffer exists
 
     def wait_unshard(self, names: dict[int, str]) -> None:
         if self.state is ShardedState.UNSHARDED:
             return
-        self._expect("wait_unshard", ShardedState.UNSHARDING)
+        if self.state is not ShardedState.UNSHARDING:
+            self._to(ShardedState.UNSHARDED, "wait_unshard")  # raises: nothing was gathered
         if self._handle is None or self._buf is None:
             raise AssertionError(f"rank {self.ctx.rank}: {self.name} is UNSHARDING without a gather in flight")
         self._handle.wait()
@@ -251,7 +271,7 @@ class UnitStorage:
         if any(t != self.tag for t in tags):
             self.ctx.pool.put(self._buf)
             self._handle, self._buf = None, None
-            self.state = ShardedState.SHARDED
+            self._to(ShardedState.SHARDED, "a diverged gather")
             self.meter.add(-self.full_bytes)
             raise UnitDivergence(_divergence_message(self.name, self.tag, tags, names, self._step))
         for p, fqn in zip(self.params, self.fqns):
@@ -263,7 +283,7 @@ class UnitStorage:
             self.layout.unpack_full(rows, [f.view(-1) for f in self.full])  # the rank rows, without their tags
         self.ctx.pool.put(self._buf)
         self._handle, self._buf = None, None
-        self.state = ShardedState.UNSHARDED
+        self._to(ShardedState.UNSHARDED, "wait_unshard")
 
     def release(self) -> None:
         """Done with the parameters for now: free them unless the unit is persistent."""
@@ -278,7 +298,7 @@ class UnitStorage:
         for p, f in zip(self.params, self.full):
             p.data = placeholder(p.shape, f.dtype, f.device)
             f.untyped_storage().resize_(0)
-        self.state = ShardedState.SHARDED
+        self._to(ShardedState.SHARDED, "reshard")
         self.meter.add(-self.full_bytes)
 
     def store_full(self, i: int, full: torch.Tensor) -> None:
@@ -302,7 +322,7 @@ def _divergence_message(unit: str, tag: int, tags: list[int], names: dict[int, s
     )
 
 
-class ShardedParams:
+class ShardedParams(ParamStorage):
     """ZeRO-3: persistent rows per unit (frozen parameters included), full parameters only
     while a unit is gathered."""
 
@@ -319,6 +339,7 @@ class ShardedParams:
         ``<root>``, last) for the parameters outside every unit. A parameter reachable from two
         units, or from a unit and outside it (tied weights), belongs to the root unit, which
         stays gathered for the whole forward and backward."""
+        self.ctx = ctx
         self.meter = GatherMeter()
         prefixes = [(f"{fqn}.", k) for k, (fqn, _) in enumerate(units)]
         owners: dict[int, set[int | None]] = {}
@@ -352,14 +373,14 @@ class ShardedParams:
         return self._where.get(id(p))
 
     @contextlib.contextmanager
-    def gathered(self, engine: "ZeroEngine", params: Sequence[torch.Tensor] | None, modifier_rank: int | None) -> Iterator[None]:
+    def gathered(self, params: Sequence[torch.Tensor] | None, modifier_rank: int | None, step: str) -> Iterator[None]:
         if params is None:
             units = self.units
         else:
             found = {id(w[0]): w[0] for p in params if (w := self.unit_of(p)) is not None}
             units = [u for u in self.units if id(u) in found]
         was = [u.state for u in units]
-        where = f"gathered_parameters (step {engine.step_count})"
+        where = f"gathered_parameters ({step})"
         for u in units:
             u.unshard_async(where)
         for u in units:
@@ -369,7 +390,7 @@ class ShardedParams:
         finally:
             if modifier_rank is not None:
                 flat = [p.detach() for u in units for p in u.params]
-                C.broadcast_coalesced(engine.ctx, flat, src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
+                C.broadcast_coalesced(self.ctx, flat, src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
                 with torch.no_grad():
                     for u in units:
                         for i, p in enumerate(u.params):
@@ -378,18 +399,25 @@ class ShardedParams:
                 if state is ShardedState.SHARDED:
                     u.reshard()
 
-    def load_full(self, engine: "ZeroEngine", p: torch.Tensor, full: torch.Tensor) -> None:
-        where = self.unit_of(p)
-        if where is None:
-            raise AssertionError(f"rank {engine.ctx.rank}: load_full of a parameter that no ZeRO-3 unit holds")
-        u, i = where
+    def load_full(self, p: torch.Tensor, full: torch.Tensor) -> None:
+        u, i = self._unit_of_or_raise(p, "load_full")
         u.store_full(i, full)
 
-    def after_step(self, engine: "ZeroEngine") -> None:
+    def after_step(self, step: str) -> None:
         # The masters are views of the rows (already updated); gathered copies, persistent
         # units' included, hold the old values: free them, so the next use gathers again.
         for u in self.units:
             u.reshard()
+
+    def flat_value(self, p: torch.Tensor) -> torch.Tensor:
+        u, i = self._unit_of_or_raise(p, "flat_value")
+        return u.piece(i)
+
+    def _unit_of_or_raise(self, p: torch.Tensor, what: str) -> tuple[UnitStorage, int]:
+        where = self.unit_of(p)
+        if where is None:
+            raise RuntimeError(f"rank {self.ctx.rank}: {what} of a parameter of shape {tuple(p.shape)} that no ZeRO-3 unit holds")
+        return where
 
     def materialize(self, step: str) -> None:
         """Gather every unit and leave its full parameters in the module for good (destroy)."""

@@ -1,5 +1,6 @@
-"""ZeRO-3 module hooks: gather a unit before its forward, free it after, gather it again for
-its backward, reduce its gradients and free it again.
+"""ZeRO-3 unit scheduling: gather a unit before its forward, free it after, gather it again for
+its backward, reduce its gradients and free it again. The engine owns the hooks and calls the
+scheduler's lifecycle methods; the scheduler never imports the engine.
 
 Order of collectives. Every rank must issue the same gathers and reductions in the same
 order. Gathers happen at module boundaries (forward pre-hooks, and backward pre-hooks made
@@ -18,30 +19,44 @@ recorded, and this is logged once.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from zero_strategy import collectives as C
+from zero_strategy.grads import GradReducer
 from zero_strategy.partition import UnitPlan
-from zero_strategy.unit import ShardedState, UnitStorage
+from zero_strategy.states import ShardedState
+from zero_strategy.unit import ShardedParams, UnitStorage
 
-from zero_strategy.states import TrainingState
-
-if TYPE_CHECKING:
-    from zero_strategy.engine import ZeroEngine
-
-__all__ = ["Zero3Hooks"]
+__all__ = ["UnitScheduler", "Zero3Settings"]
 
 log = logging.getLogger(__name__)
 
 
-class Zero3Hooks:
-    def __init__(self, engine: "ZeroEngine", plan: UnitPlan) -> None:
-        self.engine = engine
-        storages = engine.params.units  # type: ignore[union-attr]
+@dataclass(frozen=True)
+class Zero3Settings:
+    """The config values the scheduler reads (pushed down by the engine)."""
+
+    prefetch: int
+    max_live_parameters: int
+    max_reuse_distance: int
+    check_unit_order: bool
+
+
+class UnitScheduler:
+    """Lifecycle of the ZeRO-3 units. The engine owns every hook and calls these methods:
+    ``root_pre_forward``/``root_post_forward`` around the model's forward, ``pre_forward``/
+    ``post_forward`` around each unit's, ``backward_started``, ``pre_backward`` when gradients
+    reach a unit's outputs, and ``end_of_backward``/``abort_backward``. It never sees the
+    engine: the engine pushes down the step label (``step``) and whether the backward reduces."""
+
+    def __init__(self, storage: ShardedParams, plan: UnitPlan, reducer: GradReducer, settings: Zero3Settings) -> None:
+        self.ctx = storage.ctx
+        self.reducer = reducer
+        self.settings = settings
+        storages = storage.units
         by_label = {u.label: u for u in storages}
         self.module_units: list[tuple[nn.Module, UnitStorage]] = [(m, by_label[fqn]) for fqn, m in plan.units if fqn in by_label]
         # units of lists that might run conditionally (default policy): list index by unit tag
@@ -50,36 +65,30 @@ class Zero3Hooks:
         self.pinned: set[int] = set()  # tags of units gathered with the root (their list diverged once)
         self.root: UnitStorage | None = by_label.get("<root>")
         self.all_units = storages
-        self.names = engine.params.names  # type: ignore[union-attr]
+        self.names = storage.names
+        self.step = "step 0"  # the engine's step, for messages and collective names
         self.order: list[int] | None = None  # recorded forward order (tags)
         self._seq: list[int] = []  # this step's forward order so far
         self._on_path = True  # this step still follows the recorded order
+        self._training = True  # the root module's mode in this forward
+        self._in_backward = False
+        self._sync = True  # whether the running backward reduces
         self._active: UnitStorage | None = None  # unit whose backward runs now
         self._fwd_pos: int | None = None  # position in the recorded order of the unit in forward
         self._bwd_pos: int | None = None  # same, for the unit whose backward runs now
         self._warned_order = False
 
-    def install(self) -> list[Any]:
-        handles = []
-        for module, u in self.module_units:
-            handles.append(module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
-            handles.append(module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
-        return handles
-
     # -- helpers ---------------------------------------------------------------------------
-    def _step(self) -> str:
-        return f"step {self.engine.step_count}"
-
     def _gather(self, u: UnitStorage) -> None:
-        u.unshard_async(self._step())
+        u.unshard_async(self.step)
 
     def _prefetch(self, position: int, direction: int) -> None:
-        depth = self.engine.config.prefetch
+        depth = self.settings.prefetch
         if not depth or self.order is None or not self._on_path:
             return
         tags = self.order
         nxt = range(position + 1, min(len(tags), position + 1 + depth)) if direction > 0 else range(position - 1, max(-1, position - 1 - depth), -1)
-        cap = self.engine.config.stage3_max_live_parameters
+        cap = self.settings.max_live_parameters
         for j in nxt:
             u = self.all_units[tags[j] - 1]
             live = sum(v.numel for v in self.all_units if v.state is not ShardedState.SHARDED)
@@ -87,15 +96,12 @@ class Zero3Hooks:
                 return  # stage3_max_live_parameters: gather it on demand instead
             self._gather(u)
 
-    def _in_backward(self) -> bool:
-        return self.engine.training_state is TrainingState.BACKWARD
-
     def _reuse_soon(self, u: UnitStorage, pos: int | None, direction: int) -> bool:
         """Will ``u`` run again in this pass (later in forward, or earlier in forward order during
         backward) with at most ``stage3_max_reuse_distance`` elements of other units between?"""
         if self.order is None or not self._on_path or pos is None:
             return False
-        limit, dist = self.engine.config.stage3_max_reuse_distance, 0
+        limit, dist = self.settings.max_reuse_distance, 0
         for j in range(pos + 1, len(self.order)) if direction > 0 else range(pos - 1, -1, -1):
             tag = self.order[j]
             if tag == u.tag:
@@ -106,7 +112,7 @@ class Zero3Hooks:
         return False
 
     def _recording(self) -> bool:
-        return torch.is_grad_enabled() and self.engine.module.training and not self._in_backward()
+        return torch.is_grad_enabled() and self._training and not self._in_backward
 
     # -- agreement on lists that might run conditionally ------------------------------------
     def _checking(self) -> bool:
@@ -120,11 +126,11 @@ class Zero3Hooks:
         every list is pinned: that rank takes part in no further agreement, so no other rank may
         ask for one. Pinned sets stay equal on every rank, so the k-th agreement of each rank
         meets the k-th of the others. Returns whether all agreed."""
-        ctx = self.engine.ctx
+        ctx = self.ctx
         out = torch.zeros(ctx.world_size, dtype=torch.int64, device=ctx.device)
         mine = out[ctx.rank : ctx.rank + 1]
         mine.fill_(tag)
-        C.all_gather(ctx, out, mine, what=f"list-unit agreement ({self._step()})").wait()
+        C.all_gather(ctx, out, mine, what=f"list-unit agreement ({self.step})").wait()
         tags = out.tolist()
         if len(set(tags)) == 1:
             return True
@@ -136,7 +142,7 @@ class Zero3Hooks:
             "zero_strategy: ZeRO-3 ranks enter different blocks of a list at %s (%s); the list%s %s now stay%s "
             "gathered with the root unit (more memory, no divergence). To keep them sharded, decorate the module "
             "that owns the conditional branch with @zero_auto_partition or pass initialize(policy=...).",
-            self._step(),
+            self.step,
             ", ".join(f"rank {r}: {self.names.get(t, 'end of forward')}" for r, t in enumerate(tags)),
             "s" if len(lists) > 1 else "",
             [self.lists[k][0].label.rsplit(".", 1)[0] for k in lists],
@@ -151,7 +157,8 @@ class Zero3Hooks:
         return False
 
     # -- root ------------------------------------------------------------------------------
-    def root_pre_forward(self) -> None:
+    def root_pre_forward(self, *, training: bool) -> None:
+        self._training = training
         self._seq = []
         self._on_path = True
         pinned = [u for u in self.all_units if u.tag in self.pinned]
@@ -171,8 +178,8 @@ class Zero3Hooks:
                     u.release()
 
     # -- units -----------------------------------------------------------------------------
-    def _pre_forward(self, u: UnitStorage) -> None:
-        if u.tag in self.list_of and not self._in_backward():
+    def pre_forward(self, u: UnitStorage) -> None:
+        if u.tag in self.list_of and not self._in_backward:
             if u.tag in self.pinned or not self._agree(u.tag):
                 u.wait_unshard(self.names)  # gathered with the root
                 return
@@ -186,7 +193,7 @@ class Zero3Hooks:
                     log.warning(
                         "zero_strategy: the order of ZeRO-3 units changed at %s (%s instead of %s); "
                         "prefetching is off until the new order is recorded (logged once)",
-                        self._step(),
+                        self.step,
                         self.names.get(u.tag),
                         self.names.get(self.order[pos]) if pos < len(self.order) else "the end of the recorded order",
                     )
@@ -198,19 +205,20 @@ class Zero3Hooks:
             self._gather(u)
         u.wait_unshard(self.names)
 
-    def _post_forward(self, u: UnitStorage, output: Any) -> Any:
+    def post_forward(self, u: UnitStorage) -> None:
         # a checkpoint's recomputation keeps it for the backward; a unit that runs again soon
         # in this forward stays gathered (stage3_max_reuse_distance); a pinned one stays too
-        if not self._in_backward() and u.tag not in self.pinned and not self._reuse_soon(u, self._fwd_pos, +1):
+        if not self._in_backward and u.tag not in self.pinned and not self._reuse_soon(u, self._fwd_pos, +1):
             u.release()
-        if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
-        return output
 
-    def _pre_backward(self, u: UnitStorage) -> None:
-        self.engine._queue_end_of_backward()
+    def backward_started(self, *, sync: bool) -> None:
+        """The first hook of a backward ran (``sync``: it reduces gradients)."""
+        self._in_backward = True
+        self._sync = sync
+
+    def pre_backward(self, u: UnitStorage) -> None:
+        """Gradients reached one of ``u``'s outputs: gather it for its backward (and finish the
+        unit whose backward ran before)."""
         if u.tag in self.pinned:  # gathered with the root; reduced at the end of backward
             u.wait_unshard(self.names)
             return
@@ -233,22 +241,23 @@ class Zero3Hooks:
         return next((j for j in range(start - 1, -1, -1) if self.order[j] == u.tag), None)
 
     def _finish_backward(self, u: UnitStorage) -> None:
-        if self.engine.backward_sync and u.group is not None:
-            self.engine.reducer.launch(u.group)
+        if self._sync and u.group is not None:
+            self.reducer.launch(u.group)
         if not self._reuse_soon(u, self._bwd_pos, -1):
             u.release()
 
     def abort_backward(self) -> None:
+        self._in_backward = False
         self._active = None
         self._bwd_pos = None
         for u in self.all_units:
             u.reshard()
 
-    def end_of_backward(self, *, sync: bool) -> None:
+    def end_of_backward(self) -> None:
+        """After the gradient schedule reduced what was left: free the units, adopt the order."""
+        self._in_backward = False
         self._active = None
         self._bwd_pos = None
-        if sync:
-            self.engine.reducer.end_of_backward()
         for u in self.all_units:
             u.release()
         if self._seq:
@@ -259,16 +268,16 @@ class Zero3Hooks:
         """After a training backward: the first recorded order is checked to be the same on
         every rank (a collective every rank reaches at its first backward); later changes are
         adopted locally, since every gather checks which unit each rank is gathering."""
-        if self.order is not None or not self.engine.config.check_unit_order:
+        if self.order is not None or not self.settings.check_unit_order:
             self.order = list(seq)  # check_unit_order=False: trust the order, no collective
             return
-        digest = torch.tensor([len(seq), hash(tuple(seq)) % (2**31 - 1)], dtype=torch.int64, device=self.engine.ctx.device)
+        digest = torch.tensor([len(seq), hash(tuple(seq)) % (2**31 - 1)], dtype=torch.int64, device=self.ctx.device)
         both = torch.cat([digest, -digest])
-        C.all_reduce(self.engine.ctx, both, op="max", what=f"unit order check ({self._step()})").wait()
+        C.all_reduce(self.ctx, both, op="max", what=f"unit order check ({self.step})").wait()
         if not torch.equal(both[:2], -both[2:]):
             raise RuntimeError(
-                f"rank {self.engine.ctx.rank}: ZeRO-3 units ran in a different order on different ranks at "
-                f"{self._step()}; this rank ran {[self.names[t] for t in seq]}. Make every rank run the same "
+                f"rank {self.ctx.rank}: ZeRO-3 units ran in a different order on different ranks at "
+                f"{self.step}; this rank ran {[self.names[t] for t in seq]}. Make every rank run the same "
                 "modules (or group the conditional part into one unit with @zero_auto_partition / policy=...)."
             )
         self.order = list(seq)

@@ -30,6 +30,9 @@ the ZeRO models and hand everything else to the Accelerator's own methods:
   no full model weights. ``save_state(dir)`` writes the whole save, Accelerate's scheduler,
   sampler and RNG files included, into a fresh ``dir/state-<step>`` and moves ``dir/latest``
   once all of it is durable; ``load_state(dir)`` follows ``latest``.
+
+``ZeroPlugin.prepare`` checks the Accelerator (``check_accelerator``), pairs the objects and
+resolves the config, then calls ``prepare_with_zero``; nothing here imports the plugin module.
 """
 
 from __future__ import annotations
@@ -47,10 +50,9 @@ from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from torch import nn
 
 import zero_strategy as zs
+from zero_strategy.frontend import accumulation_to_adopt, frontend_engine_config
 
-from accelerate_zero.plugin import ZeroPlugin, pair_models_and_optimizers
-
-__all__ = ["CHECKPOINT_DIR", "OPTIMIZER_MARKER", "ZeroAcceleratedOptimizer", "prepare_with_zero"]
+__all__ = ["CHECKPOINT_DIR", "OPTIMIZER_MARKER", "ZeroAcceleratedOptimizer", "check_accelerator", "prepare_with_zero"]
 
 CHECKPOINT_DIR = "zero_strategy_model"
 OPTIMIZER_MARKER = "zero_strategy_sharded_optimizer"
@@ -227,7 +229,9 @@ def _drop_forward_wrapper(model: Any) -> None:
     model.__dict__.pop("_is_accelerate_prepared", None)
 
 
-def _check_accelerator(accelerator: Any) -> None:
+def check_accelerator(accelerator: Any) -> None:
+    """Refuse what ``ZeroPlugin.prepare`` cannot run on: not an Accelerator, DeepSpeed/FSDP/
+    Megatron, tensor or context parallelism."""
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"ZeroPlugin.prepare(accelerator=...): expected an accelerate.Accelerator, got {type(accelerator).__name__}")
     if accelerator.distributed_type not in _SUPPORTED_TYPES:
@@ -289,28 +293,28 @@ def _binding_of(accelerator: Accelerator) -> _Binding:
     return binding
 
 
-def prepare_with_zero(plugin: ZeroPlugin, accelerator: Any, objects: tuple[Any, ...]) -> Any:
-    _check_accelerator(accelerator)
-    pairs = pair_models_and_optimizers(objects)
-    for model, optimizer in pairs:
-        if getattr(model, "_is_accelerate_prepared", False) or getattr(optimizer, "_is_accelerate_prepared", False):
-            raise ValueError(
-                "ZeroPlugin.prepare(): the model or optimizer was already passed to accelerator.prepare (DDP-wrapped); "
-                "pass the plain model and optimizer to ZeroPlugin.prepare instead"
-            )
-    config = plugin.resolved_config(accelerator)
-    steps = config.gradient_accumulation_steps
-    if steps not in (None, 1) and accelerator.gradient_accumulation_steps == 1:
+def prepare_with_zero(
+    accelerator: Accelerator,
+    objects: tuple[Any, ...],
+    pairs: list[tuple[nn.Module, torch.optim.Optimizer | None]],
+    config: zs.ZeroConfig,
+    policy: Any,
+) -> Any:
+    """The body of ``ZeroPlugin.prepare(accelerator, *objects)``: ``pairs`` are the models among
+    ``objects`` with their optimizers (``pair_models_and_optimizers``), ``config`` is
+    ``ZeroPlugin.resolved_config(accelerator)`` and ``policy`` the plugin's ZeRO-3 units."""
+    steps = accumulation_to_adopt(config, accelerator.gradient_accumulation_steps)
+    if steps is not None:
         accelerator.gradient_accumulation_steps = steps  # the file's setting, which accumulate() runs
     # The Accelerator owns accumulation (loss division, no_sync, skipped steps); the engine
     # only needs to agree with it, which resolved_config checked.
-    engine_config = config.replace(gradient_accumulation_steps=None)
+    engine_config = frontend_engine_config(config)
     binding = _binding_of(accelerator)
     swapped: dict[int, Any] = {}
     for model, optimizer in pairs:
         if accelerator.device_placement:
             model.to(accelerator.device)
-        model, optimizer = zs.initialize(model, optimizer, config=engine_config, policy=plugin.policy)
+        model, optimizer = zs.initialize(model, optimizer, config=engine_config, policy=policy)
         if config.precision.autocast_dtype is not None:
             # as Accelerate's own mixed precision: the engine autocasts inside forward, the outputs
             # come back in fp32 (a loss computed from them outside forward is computed in fp32)

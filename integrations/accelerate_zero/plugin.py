@@ -8,7 +8,9 @@ Accelerator and then prepares the model and optimizer for it::
     plugin = ZeroPlugin.from_env()            # ZERO_STRATEGY_CONFIG=zero3.yaml, ZERO_STRATEGY_STAGE=...
     model, optimizer, loader, scheduler = plugin.prepare(accelerator, model, optimizer, loader, scheduler)
 
-Only the public API of ``zero_strategy`` is used.
+Only the public API of ``zero_strategy`` is used. This module does not import Accelerate:
+``prepare`` hands the Accelerator to ``accelerate_zero.binding`` (imports point one way,
+plugin -> binding).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 import zero_strategy as zs
 from zero_strategy import resolve_overrides
 from zero_strategy.config import frontend_precision
+from zero_strategy.frontend import apply_frontend_settings, format_precision_flags
 
 __all__ = ["CONFIG_ENV", "ENV_PREFIX", "ZeroPlugin"]
 
@@ -135,28 +138,30 @@ class ZeroPlugin:
             name = frontend_precision("accelerate", mp)
         except ValueError:
             raise ValueError(
-                f"Accelerator(mixed_precision={mp!r}) is not supported by ZeroPlugin; use 'no', 'bf16' or 'fp16'"
+                f"Accelerator(mixed_precision={mp!r}) is not supported by ZeroPlugin; "
+                f"use {format_precision_flags('accelerate')}"
             ) from None
         if not getattr(accelerator, "native_amp", True):
             name = None  # Accelerate's DDP path runs this in fp32 here (fp16 needs a GPU): so does the engine
         gas = int(accelerator.gradient_accumulation_steps)
         source = f"Accelerator(mixed_precision={mp!r}, gradient_accumulation_steps={gas})"
-        return resolve_overrides(
-            self.config, source=source, precision=name, gradient_accumulation_steps=gas if gas != 1 else None
-        )
+        return apply_frontend_settings(self.config, source=source, precision=name, accumulation=gas)
 
     def prepare(self, accelerator: Any, *objects: Any) -> Any:
-        """Like ``accelerator.prepare(*objects)``, with the one model and its optimizer handed to
+        """Like ``accelerator.prepare(*objects)``, with each model and its optimizer handed to
         ``zero_strategy.initialize`` instead of DDP. Returns the objects in the same order
         (a single object if one was given)."""
-        from accelerate_zero.binding import prepare_with_zero
+        from accelerate_zero.binding import check_accelerator, prepare_with_zero  # Accelerate: imported here
 
-        return prepare_with_zero(self, accelerator, objects)
+        check_accelerator(accelerator)
+        pairs = pair_models_and_optimizers(objects)
+        return prepare_with_zero(accelerator, objects, pairs, self.resolved_config(accelerator), self.policy)
 
 
 def pair_models_and_optimizers(objects: tuple[Any, ...]) -> list[tuple[nn.Module, torch.optim.Optimizer | None]]:
     """Every model among ``objects`` with the optimizer built on its parameters (None: the model
-    is prepared without one, for evaluation or for gradients read elsewhere)."""
+    is prepared without one, for evaluation or for gradients read elsewhere). Models and
+    optimizers that ``accelerator.prepare`` has already seen are refused."""
     models = [o for o in objects if isinstance(o, nn.Module)]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     if not models:
@@ -189,4 +194,11 @@ def pair_models_and_optimizers(objects: tuple[Any, ...]) -> list[tuple[nn.Module
                 "optimizer per model (put several parameter groups into one optimizer)"
             )
         paired[k] = opt
-    return [(m, paired.get(k)) for k, m in enumerate(models)]
+    pairs = [(m, paired.get(k)) for k, m in enumerate(models)]
+    for model, optimizer in pairs:
+        if getattr(model, "_is_accelerate_prepared", False) or getattr(optimizer, "_is_accelerate_prepared", False):
+            raise ValueError(
+                "ZeroPlugin.prepare(): the model or optimizer was already passed to accelerator.prepare (DDP-wrapped); "
+                "pass the plain model and optimizer to ZeroPlugin.prepare instead"
+            )
+    return pairs

@@ -1,22 +1,27 @@
-"""What the Trainer's and Fabric's zero strategies do alike: the config, devices and ranks, the
-process group, barrier and broadcast, and turning Lightning's precision plugin into ours.
+"""What the Trainer's and Fabric's zero strategies do alike: the config and how Lightning's
+arguments meet it, devices and ranks, the process group, barrier and broadcast, turning
+Lightning's precision plugin into ours, the checkpoint shards and the strategy registration.
 
 A mixin placed before each namespace's ``ParallelStrategy``; each built class sets
 ``_zero_dist`` (that namespace's ``utilities.distributed``), ``_zero_rank_zero``,
-``_zero_launcher`` (its ``_SubprocessScriptLauncher``) and, for the Trainer, ``_zero_reset_seed``."""
+``_zero_launcher`` (its ``_SubprocessScriptLauncher``), ``_zero_object`` (the name of
+Lightning's own state beside the shards) and, for the Trainer, ``_zero_reset_seed``."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import timedelta
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 from typing_extensions import override
 
+import lightning_zero._settings as S
 import zero_strategy as zs
-from lightning_zero import _settings as S
+from zero_strategy.frontend import format_precision_flags, frontend_engine_config
 
 # Lightning's own plugins for the precision flags; ZeroPrecision then refuses flags it cannot run
 LIGHTNING_PRECISION_PLUGINS = ("Precision", "MixedPrecision", "DoublePrecision", "HalfPrecision")
@@ -59,10 +64,18 @@ def register_names(registry: Any, cls: type) -> None:
         registry.register(entry.name, cls, description=entry.description, stage=entry.stage, offload=dict(entry.offload) or None)
 
 
+def publish(prefix: str, classes: Mapping[str, type]) -> None:
+    """Name the classes one ``build`` made as ``lightning_zero.<prefix><name>``, the attribute of
+    the package that returns them (reprs, pickling and jsonargparse's ``class_path`` find them)."""
+    for name, cls in classes.items():
+        cls.__module__, cls.__name__, cls.__qualname__ = "lightning_zero", prefix + name, prefix + name
+
+
 class ZeroParallelMixin:
     _zero_dist: ModuleType
     _zero_rank_zero: ModuleType
     _zero_launcher: type
+    _zero_object: str
     _zero_reset_seed: Optional[Callable[[], None]] = None  # the Trainer's DDP calls lightning's reset_seed()
     parallel_devices: Optional[list[torch.device]]
     cluster_environment: Any
@@ -90,16 +103,45 @@ class ZeroParallelMixin:
             plugin = self._zero_precision = zero_cls()
         return plugin
 
-    def _zero_precision_from(self, plugin: Any, zero_cls: type, caller: str, flag: str) -> Any:
-        """``plugin`` (what Lightning picked from ``precision=``) as a ``zero_cls`` instance."""
+    def _zero_precision_from(self, plugin: Any, zero_cls: type, caller: str, owner: str) -> Any:
+        """``plugin`` (what Lightning picked from ``precision=``) as a ``zero_cls`` instance;
+        ``owner`` ("Trainer" or "Fabric") is where the user passes ``precision=`` instead."""
         if plugin is None or isinstance(plugin, zero_cls):
             return plugin
         if type(plugin).__name__ not in LIGHTNING_PRECISION_PLUGINS:
+            flags = format_precision_flags("lightning", sep=" | ", last=" | ")
             raise TypeError(
                 f"{caller}: the precision plugin {type(plugin).__name__} cannot be combined with the zero strategies; "
-                f"pass {flag}(precision='32-true' | 'bf16-mixed' | '16-mixed') instead"
+                f"pass {owner}(precision={flags}) instead"
             )
         return zero_cls(str(plugin.precision))
+
+    def _zero_apply_arguments(
+        self,
+        source: str,
+        *,
+        precision: str,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+        accumulate_grad_batches: int = 1,
+    ) -> zs.ZeroConfig:
+        """Lightning's arguments (``source`` names them in a conflict) over the strategy's config,
+        which keeps the result as ``zero_config``; returns the config the engine gets. Lightning
+        runs the accumulation loop and, with ``gradient_clip_val``, the clipping itself."""
+        self.zero_config = S.apply_lightning_arguments(
+            self.zero_config,
+            precision=precision,
+            gradient_clip_val=gradient_clip_val,
+            gradient_clip_algorithm=gradient_clip_algorithm,
+            accumulate_grad_batches=accumulate_grad_batches,
+            source=source,
+        )
+        return frontend_engine_config(self.zero_config, frontend_clips=S.lightning_clips(gradient_clip_val))
+
+    def _zero_bind_precision(self, plugin: Any) -> None:
+        """The precision plugin autocasts to the resolved config's dtype, on the strategy's device."""
+        plugin.dtype = S.autocast_dtype(self.zero_config)
+        plugin.device_type = self.root_device.type
 
     def _zero_sharded_init(self) -> contextlib.AbstractContextManager:
         """Where modules are built (``configure_model``, ``fabric.init_module()``): at stage 3
@@ -175,3 +217,23 @@ class ZeroParallelMixin:
         box = [obj]
         torch.distributed.broadcast_object_list(box, src)
         return box[0]
+
+    # -- checkpoints: the module and its optimizer as shards, Lightning's own state beside them ---
+    def _zero_checkpoint_path(self, path: Any) -> Path:
+        """Rank 0's path, on every rank (each rank writes its shards into the same directory)."""
+        return Path(self.broadcast(os.fspath(path)))
+
+    def _zero_save_shards(self, path: Path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], state: Any) -> None:
+        # keep_last=1: saving again under the same name replaces that save, as a plain checkpoint file is overwritten
+        zs.save_checkpoint(path, module, optimizer, objects={self._zero_object: state}, keep_last=1)
+
+    def _zero_load_shards(self, path: Path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], weights_only: Optional[bool]) -> Any:
+        """Load the shards into ``module`` (and ``optimizer``); returns Lightning's own state."""
+        zs.load_checkpoint(path, module, optimizer)
+        # None (Lightning's default) reads as weights_only=True: only an explicit False opts out
+        return zs.read_checkpoint_object(path, self._zero_object, weights_only=weights_only)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_names(strategy_registry, cls)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -15,8 +13,8 @@ from torch import nn
 from typing_extensions import override
 
 import zero_strategy as zs
-from lightning_zero import _settings as S
-from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, register_names, zero_optimizer
+
+from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
 
 FABRIC_OBJECT = "fabric"  # the non-model entries of Fabric's state dict (fabric.pt)
 
@@ -61,6 +59,7 @@ def build(ns: str) -> tuple[type, type]:
 
         is_distributed = True
         _zero_dist, _zero_rank_zero, _zero_launcher = dist, rank_zero, launchers._SubprocessScriptLauncher
+        _zero_object = FABRIC_OBJECT
 
         def __init__(
             self,
@@ -127,12 +126,10 @@ def build(ns: str) -> tuple[type, type]:
             return self._initialize(module, None)[0]
 
         def _initialize(self, module: nn.Module, optimizer: Any) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
-            cfg = S.apply_lightning_arguments(self.zero_config, precision=self.precision.precision, gradient_clip_val=None,
-                                              gradient_clip_algorithm=None, accumulate_grad_batches=1, source="Fabric(precision=...)")  # fmt: skip
-            self.zero_config = cfg
-            module, optimizer = zs.initialize(module, optimizer, config=S.engine_config(cfg, lightning_clips=False), policy=self._policy)
-            self.precision.dtype = S.autocast_dtype(cfg)
-            self.precision.device_type = self.root_device.type
+            # Fabric has no clipping or accumulation arguments: the engine applies the file's clipping
+            engine_config = self._zero_apply_arguments("Fabric(precision=...)", precision=self.precision.precision)
+            module, optimizer = zs.initialize(module, optimizer, config=engine_config, policy=self._policy)
+            self._zero_bind_precision(self.precision)
             return module, optimizer
 
         @override
@@ -166,20 +163,18 @@ def build(ns: str) -> tuple[type, type]:
             if storage_options is not None or filter is not None:
                 raise TypeError("ZeroFabricStrategy.save_checkpoint: storage_options and filter are not supported (shards are written by zero_strategy)")
             model_key, opt_key = _split(state)
-            path = Path(self.broadcast(os.fspath(path)))
+            path = self._zero_checkpoint_path(path)
             rest = {k: (v.state_dict() if isinstance(v, stateful) else v) for k, v in state.items() if k not in (model_key, opt_key)}
             meta = {"model_key": model_key, "optimizer_key": opt_key, "state": rest}
-            zs.save_checkpoint(path, state[model_key], state.get(opt_key), objects={FABRIC_OBJECT: meta}, keep_last=1)
+            self._zero_save_shards(path, state[model_key], state.get(opt_key), meta)
 
         @override
         def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
             if not isinstance(state, dict) or not state:
                 raise TypeError("ZeroFabricStrategy.load_checkpoint: pass the state dict to restore into, e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})")
             model_key, opt_key = _split(state)
-            path = Path(self.broadcast(os.fspath(path)))
-            zs.load_checkpoint(path, state[model_key], state.get(opt_key))
-            # None (Fabric's default) reads as weights_only=True: only an explicit False opts out
-            meta = zs.read_checkpoint_object(path, FABRIC_OBJECT, weights_only=weights_only)
+            path = self._zero_checkpoint_path(path)
+            meta = self._zero_load_shards(path, state[model_key], state.get(opt_key), weights_only)
             saved = dict(meta["state"])
             for key, obj in list(state.items()):
                 if key in (model_key, opt_key):
@@ -194,14 +189,8 @@ def build(ns: str) -> tuple[type, type]:
                     state[key] = saved.pop(key)
             return saved
 
-        @classmethod
-        @override
-        def register_strategies(cls, strategy_registry: Any) -> None:
-            register_names(strategy_registry, cls)
-
     prefix = "" if ns == "lightning.fabric" else "LF"
-    for cls, name in ((ZeroFabricStrategy, "ZeroFabricStrategy"), (ZeroFabricPrecision, "ZeroFabricPrecision")):
-        cls.__module__, cls.__name__, cls.__qualname__ = "lightning_zero", prefix + name, prefix + name
+    publish(prefix, {"ZeroFabricStrategy": ZeroFabricStrategy, "ZeroFabricPrecision": ZeroFabricPrecision})
     return ZeroFabricStrategy, ZeroFabricPrecision
 
 

@@ -1,5 +1,6 @@
 """What the Trainer and Fabric strategies share: the registered names, the precision map and
-how the Lightning arguments meet the config file. No Lightning import here."""
+how the Lightning arguments meet the config file (the rules every front-end follows are in
+``zero_strategy.frontend``). No Lightning import here."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from zero_strategy import ZeroConfig, resolve_overrides
 from zero_strategy.config import frontend_precision
+from zero_strategy.frontend import apply_frontend_settings
 
 ConfigArg = Union[ZeroConfig, Mapping[str, Any], str, os.PathLike, None]
 
@@ -67,26 +69,18 @@ def apply_lightning_arguments(
     Lightning's defaults ("32-true", no clipping, accumulation 1) count as "not given", so a
     file's bf16 / gradient_clipping / gradient_accumulation_steps then applies."""
     clip = None
-    if gradient_clip_val is not None and float(gradient_clip_val) > 0 and (gradient_clip_algorithm or "norm") == "norm":
+    if gradient_clip_val is not None and lightning_clips(gradient_clip_val) and (gradient_clip_algorithm or "norm") == "norm":
         clip = float(gradient_clip_val)
-    return resolve_overrides(
-        cfg,
-        source=source,
-        precision=training_dtype(precision),
-        gradient_clipping=clip,
-        gradient_accumulation_steps=accumulate_grad_batches if accumulate_grad_batches != 1 else None,
+    return apply_frontend_settings(
+        cfg, source=source, precision=training_dtype(precision), accumulation=accumulate_grad_batches, gradient_clipping=clip
     )
 
 
-def engine_config(cfg: ZeroConfig, *, lightning_clips: bool) -> ZeroConfig:
-    """The config the engine gets: Lightning runs the accumulation loop itself and, when the
-    Trainer has ``gradient_clip_val``, clipping too (through the precision plugin), so the
-    engine must not clip again on a step the user's ``configure_gradient_clipping`` skipped.
-    A file's ``gradient_clipping`` without a Trainer value is applied by the engine at step."""
-    changes: dict[str, Any] = {"gradient_accumulation_steps": None}
-    if lightning_clips:
-        changes["gradient_clipping"] = None
-    return cfg.replace(**changes)
+def lightning_clips(gradient_clip_val: float | None) -> bool:
+    """Whether Lightning clips itself (``gradient_clip_val`` set, by norm or by value): the engine
+    then must not clip again on a step the user's ``configure_gradient_clipping`` skipped. A
+    file's ``gradient_clipping`` without a Lightning value is applied by the engine at step."""
+    return gradient_clip_val is not None and float(gradient_clip_val) > 0
 
 
 def autocast_dtype(cfg: ZeroConfig) -> torch.dtype | None:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import warnings
 from datetime import timedelta
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
 
@@ -22,8 +20,9 @@ import torch
 from typing_extensions import override
 
 import zero_strategy as zs
-from lightning_zero import _settings as S
-from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, register_names, zero_optimizer
+from zero_strategy.frontend import accumulation_to_adopt
+
+from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
 
 LIGHTNING_OBJECT = "lightning"  # the Trainer's state, saved beside the shards (lightning.pt)
 
@@ -88,6 +87,7 @@ def build(ns: str) -> tuple[type, type]:
         strategy_name = "zero"
         _zero_dist, _zero_rank_zero, _zero_launcher = fabric_dist, rank_zero, launchers._SubprocessScriptLauncher
         _zero_reset_seed = staticmethod(reset_seed)  # as DDPStrategy.setup_distributed
+        _zero_object = LIGHTNING_OBJECT
         is_distributed = True  # Lightning adds the DistributedSampler only for distributed strategies
 
         def __init__(
@@ -156,19 +156,17 @@ def build(ns: str) -> tuple[type, type]:
                 raise RuntimeError("ZeroStrategy.setup: no accelerator or model; the Trainer connects them before setup")
             self.accelerator.setup(trainer)
             fitting = trainer.state.fn == trainer_fn.FITTING
-            resolved = S.apply_lightning_arguments(
-                self.zero_config,
+            wanted = self._zero_apply_arguments(
+                "the Trainer's arguments (precision, gradient_clip_val, accumulate_grad_batches)",
                 precision=str(self.precision_plugin.precision),
                 gradient_clip_val=trainer.gradient_clip_val,
                 gradient_clip_algorithm=getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm),
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
-                source="the Trainer's arguments (precision, gradient_clip_val, accumulate_grad_batches)",
             )
-            steps = resolved.gradient_accumulation_steps
-            if steps not in (None, 1) and trainer.accumulate_grad_batches == 1:
+            steps = accumulation_to_adopt(self.zero_config, trainer.accumulate_grad_batches)
+            if steps is not None:
                 trainer.accumulate_grad_batches = steps  # the file's setting, which the Trainer runs
                 rank_zero.rank_zero_info(f"ZeroStrategy: accumulate_grad_batches={steps} from the config file")
-            self.zero_config = resolved
             engine_ready = getattr(self.model, "zero_engine", None) is not None
             if fitting:
                 self._reset_optimizers_and_schedulers()
@@ -178,8 +176,6 @@ def build(ns: str) -> tuple[type, type]:
                         f"ZeroStrategy: configure_optimizers returned {len(self.optimizers)} optimizers; the zero "
                         "strategies shard exactly one optimizer (put several parameter groups into one optimizer)"
                     )
-            lightning_clips = trainer.gradient_clip_val is not None and float(trainer.gradient_clip_val) > 0
-            wanted = S.engine_config(resolved, lightning_clips=lightning_clips)
             if not engine_ready:
                 if self._layer_sync is not None:  # sync_batchnorm=True, before the engine sees the modules
                     self.model = self._layer_sync.apply(self.model)
@@ -203,8 +199,7 @@ def build(ns: str) -> tuple[type, type]:
 
         def _bind_precision(self) -> None:
             plugin = self.precision_plugin
-            plugin.dtype = S.autocast_dtype(self.zero_config)
-            plugin.device_type = self.root_device.type
+            self._zero_bind_precision(plugin)
             plugin.optimizer = self.optimizers[0] if self.optimizers else None
 
         @override
@@ -259,7 +254,7 @@ def build(ns: str) -> tuple[type, type]:
         def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
             if storage_options is not None:
                 raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported: shards are written by zero_strategy")
-            path = Path(self.broadcast(os.fspath(filepath)))
+            path = self._zero_checkpoint_path(filepath)
             if self.state_dict_type == "full":
                 if path.is_dir():
                     raise ValueError(f"ZeroStrategy(state_dict_type='full'): {path} is a directory; choose a file name")
@@ -272,11 +267,11 @@ def build(ns: str) -> tuple[type, type]:
                 raise ValueError(f"ZeroStrategy: {path} is a file; sharded checkpoints are directories (remove it or pick another name)")
             state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             optimizer = self.optimizers[0] if self.optimizers else None
-            zs.save_checkpoint(path, self.model, optimizer, objects={LIGHTNING_OBJECT: state}, keep_last=1)
+            self._zero_save_shards(path, self.model, optimizer, state)
 
         @override
         def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-            path = Path(self.broadcast(os.fspath(checkpoint_path)))
+            path = self._zero_checkpoint_path(checkpoint_path)
             if path.is_file():  # a full checkpoint: weights (and loop state) only
                 checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
                 zs.load_full_state_dict(self.model, checkpoint["state_dict"])
@@ -289,9 +284,7 @@ def build(ns: str) -> tuple[type, type]:
                     )
                 return checkpoint
             optimizer = self.optimizers[0] if self.optimizers else None
-            zs.load_checkpoint(path, self.model, optimizer)
-            # None (Lightning's default) reads as weights_only=True: only an explicit False opts out
-            return zs.read_checkpoint_object(path, LIGHTNING_OBJECT, weights_only=weights_only)
+            return self._zero_load_shards(path, self.model, optimizer, weights_only)
 
         @override
         def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -311,12 +304,6 @@ def build(ns: str) -> tuple[type, type]:
                 self.accelerator.teardown()
             self.checkpoint_io.teardown()  # full checkpoints go through it (sharded ones do not)
 
-        @classmethod
-        @override
-        def register_strategies(cls, strategy_registry: Any) -> None:
-            register_names(strategy_registry, cls)
-
     prefix = "" if ns == "lightning.pytorch" else "PL"
-    for cls, name in ((ZeroStrategy, "ZeroStrategy"), (ZeroPrecision, "ZeroPrecision")):
-        cls.__module__, cls.__name__, cls.__qualname__ = "lightning_zero", prefix + name, prefix + name
+    publish(prefix, {"ZeroStrategy": ZeroStrategy, "ZeroPrecision": ZeroPrecision})
     return ZeroStrategy, ZeroPrecision

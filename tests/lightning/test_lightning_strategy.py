@@ -75,7 +75,8 @@ def _lit_class():
             return [opt], [{"scheduler": sched, "interval": "step"}]
 
     class ManualGPT(LitGPT):
-        """Manual optimization: manual_backward, clip_gradients, step every 2 batches."""
+        """Manual optimization as Lightning documents it (zero_grad first, inside the redirected
+        forward): manual_backward, clip_gradients, step every 2 batches."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -83,13 +84,14 @@ def _lit_class():
 
         def training_step(self, batch, batch_idx):
             opt = self.optimizers()
+            if batch_idx % 2 == 0:
+                opt.zero_grad()
             loss = self._loss(batch)
             self.log("loss", loss, sync_dist=True, on_step=True)
             self.manual_backward(loss / 2)
             if batch_idx % 2 == 1:
                 self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
                 opt.step()
-                opt.zero_grad()
                 self.lr_schedulers().step()
 
     LitGPT.Manual = ManualGPT

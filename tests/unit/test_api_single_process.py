@@ -681,3 +681,32 @@ def test_fp16_scaler_schedule_resumes_where_it_was_saved(tmp_path) -> None:
     model, opt, inject = build()
     zs.load_checkpoint(tmp_path, model, opt)
     assert first + run(model, opt, inject, range(4, 9)) == whole == [256, 256, 512, 512, 256, 256, 256, 512, 512]
+
+
+def test_illegal_transitions_are_named() -> None:
+    """A state change from a state it may not leave raises where it happens: optimizer.step() or
+    zero_grad() run from a hook inside backward (the gradients are not all there yet), and, one
+    layer down, a unit asked to finish a gather that was never started."""
+    model, opt = _zero3()
+    seen: list[str] = []
+
+    def step_inside_backward(grad: torch.Tensor) -> torch.Tensor:
+        for call in (opt.step, opt.zero_grad):
+            try:
+                call()
+            except RuntimeError as e:
+                seen.append(str(e))
+        return grad
+
+    x, y = synthetic_batch(CFG, 2, 0)
+    logits = model(x)
+    logits.register_hook(step_inside_backward)
+    F.cross_entropy(logits.view(-1, CFG.vocab_size), y.reshape(-1)).backward()
+    assert len(seen) == 2, seen
+    assert seen[0].startswith("optimizer.step() during backward (step 0); call it after loss.backward() returns"), seen
+    assert seen[1].startswith("zero_grad() during backward (step 0); call it between steps"), seen
+    opt.step()  # after backward: fine
+    unit = model.zero_engine.zero3.all_units[0]
+    assert unit.state.name == "SHARDED"
+    with pytest.raises(RuntimeError, match=r"wait_unshard of unit 'blocks.0' moves it to UNSHARDED, which needs state UNSHARDING, but it is SHARDED"):
+        unit.wait_unshard({})

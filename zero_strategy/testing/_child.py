@@ -62,13 +62,13 @@ def _resolve(module: ModuleType, qualname: str, source: str) -> Any:
 def _run(launch_dir: str, rank: int, world_size: int) -> dict[str, Any]:
     import torch
 
-    from zero_strategy import collectives
+    from zero_strategy.testing import _pg
 
     torch.set_num_threads(1)
     with open(Path(launch_dir, SPEC_FILE), "rb") as f:
         spec: dict[str, Any] = pickle.load(f)
     fn = _resolve(_load_module(spec["source"]), spec["qualname"], spec["source"])
-    collectives.init_default_group("gloo", spec["pg_timeout"])
+    _pg.init_default_group("gloo", spec["pg_timeout"])
     result = fn(rank, world_size, *spec["args"], **spec["kwargs"])
     try:
         payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
@@ -98,14 +98,14 @@ def _test_exit(rank: int, point: str) -> None:
 def _teardown(launch_dir: str, rank: int, spec: dict[str, Any]) -> None:
     """The final barrier, its marker file, then the group's destruction. Launches where a rank
     may die on purpose skip the barrier (the survivors have nobody to meet)."""
-    from zero_strategy import collectives
+    from zero_strategy.testing import _pg
 
     _test_exit(rank, "before_barrier")
     if not spec.get("may_die"):
-        collectives.barrier_default_group()
+        _pg.barrier_default_group()
     _write_atomic(barrier_path(launch_dir, rank), b"")
     _test_exit(rank, "after_barrier")
-    collectives.destroy_default_group(barrier=False)
+    _pg.destroy_default_group(barrier=False)
 
 
 def _report_failure(launch_dir: str, rank: int, exc: BaseException) -> None:

@@ -1,0 +1,149 @@
+"""The architecture's import rules, checked on the source (``ast``), so an import hidden inside a
+function or under ``if TYPE_CHECKING:`` counts as much as one at the top of a module:
+
+- no cycle among the modules of ``zero_strategy`` or of either front-end;
+- the core never imports a front-end framework, and imports with torch alone;
+- ``collectives.py`` is the only core module that calls ``torch.distributed``'s collectives.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {
+    "zero_strategy": ROOT / "zero_strategy",
+    "lightning_zero": ROOT / "integrations" / "lightning_zero",
+    "accelerate_zero": ROOT / "integrations" / "accelerate_zero",
+}
+
+
+def _modules(package: str) -> dict[str, Path]:
+    base = PACKAGES[package]
+    out = {}
+    for f in base.rglob("*.py"):
+        parts = (package, *f.relative_to(base).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Every module of ``known`` that ``name`` imports, anywhere in its source."""
+    found: set[str] = set()
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_pkg else name.split(".")[:-1]
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            # `from pkg import sub` imports the module pkg.sub; `from pkg import name` imports pkg
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_cycle(package: str) -> None:
+    known = _modules(package)
+    graph = {m: _imports(m, p, known) for m, p in known.items()}
+    assert _cycles(graph) == [], f"import cycles in {package} (counting function-local and TYPE_CHECKING imports)"
+
+
+def test_the_detector_sees_local_and_type_checking_imports(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("def f():\n    from pkg import b\n")
+    b.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import f\n")
+    known = {"pkg.a": a, "pkg.b": b}
+    graph = {m: _imports(m, p, known) for m, p in known.items()}
+    assert _cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def test_core_imports_no_frontend_and_distributed_calls_stay_in_collectives() -> None:
+    known = _modules("zero_strategy")
+    for name, path in known.items():
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        banned = {m for m in names if m.split(".")[0] in ("lightning", "pytorch_lightning", "accelerate", "lightning_zero", "accelerate_zero")}
+        assert not banned, f"{name} imports {sorted(banned)}: the core never imports a front-end"
+        if name == "zero_strategy.collectives" or name.startswith("zero_strategy.testing"):
+            continue
+        calls = {
+            n.func.attr
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+            and n.func.value.id == "dist"
+        }  # fmt: skip
+        collectives = calls & {"all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "reduce_scatter",
+                               "send", "recv", "isend", "irecv", "batch_isend_irecv", "new_group", "all_gather_into_tensor"}  # fmt: skip
+        assert not collectives, f"{name} calls torch.distributed.{sorted(collectives)}: go through zero_strategy.collectives"
+
+
+def test_core_imports_with_torch_alone() -> None:
+    """Every optional package blocked: ``import zero_strategy`` and its submodules still work."""
+    code = """
+import importlib, pkgutil, sys
+BLOCKED = ("yaml", "jsonargparse", "lightning", "pytorch_lightning", "accelerate", "transformers", "safetensors", "psutil", "deepspeed")
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"blocked: {name}")
+sys.meta_path.insert(0, Block())
+import zero_strategy
+for m in pkgutil.walk_packages(zero_strategy.__path__, "zero_strategy."):
+    if not m.name.startswith("zero_strategy.testing"):
+        importlib.import_module(m.name)
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -1,0 +1,94 @@
+"""What every front-end (Lightning's strategies, the Accelerate plugin) does alike where its own
+arguments meet the config file: the precision flags it accepts, its arguments over the file's
+settings, adopting the file's ``gradient_accumulation_steps``, and the config the engine gets.
+
+A front-end's defaults ("32-true"/"no", accumulation 1) count as "not given", so the file's
+values then apply; a value given on both sides that differs raises (``resolve_overrides``).
+The front-end runs the accumulation loop itself, so the engine never accumulates on its own.
+Front-end names are the keys of ``zero_strategy.config.FRONTEND_PRECISION``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zero_strategy as zs
+from zero_strategy.config import FRONTEND_PRECISION
+
+__all__ = [
+    "accumulation_to_adopt",
+    "apply_frontend_settings",
+    "format_precision_flags",
+    "frontend_engine_config",
+    "precision_flags",
+]
+
+
+def precision_flags(frontend: str) -> tuple[str, ...]:
+    """The precision flags ``frontend`` accepts, one per precision (aliases such as Lightning's
+    ``"32"`` for ``"32-true"`` left out), in the order of ``FRONTEND_PRECISION``."""
+    try:
+        table = FRONTEND_PRECISION[frontend]
+    except KeyError:
+        raise ValueError(f"precision_flags({frontend!r}): unknown front-end; use one of {sorted(FRONTEND_PRECISION)}") from None
+    flags: list[str] = []
+    names: list[str | None] = []
+    for flag, name in table.items():
+        if name not in names:
+            names.append(name)
+            flags.append(flag)
+    return tuple(flags)
+
+
+def format_precision_flags(frontend: str, *, sep: str = ", ", last: str = " or ") -> str:
+    """``precision_flags(frontend)`` quoted for a message: ``'no', 'bf16' or 'fp16'``
+    (``sep=" | ", last=" | "`` gives ``'32-true' | 'bf16-mixed' | ...``)."""
+    quoted = [repr(flag) for flag in precision_flags(frontend)]
+    return sep.join(quoted[:-1]) + last + quoted[-1] if len(quoted) > 1 else "".join(quoted)
+
+
+def apply_frontend_settings(
+    cfg: zs.ZeroConfig, *, source: str, precision: str | None, accumulation: int, **explicit: Any
+) -> zs.ZeroConfig:
+    """The front-end's arguments applied over ``cfg``; a conflicting value in the file raises.
+
+    Args:
+        cfg: the strategy's or plugin's config (from the file, or the defaults).
+        source: the call that gave the arguments, named in a conflict's message.
+        precision: the engine's precision name for the front-end's flag (``frontend_precision``),
+            None for the front-end's default: the file's precision then applies.
+        accumulation: the front-end's gradient accumulation; its default 1 counts as "not
+            given", so the file's ``gradient_accumulation_steps`` then applies.
+        **explicit: other ZeroConfig fields the front-end sets (None: not given).
+    """
+    doubled = sorted(explicit.keys() & {"precision", "gradient_accumulation_steps"})
+    if doubled:
+        raise TypeError(
+            f"apply_frontend_settings({'=..., '.join(doubled)}=...): give the front-end's precision as precision= "
+            "and its accumulation as accumulation="
+        )
+    # in this order: with several conflicts, the precision's is reported first, accumulation's last
+    given: dict[str, Any] = {"precision": precision, **explicit}
+    given["gradient_accumulation_steps"] = accumulation if accumulation != 1 else None
+    return zs.resolve_overrides(cfg, source=source, **given)
+
+
+def accumulation_to_adopt(cfg: zs.ZeroConfig, frontend_steps: int) -> int | None:
+    """The file's ``gradient_accumulation_steps`` for a front-end that runs its default (1) and
+    must now run the file's setting itself (Lightning's ``accumulate_grad_batches``, the
+    Accelerator's ``gradient_accumulation_steps``); None when there is nothing to adopt. ``cfg``
+    has been through ``apply_frontend_settings``, so the two values never disagree otherwise."""
+    steps = cfg.gradient_accumulation_steps
+    if steps not in (None, 1) and frontend_steps == 1:
+        return steps
+    return None
+
+
+def frontend_engine_config(cfg: zs.ZeroConfig, *, frontend_clips: bool = False) -> zs.ZeroConfig:
+    """The config the engine gets under a front-end: the front-end runs the accumulation loop
+    (loss division, ``no_sync``, skipped steps), so the engine does not accumulate; when the
+    front-end also clips (``frontend_clips``), the engine must not clip a second time."""
+    changes: dict[str, Any] = {"gradient_accumulation_steps": None}
+    if frontend_clips:
+        changes["gradient_clipping"] = None
+    return cfg.replace(**changes)
