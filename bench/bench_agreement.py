@@ -33,7 +33,11 @@ def _worker(rank: int, world: int, config: str, steps: int, repeats: int) -> dic
     import zero_strategy as zs
     from zero_strategy.models import GPT, Block, GPTConfig, synthetic_batch
 
-    cfg = GPTConfig.bench() if config == "bench" else GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_layer=8, n_head=4)
+    cfg = (
+        GPTConfig.bench()
+        if config == "bench"
+        else GPTConfig(vocab_size=256, seq_len=32, d_model=64, n_layer=8, n_head=4)
+    )
     models = {}
     for name, policy in (("default", None), ("declared", {Block})):
         torch.manual_seed(0)
@@ -49,7 +53,7 @@ def _worker(rank: int, world: int, config: str, steps: int, repeats: int) -> dic
         hooks._agree(1)
         calls.append(time.perf_counter() - t0)
     times: dict[str, list[float]] = {"default": [], "declared": []}
-    for rep in range(repeats):
+    for _ in range(repeats):
         for name in ("default", "declared"):
             m, opt = models[name]
             per_step = []
@@ -79,9 +83,13 @@ def main() -> None:
     d, n = statistics.median(r["times"]["default"]), statistics.median(r["times"]["declared"])
     per_step_ms = r["agree_ms"] * (r["blocks"] + 1)
     print(f"config={args.config} blocks={r['blocks']} pinned={r['pinned']}")
-    print(f"agreement call: {r['agree_ms']:.3f} ms (median of 200); per step: {r['blocks'] + 1} calls = {per_step_ms:.2f} ms")
+    print(
+        f"agreement call: {r['agree_ms']:.3f} ms (median of 200); per step: {r['blocks'] + 1} calls = {per_step_ms:.2f} ms"
+    )
     print(f"step time: default policy {d:.4f} s, declared policy {n:.4f} s, ratio {d / n:.3f}")
-    print(f"  per repeat: default {[round(t, 4) for t in r['times']['default']]}, declared {[round(t, 4) for t in r['times']['declared']]}")
+    print(
+        f"  per repeat: default {[round(t, 4) for t in r['times']['default']]}, declared {[round(t, 4) for t in r['times']['declared']]}"
+    )
 
 
 if __name__ == "__main__":

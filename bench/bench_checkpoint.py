@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, engine: str, root: str) -> dict:
     def build():
         torch.manual_seed(0)
         model = GPT(cfg)
-        opt_fn = lambda p: torch.optim.AdamW(p, lr=1e-4)  # noqa: E731
+        opt_fn = lambda p: torch.optim.AdamW(p, lr=1e-4)
         if engine == "ddp_torch_save":
             from torch.nn.parallel import DistributedDataParallel as DDP
 

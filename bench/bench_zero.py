@@ -29,8 +29,20 @@ _REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 if _REPO_ROOT not in sys.path:  # run from a checkout without installing or setting PYTHONPATH
     sys.path.insert(0, _REPO_ROOT)
 
-ALL_ENGINES = ["ddp", "fsdp2_noreshard", "fsdp2", "ds1", "ds2", "ds3", "zero1", "zero2", "zero3",
-               "zero1_native", "zero2_native", "zero3_native"]
+ALL_ENGINES = [
+    "ddp",
+    "fsdp2_noreshard",
+    "fsdp2",
+    "ds1",
+    "ds2",
+    "ds3",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero1_native",
+    "zero2_native",
+    "zero3_native",
+]
 ENGINE_NOTES = {
     "ddp": "torch DDP (baseline)",
     "fsdp2_noreshard": "FSDP2 fully_shard, reshard_after_forward=False (~ZeRO-2)",
@@ -117,7 +129,7 @@ def _live_tensor_bytes() -> tuple[int, int, list[dict]]:
             if st.nbytes() >= seen.get(ptr, 0):
                 seen[ptr] = st.nbytes()
                 what[ptr] = f"{type(obj).__name__}{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
-        except Exception:  # noqa: BLE001 - odd objects (wrapper subclasses, freed storages)
+        except Exception:
             continue
     top = sorted(seen, key=seen.__getitem__, reverse=True)[:5]
     largest = [{"mib": seen[p] / MIB, "tensor": what[p]} for p in top]
@@ -132,7 +144,7 @@ def _peak_rss_mib() -> float:
         import psutil
 
         cur = psutil.Process().memory_info().rss / MIB
-    except Exception:  # noqa: BLE001
+    except Exception:
         cur = 0.0
     return max(peak_kib / 1024.0, cur)
 
@@ -175,8 +187,14 @@ def _build_engine(engine: str, cfg, fused: bool, rank: int):
                 "stage": stage,
                 "reduce_bucket_size": ZeroConfig().reduce_bucket_size,
                 "allgather_bucket_size": ZeroConfig().allgather_bucket_size,
-                **({"stage3_param_persistence_threshold": ZeroConfig().stage3_param_persistence_threshold,
-                    "stage3_prefetch_bucket_size": ZeroConfig().reduce_bucket_size} if stage == 3 else {}),
+                **(
+                    {
+                        "stage3_param_persistence_threshold": ZeroConfig().stage3_param_persistence_threshold,
+                        "stage3_prefetch_bucket_size": ZeroConfig().reduce_bucket_size,
+                    }
+                    if stage == 3
+                    else {}
+                ),
             },
             "zero_allow_untested_optimizer": True,
             "fp16": {"enabled": False},
@@ -312,12 +330,14 @@ def worker_main(args: argparse.Namespace) -> int:
         dist.barrier()
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
         return 0
-    except BaseException:  # noqa: BLE001  any engine's exception, ours included, is an error in the table
+    except BaseException:
         tb = traceback.format_exc()
-        write({"status": "error", "engine": engine, "rank": rank, "reason": tb.strip().splitlines()[-1], "traceback": tb})
+        write(
+            {"status": "error", "engine": engine, "rank": rank, "reason": tb.strip().splitlines()[-1], "traceback": tb}
+        )
         print(tb, file=sys.stderr, flush=True)
         os._exit(1)
 
@@ -381,8 +401,16 @@ def run_engine(engine: str, args: argparse.Namespace, log) -> dict:
                 PYTHONPATH=repo_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""),
             )
             cmd = [
-                sys.executable, str(Path(__file__).resolve()), "--_worker", engine, "--_out", str(out_dir),
-                "--warmup", str(args.warmup), "--steps", str(args.steps),
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--_worker",
+                engine,
+                "--_out",
+                str(out_dir),
+                "--warmup",
+                str(args.warmup),
+                "--steps",
+                str(args.steps),
             ]
             if args.tiny:
                 cmd.append("--tiny")
@@ -424,7 +452,7 @@ def run_engine(engine: str, args: argparse.Namespace, log) -> dict:
 
         if all(r is not None and r["status"] == "ok" for r in ranks) and not timed_out:
             return {"status": "ok", "ranks": ranks, "wall_s": wall}
-        reason = "timed out after %ds" % args.timeout if timed_out else f"exit codes {rcs}"
+        reason = f"timed out after {args.timeout}s" if timed_out else f"exit codes {rcs}"
         errs = [r for r in ranks if r is not None and r["status"] == "error"]
         if errs:
             reason += f"; {errs[0]['reason']}"
@@ -448,7 +476,10 @@ def summarize(engines: list[str], runs: dict[str, list[dict]]) -> dict[str, dict
         ok = [r for r in runs.get(e, []) if r["status"] == "ok"]
         if not ok:
             bad = [r for r in runs.get(e, []) if r["status"] != "ok"]
-            summary[e] = {"status": bad[-1]["status"] if bad else "not run", "reason": bad[-1].get("reason", "") if bad else ""}
+            summary[e] = {
+                "status": bad[-1]["status"] if bad else "not run",
+                "reason": bad[-1].get("reason", "") if bad else "",
+            }
             continue
         per_run = [r["ranks"][0]["median_step_s"] for r in ok]
         rss = [max(rk["peak_rss_mib"] for rk in r["ranks"]) for r in ok]
@@ -522,7 +553,7 @@ def machine_info() -> dict:
         from importlib.metadata import version
 
         ds = version("deepspeed")
-    except Exception:  # noqa: BLE001
+    except Exception:
         ds = "not installed"
     cpu = platform.processor() or ""
     try:
@@ -636,7 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default=",".join(ALL_ENGINES), help=f"comma list from {','.join(ALL_ENGINES)}")
     p.add_argument("--warmup", type=int, default=None, help="unmeasured steps per run (default 3; --tiny: 2)")
     p.add_argument("--steps", type=int, default=None, help="measured steps per run (default 20; --tiny: 3)")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved repeats of the engine list (default 3; --tiny: 1)")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="interleaved repeats of the engine list (default 3; --tiny: 1)"
+    )
     p.add_argument("--timeout", type=int, default=600, help="seconds before one engine run is killed (default 600)")
     p.add_argument("--fused", action="store_true", help="torch.optim.AdamW(fused=True) for every engine")
     p.add_argument("--tiny", action="store_true", help="tiny GPT (d 128, 2 layers), 2+3 steps, 1 repeat: smoke check")

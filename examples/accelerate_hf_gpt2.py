@@ -49,7 +49,9 @@ def main() -> None:
 
     plugin = ZeroPlugin.from_env(policy={GPT2Block})  # ZeRO-3 units: one per GPT2Block
     model, optimizer, scheduler = plugin.prepare(accelerator, model, optimizer, scheduler)
-    accelerator.print(f"{plugin!r} on {accelerator.num_processes} processes, mixed_precision={accelerator.mixed_precision}")
+    accelerator.print(
+        f"{plugin!r} on {accelerator.num_processes} processes, mixed_precision={accelerator.mixed_precision}"
+    )
 
     corpus = stdlib_corpus(2_000_000)
     model.train()
@@ -70,7 +72,10 @@ def main() -> None:
     accelerator.save_state(f"{args.out}-state")  # sharded: loads again at any number of processes
     state_dict = accelerator.get_state_dict(model)  # full weights on the main process, {} elsewhere
     accelerator.unwrap_model(model).save_pretrained(
-        args.out, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=dict(state_dict)
+        args.out,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        state_dict=dict(state_dict),
     )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

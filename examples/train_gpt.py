@@ -49,7 +49,11 @@ def main() -> None:
         dist.init_process_group(backend, timeout=timedelta(minutes=5))
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and dist.is_initialized() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available() and dist.is_initialized()
+        else torch.device("cpu")
+    )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
     corpus = stdlib_corpus()
@@ -64,7 +68,9 @@ def main() -> None:
     model, opt = zs.initialize(model, opt, config=args.config, **overrides)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     if rank == 0:
-        print(f"GPT {psi / 1e6:.2f}M parameters, ZeRO stage {args.stage}, {world} rank(s), corpus {corpus.numel() / 1e6:.1f} MB of stdlib source")
+        print(
+            f"GPT {psi / 1e6:.2f}M parameters, ZeRO stage {args.stage}, {world} rank(s), corpus {corpus.numel() / 1e6:.1f} MB of stdlib source"
+        )
 
     t0 = time.perf_counter()
     for step in range(args.steps):
@@ -80,14 +86,19 @@ def main() -> None:
         sched.step()
         opt.zero_grad()
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  {time.perf_counter() - t0:.1f}s", flush=True)
+            print(
+                f"step {step:4d}  loss {loss.item():.4f}  lr {sched.get_last_lr()[0]:.2e}  {time.perf_counter() - t0:.1f}s",
+                flush=True,
+            )
 
     stats = zs.memory_stats(model)
     ddp_bytes = 4 * psi + 4 * psi + 8 * psi  # fp32 params + grads + Adam moments, replicated
-    line = (f"rank {rank}: model state {stats['model_state'] / 2**20:.1f} MiB "
-            f"(params {stats['params'] / 2**20:.1f}, grad shards {stats['grad_shards'] / 2**20:.1f}, "
-            f"optimizer {stats['optimizer_state'] / 2**20:.1f}, masters {stats['masters'] / 2**20:.1f}); "
-            f"DDP would hold {ddp_bytes / 2**20:.1f} MiB")
+    line = (
+        f"rank {rank}: model state {stats['model_state'] / 2**20:.1f} MiB "
+        f"(params {stats['params'] / 2**20:.1f}, grad shards {stats['grad_shards'] / 2**20:.1f}, "
+        f"optimizer {stats['optimizer_state'] / 2**20:.1f}, masters {stats['masters'] / 2**20:.1f}); "
+        f"DDP would hold {ddp_bytes / 2**20:.1f} MiB"
+    )
     if dist.is_initialized():
         lines = [None] * world
         dist.all_gather_object(lines, line)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_zero  # noqa: F401  (registers strategy="zero1" ... "zero3")
+import lightning_zero
 import zero_strategy as zs
 from zero_strategy.models import GPT, GPTConfig, num_parameters
 from zero_strategy.models.data import stdlib_corpus
@@ -118,7 +118,9 @@ def main() -> None:
     val = DataLoader(Windows(corpus, args.seq_len, 4 * args.batch * args.devices, seed=1), batch_size=args.batch)
     callbacks: list[pl.Callback] = [Report()]
     if args.ckpt_dir:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=max(1, args.steps // 2)))
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=max(1, args.steps // 2))
+        )
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=args.accelerator,
@@ -142,14 +144,18 @@ def main() -> None:
 
 
 class PrintLoss(pl.Callback):
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, module: pl.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         step, boundary = trainer.global_step, (batch_idx + 1) % trainer.accumulate_grad_batches == 0
         if trainer.is_global_zero and boundary and (step % 20 == 0 or step in (1, trainer.max_steps)):
             print(f"step {step:4d}  loss {float(trainer.callback_metrics['loss']):.4f}", flush=True)
 
     def on_validation_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         if trainer.is_global_zero and "val_loss" in trainer.callback_metrics and not trainer.sanity_checking:
-            print(f"step {trainer.global_step:4d}  val_loss {float(trainer.callback_metrics['val_loss']):.4f}", flush=True)
+            print(
+                f"step {trainer.global_step:4d}  val_loss {float(trainer.callback_metrics['val_loss']):.4f}", flush=True
+            )
 
 
 if __name__ == "__main__":

@@ -62,4 +62,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if item.get_closest_marker("gpu") is not None:
         return
     _fail_skipped_report(report)
-

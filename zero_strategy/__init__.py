@@ -27,7 +27,6 @@ from zero_strategy.loading import load_full_state_dict
 from zero_strategy.partition import zero_auto_partition
 from zero_strategy.unit import UnitDivergence
 
-
 __all__ = [
     "__version__",
     "CollectiveError",

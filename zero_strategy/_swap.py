@@ -51,7 +51,11 @@ def swap_class(obj: object, mixin: type) -> None:
 
 def _build(cls: type, mixin: type) -> type:
     cells: list[types.CellType] = []
-    ns: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": f"Zero{cls.__qualname__}", "__doc__": cls.__doc__}
+    ns: dict[str, Any] = {
+        "__module__": cls.__module__,
+        "__qualname__": f"Zero{cls.__qualname__}",
+        "__doc__": cls.__doc__,
+    }
     for klass in reversed(mixin.__mro__[:-1]):  # the mixin's own bases first, the mixin last (it wins)
         for name, attr in vars(klass).items():
             if name not in _SKIP:
@@ -70,7 +74,9 @@ def _rebind(attr: Any, cells: list[types.CellType], where: str) -> Any:
     if isinstance(attr, types.FunctionType):
         wrapped = getattr(attr, "__wrapped__", None)
         if isinstance(wrapped, types.FunctionType) and "__class__" in wrapped.__code__.co_freevars:
-            raise AssertionError(f"{where}: a decorated mixin method may not use zero-argument super(); call the base explicitly")
+            raise AssertionError(
+                f"{where}: a decorated mixin method may not use zero-argument super(); call the base explicitly"
+            )
         code = attr.__code__
         if "__class__" not in code.co_freevars:
             return attr
@@ -86,8 +92,8 @@ def _rebind(attr: Any, cells: list[types.CellType], where: str) -> Any:
         new.__dict__.update(attr.__dict__)
         return new
     if isinstance(attr, property):
-        parts = [None if f is None else _rebind(f, cells, where) for f in (attr.fget, attr.fset, attr.fdel)]
-        return property(*parts, doc=attr.__doc__)
+        fget, fset, fdel = (None if f is None else _rebind(f, cells, where) for f in (attr.fget, attr.fset, attr.fdel))
+        return property(fget, fset, fdel, doc=attr.__doc__)
     if isinstance(attr, (classmethod, staticmethod)):
         return type(attr)(_rebind(attr.__func__, cells, where))
     return attr

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,7 +14,16 @@ from zero_strategy.engine import ZeroEngine, get_engine, live_engines, swap_modu
 from zero_strategy.optimizer import bind_optimizer, build_optimizer, check_optimizer
 from zero_strategy.partition import UnitPolicy
 
-__all__ = ["backward", "clip_grad_norm_", "destroy", "full_grad", "gathered_parameters", "initialize", "memory_stats", "replace_optimizer"]
+__all__ = [
+    "backward",
+    "clip_grad_norm_",
+    "destroy",
+    "full_grad",
+    "gathered_parameters",
+    "initialize",
+    "memory_stats",
+    "replace_optimizer",
+]
 
 ConfigLike = ZeroConfig | Mapping[str, Any] | str | None
 
@@ -77,7 +87,9 @@ def replace_optimizer(
     engine = get_engine(model)
     opt = build_optimizer(optimizer, model)
     if getattr(opt, "zero_engine", None) is not None:
-        raise ValueError("replace_optimizer(optimizer=...): this optimizer is already bound to a zero_strategy model; build a new one")
+        raise ValueError(
+            "replace_optimizer(optimizer=...): this optimizer is already bound to a zero_strategy model; build a new one"
+        )
     check_optimizer(opt, model)
     engine.set_optimizer(bind_optimizer(opt, engine))
     return opt

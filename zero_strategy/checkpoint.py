@@ -32,7 +32,8 @@ import json
 import os
 import shutil
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,11 @@ def _mesh(engine: ZeroEngine) -> DeviceMesh | None:
     if not dist.is_initialized():
         return None
     group = engine.ctx.group if engine.ctx.group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError(
+            "zero_strategy checkpoints: torch.distributed is initialized but has no default process group; "
+            "call torch.distributed.init_process_group() before saving or loading"
+        )
     return DeviceMesh.from_group(group, engine.ctx.device.type)
 
 
@@ -204,10 +210,12 @@ def save_checkpoint(
     disk) removes the partial directory and raises on every rank; ``latest`` and the previous
     checkpoint are untouched."""
     if keep_last is not None and keep_last < 1:
-        raise ValueError(f"save_checkpoint(keep_last={keep_last}): keep at least 1 checkpoint, or pass None to keep all")
-    for name in objects or {}:
-        if not name.isidentifier():
-            raise ValueError(f"save_checkpoint(objects={{{name!r}: ...}}): use a plain identifier as the name")
+        raise ValueError(
+            f"save_checkpoint(keep_last={keep_last}): keep at least 1 checkpoint, or pass None to keep all"
+        )
+    for key in objects or {}:
+        if not key.isidentifier():
+            raise ValueError(f"save_checkpoint(objects={{{key!r}: ...}}): use a plain identifier as the name")
     engine = get_engine(model)
     engine.wait_for_reductions()
     explicit = tag is not None
@@ -230,18 +238,31 @@ def save_checkpoint(
                 blobs[obj_name] = buf.getvalue()
         except Exception as exc:  # reported on every rank below
             failure = exc
-    text = None if failure is None else str(failure) if isinstance(failure, ValueError) else f"{type(failure).__name__}: {failure}"
-    starts = C.all_gather_objects(engine.ctx, (name, text, isinstance(failure, ValueError), tag), what="save_checkpoint start")
+    text = (
+        None
+        if failure is None
+        else str(failure)
+        if isinstance(failure, ValueError)
+        else f"{type(failure).__name__}: {failure}"
+    )
+    starts = C.all_gather_objects(
+        engine.ctx, (name, text, isinstance(failure, ValueError), tag), what="save_checkpoint start"
+    )
     name, failed, user_error, _ = starts[0]
     tags = [t for *_, t in starts]
     if failed is None and len(set(tags)) > 1:  # every rank must mean the same save
-        failed, user_error = f"save_checkpoint(tag=...): the ranks asked for different tags {tags}; pass the same tag on every rank", True
+        failed, user_error = (
+            f"save_checkpoint(tag=...): the ranks asked for different tags {tags}; pass the same tag on every rank",
+            True,
+        )
     if failed is not None:
         if rank == 0 and name is not None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         if user_error:
             raise ValueError(failed) from failure
-        raise RuntimeError(f"save_checkpoint(): rank 0 could not start the save ({failed}); check that the root is writable and that the objects can be pickled") from failure
+        raise RuntimeError(
+            f"save_checkpoint(): rank 0 could not start the save ({failed}); check that the root is writable and that the objects can be pickled"
+        ) from failure
     path = os.path.join(root, name)
     write_errors: list[OSError] = []
     try:
@@ -314,7 +335,9 @@ def begin_versioned_save(root: str | os.PathLike[str], tag: str, *, process_grou
     return os.path.join(root, name)
 
 
-def commit_versioned_save(path: str | os.PathLike[str], *, keep_last: int | None = None, process_group: Any = None) -> None:
+def commit_versioned_save(
+    path: str | os.PathLike[str], *, keep_last: int | None = None, process_group: Any = None
+) -> None:
     """Finish a save begun with :func:`begin_versioned_save` once every rank has written its
     files into ``path``: rank 0 fsyncs them, marks the directory complete, points
     ``<root>/latest`` at it and prunes older complete ones beyond ``keep_last``. A crash before
@@ -453,7 +476,9 @@ def _prune(root: str, current: str, keep_last: int, pointer: str = LATEST) -> No
             continue
         complete = os.path.exists(os.path.join(full, META)) or os.path.exists(os.path.join(full, COMPLETE))
         entries.append((d, full, owner, complete))
-    done = sorted((e for e in entries if e[3] and e[2].get("pointer", LATEST) == pointer), key=lambda e: e[2].get("created", 0.0))
+    done = sorted(
+        (e for e in entries if e[3] and e[2].get("pointer", LATEST) == pointer), key=lambda e: e[2].get("created", 0.0)
+    )
     doomed = [e[1] for e in done[: max(0, len(done) - (keep_last - 1))]]
     doomed += [e[1] for e in entries if not e[3] and owner_is_gone(e[2])]
     for full in doomed:
@@ -475,7 +500,9 @@ def read_checkpoint_object(path: str | os.PathLike[str], name: str, *, weights_o
         saved = sorted(n[:-3] for n in files if n.endswith(".pt"))
         raise ValueError(f"read_checkpoint_object(): checkpoint {path!r} has no object {name!r} (it has {saved})")
     verify_checksums(path, _file_records(files), [file])
-    return torch.load(inside(path, file, "read_checkpoint_object()"), map_location="cpu", weights_only=weights_only is not False)
+    return torch.load(
+        inside(path, file, "read_checkpoint_object()"), map_location="cpu", weights_only=weights_only is not False
+    )
 
 
 def _resolve(path: str, pointer: str = LATEST) -> str:
@@ -506,7 +533,9 @@ def read_meta(path: str | os.PathLike[str], caller: str, pointer: str = LATEST) 
         try:
             meta = json.load(f)
         except ValueError as exc:
-            raise CheckpointFileError(f"{caller}: {meta_path!r} is not valid JSON ({exc}); the checkpoint is corrupted") from exc
+            raise CheckpointFileError(
+                f"{caller}: {meta_path!r} is not valid JSON ({exc}); the checkpoint is corrupted"
+            ) from exc
     if not isinstance(meta, dict) or not isinstance(meta.get("files", {}), dict):
         raise CheckpointFileError(f"{caller}: {meta_path!r} is not zero_strategy metadata")
     for name in meta.get("files", {}):
@@ -519,7 +548,9 @@ def _file_records(files: dict[str, Any]) -> dict[str, dict[str, int]]:
     return {n: (v if isinstance(v, dict) else {"size": int(v)}) for n, v in files.items()}
 
 
-def _validate_for_load(engine: ZeroEngine, path: str, meta: dict[str, Any], optimizer: torch.optim.Optimizer | None) -> None:
+def _validate_for_load(
+    engine: ZeroEngine, path: str, meta: dict[str, Any], optimizer: torch.optim.Optimizer | None
+) -> None:
     """This rank's checks before any collective of the load (shapes, groups, its share of the
     files' sizes and checksums)."""
     shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
@@ -541,7 +572,9 @@ def _validate_for_load(engine: ZeroEngine, path: str, meta: dict[str, Any], opti
     verify_checksums(path, files, names[r::n])  # the ranks share the reading
 
 
-def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (``path``: its root, whose
     ``latest`` is followed, or a versioned subdirectory) at any world size and stage into this
     model (and optimizer). The optimizer's param-group settings (lr as a scheduler left it,
@@ -554,7 +587,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
     (:class:`SafeFileSystemReader`)."""
     engine = get_engine(model)
     failure: BaseException | None = None
-    resolved, meta = os.fspath(path), {}
+    resolved = os.fspath(path)
+    meta: dict[str, Any] = {}
     try:
         resolved, meta = read_meta(path, "load_checkpoint()", _pointer_name(engine))
         _validate_for_load(engine, resolved, meta, optimizer)
@@ -562,13 +596,17 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, optimi
         saved = set(reader.read_metadata().state_dict_metadata)
     except Exception as exc:
         failure = exc
-    errors = C.all_gather_objects(engine.ctx, None if failure is None else (type(failure).__name__, str(failure)), what="load_checkpoint checks")
+    errors = C.all_gather_objects(
+        engine.ctx, None if failure is None else (type(failure).__name__, str(failure)), what="load_checkpoint checks"
+    )
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         if failure is not None:
             raise failure
         kind, text = first
-        raise (ValueError if kind == "ValueError" else CheckpointFileError)(f"load_checkpoint(): another rank refused the checkpoint: {text}")
+        raise (ValueError if kind == "ValueError" else CheckpointFileError)(
+            f"load_checkpoint(): another rank refused the checkpoint: {text}"
+        )
     engine.wait_for_reductions()
     want = {k for k in saved if k.startswith("optim.")} if optimizer is not None else None
     sd = _state(engine, optimizer, want)

@@ -32,8 +32,9 @@ import socket
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -84,13 +85,23 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def check_plain_name(name: Any, what: str) -> str:
     """``name`` must be one path component: no separator, not absolute, not ``.``/``..``."""
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
-        raise CheckpointFileError(f"{what}: {name!r} is not a plain file name inside the checkpoint; the file was altered")
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or os.path.isabs(name)
+    ):
+        raise CheckpointFileError(
+            f"{what}: {name!r} is not a plain file name inside the checkpoint; the file was altered"
+        )
     return name
 
 
-def inside(root: str | os.PathLike[str], name: str, what: str) -> str:
-    """``root/name`` after checking ``name`` and that it resolves inside ``root`` (symlinks too)."""
+def inside(root: str | os.PathLike[str], name: object, what: str) -> str:
+    """``root/name`` after checking ``name`` (any value read from a file: it must be a plain
+    name) and that it resolves inside ``root`` (symlinks too)."""
     path = os.path.join(os.fspath(root), check_plain_name(name, what))
     real_root = os.path.realpath(root)
     real = os.path.realpath(path)
@@ -123,6 +134,11 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()  # None in older or edited files
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def tensor_entries(self) -> dict[str, TensorStorageMetadata]:
+        """The checkpoint's entries by key (``read_metadata`` refuses any that is not a tensor)."""
+        entries = self.read_metadata().state_dict_metadata
+        return {k: v for k, v in entries.items() if isinstance(v, TensorStorageMetadata)}
 
 
 # --------------------------------------------------------------------------- writing
@@ -211,10 +227,18 @@ def verify_checksums(path: str, files: dict[str, dict[str, int]], names: list[st
     for name in names:
         full = inside(path, name, f"{path}/zero_meta.json: file")
         want = files[name]
-        if not isinstance(want, dict) or not isinstance(want.get("size"), int) or not isinstance(want.get("crc32", 0), int):
-            raise CheckpointFileError(f"{path}/zero_meta.json: the record of {name!r} is damaged ({want!r}); the checkpoint is corrupted")
+        if (
+            not isinstance(want, dict)
+            or not isinstance(want.get("size"), int)
+            or not isinstance(want.get("crc32", 0), int)
+        ):
+            raise CheckpointFileError(
+                f"{path}/zero_meta.json: the record of {name!r} is damaged ({want!r}); the checkpoint is corrupted"
+            )
         if not os.path.exists(full):
-            raise CheckpointFileError(f"checkpoint file {full!r} is missing; the checkpoint is incomplete (load an earlier one)")
+            raise CheckpointFileError(
+                f"checkpoint file {full!r} is missing; the checkpoint is incomplete (load an earlier one)"
+            )
         size = os.path.getsize(full)
         if size != want["size"]:
             raise CheckpointFileError(

@@ -48,12 +48,15 @@ def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
     extra = ", ".join(sorted(commands))
     parser = argparse.ArgumentParser(
         prog="zero-strategy",
-        description="zero_strategy commands" + (f"; also from installed front-ends: {extra} (see `zero-strategy NAME --help`)" if extra else ""),
+        description="zero_strategy commands"
+        + (f"; also from installed front-ends: {extra} (see `zero-strategy NAME --help`)" if extra else ""),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ex = sub.add_parser("export", help="export a checkpoint to one .safetensors or .pt file", description=export.__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ex.add_argument("checkpoint", help="directory written by zero_strategy.save_checkpoint (its root or a versioned subdirectory)")
+    ex.add_argument(
+        "checkpoint", help="directory written by zero_strategy.save_checkpoint (its root or a versioned subdirectory)"
+    )
     ex.add_argument("out", help="output file, .safetensors (streamed) or .pt")
     ex.add_argument("--dtype", choices=sorted(DTYPES), help="cast floating tensors (default: as saved)")
     return parser

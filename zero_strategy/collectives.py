@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -145,10 +146,12 @@ def group_timeout(group: dist.ProcessGroup | None) -> timedelta:
     if not dist.is_available() or not dist.is_initialized():
         return DEFAULT_TIMEOUT
     pg = group if group is not None else dist.group.WORLD
+    if pg is None:  # not reached once initialised; as a group without a readable timeout
+        return DEFAULT_TIMEOUT
     for device in ("cpu", "cuda"):
         try:
             return pg._get_backend(torch.device(device)).options._timeout
-        except Exception:  # noqa: BLE001 - no backend for that device, or an older torch
+        except Exception:
             continue
     return DEFAULT_TIMEOUT
 
@@ -196,7 +199,10 @@ def bounded_group(ctx: CommContext) -> dist.ProcessGroup | None:
     key, world = (ctx.global_ranks, ctx.timeout), dist.distributed_c10d._get_default_group()
     made = _BOUNDED.get(key)
     if made is None or made[0] is not world:
-        made = (world, dist.new_group(list(ctx.global_ranks), timeout=ctx.timeout, backend="gloo", use_local_synchronization=True))
+        made = (
+            world,
+            dist.new_group(list(ctx.global_ranks), timeout=ctx.timeout, backend="gloo", use_local_synchronization=True),
+        )
         _BOUNDED[key] = made
     return made[1]
 
@@ -230,7 +236,7 @@ class Handle:
         t0 = time.perf_counter()
         peer: int | None = None
         try:
-            for w, peer in zip(self._works, self._peers):
+            for w, peer in zip(self._works, self._peers):  # noqa: B007  (peer: named in the error below)
                 if not self._ctx.timed_wait:
                     w.wait()  # NCCL: the process group's timeout and watchdog bound it
                 elif not w.wait(timeout=self._ctx.timeout):
@@ -259,7 +265,9 @@ def _done_handle(ctx: CommContext, kind: str, what: str, elements: int, element_
     return Handle(ctx, kind, what, [], elements, element_size, 0.0)
 
 
-def _issue(ctx: CommContext, kind: str, what: str, fn: Callable[[], list[dist.Work]], peers: Sequence[int] = ()) -> list[dist.Work]:
+def _issue(
+    ctx: CommContext, kind: str, what: str, fn: Callable[[], list[dist.Work]], peers: Sequence[int] = ()
+) -> list[dist.Work]:
     """Start a collective; a peer whose connection is already closed fails it here (gloo), and
     the error names the peer when there is only one it could be."""
     try:
@@ -269,10 +277,13 @@ def _issue(ctx: CommContext, kind: str, what: str, fn: Callable[[], list[dist.Wo
         who = (
             f"Rank {others[0]} of the group (global rank {ctx.global_ranks[others[0]]}) did not complete its part"
             if len(others) == 1
-            else f"One of ranks {others} of the group probably died" if others
+            else f"One of ranks {others} of the group probably died"
+            if others
             else "Another rank probably died or took a different code path"
         )
-        raise CollectiveError(f"rank {ctx.rank}: {kind} of {what} could not be issued: {e}. {who}; look at the other ranks' errors.") from e
+        raise CollectiveError(
+            f"rank {ctx.rank}: {kind} of {what} could not be issued: {e}. {who}; look at the other ranks' errors."
+        ) from e
 
 
 def _native_all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
@@ -315,14 +326,18 @@ def all_gather(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, what: 
             return dist.batch_isend_irecv(ops)
 
         works = _issue(ctx, "all_gather", what, p2p, peers)
-    return Handle(ctx, "all_gather", what, works, out.numel(), out.element_size(), time.perf_counter() - t0, peers=peers)
+    return Handle(
+        ctx, "all_gather", what, works, out.numel(), out.element_size(), time.perf_counter() - t0, peers=peers
+    )
 
 
 def reduce_scatter(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, what: str) -> Handle:
     """Sum ``inp`` (world_size * S, rank-major) over ranks; this rank receives its row in ``out``."""
     n, s = ctx.world_size, out.numel()
     if inp.numel() != n * s:
-        raise AssertionError(f"rank {ctx.rank}: reduce_scatter of {what}: inp has {inp.numel()} elements, expected {n}x{s}")
+        raise AssertionError(
+            f"rank {ctx.rank}: reduce_scatter of {what}: inp has {inp.numel()} elements, expected {n}x{s}"
+        )
     t0 = time.perf_counter()
     rows = inp.view(n, s)
     if not ctx.distributed:
@@ -353,13 +368,17 @@ def reduce_scatter(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, wh
 
     works = _issue(ctx, "reduce_scatter", what, p2p, peers)
     peer_list = [j for j in peers for _ in range(2)]  # a send and a receive each
-    return Handle(ctx, "reduce_scatter", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0, finish, peer_list)
+    return Handle(
+        ctx, "reduce_scatter", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0, finish, peer_list
+    )
 
 
 def all_reduce(ctx: CommContext, t: torch.Tensor, *, op: str = "sum", what: str) -> Handle:
     """In-place all-reduce of ``t`` with ``op`` in ("sum", "max")."""
     if op not in ("sum", "max"):
-        raise AssertionError(f"rank {ctx.rank}: all_reduce of {what} with op={op!r}; the engine only uses 'sum' and 'max'")
+        raise AssertionError(
+            f"rank {ctx.rank}: all_reduce of {what} with op={op!r}; the engine only uses 'sum' and 'max'"
+        )
     if not ctx.distributed:
         return _done_handle(ctx, "all_reduce", what, 2 * t.numel(), t.element_size())
     t0 = time.perf_counter()
@@ -397,15 +416,18 @@ def broadcast_coalesced(ctx: CommContext, tensors: Sequence[torch.Tensor], *, sr
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, ts in by_dtype.items():
+    src_global = ctx.global_ranks[src]
+    for ts in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in ts]).to(ctx.device)
         t0 = time.perf_counter()
-        src_global = ctx.global_ranks[src]
-        work = _issue(ctx, "broadcast", what, lambda: [dist.broadcast(flat, src_global, group=ctx.group, async_op=True)])
+
+        def start(flat: torch.Tensor = flat) -> list[dist.Work]:
+            return [dist.broadcast(flat, src_global, group=ctx.group, async_op=True)]
+
+        work = _issue(ctx, "broadcast", what, start)
         Handle(ctx, "broadcast", what, work, flat.numel(), flat.element_size(), time.perf_counter() - t0).wait()
         offset = 0
         with torch.no_grad():
             for t in ts:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
-

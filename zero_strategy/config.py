@@ -99,9 +99,7 @@ def frontend_precision(frontend: str, flag: str) -> str | None:
     """The precision name for a front-end's flag (None: not given); unknown flags raise."""
     table = FRONTEND_PRECISION[frontend]
     if flag not in table:
-        raise ValueError(
-            f"precision={flag!r} is not supported by the zero strategies; use one of {sorted(table)}"
-        )
+        raise ValueError(f"precision={flag!r} is not supported by the zero strategies; use one of {sorted(table)}")
     return table[flag]
 
 
@@ -152,7 +150,7 @@ def _to_reduce_dtype(value: Any, where: str) -> torch.dtype:
     raise ValueError(f"{where}: {value!r} is not a supported reduction dtype; use 'fp32', 'bf16' or 'fp16'")
 
 
-def _precision_name(cfg: "PrecisionConfig") -> str:
+def _precision_name(cfg: PrecisionConfig) -> str:
     for name, pair in PRECISION_NAMES.items():
         if pair == (cfg.param_dtype, cfg.autocast_dtype):
             return name
@@ -232,7 +230,9 @@ class PrecisionConfig:
             )
 
     @classmethod
-    def from_name(cls, name: Any, reduce_dtype: torch.dtype = torch.float32, where: str = "precision") -> "PrecisionConfig":
+    def from_name(
+        cls, name: Any, reduce_dtype: torch.dtype = torch.float32, where: str = "precision"
+    ) -> PrecisionConfig:
         param, autocast = _precision_pair(name, where)
         return cls(param_dtype=param, reduce_dtype=reduce_dtype, autocast_dtype=autocast)
 
@@ -345,30 +345,68 @@ class ZeroConfig:
     stage: int = setting(2, _to_stage, ds=_ZO)
     # elements (16 MB fp32: gloo is fastest at or below ~32 MB)
     reduce_bucket_size: int = setting(4_000_000, int_rule(1), ds=_ZO)
-    allgather_bucket_size: int = setting(4_000_000, int_rule(1), ds=_ZO, not_applied=(
-        None, "bounds each parameter all-gather at ZeRO-1/2 (here each reduction bucket is gathered in one piece)"))
+    allgather_bucket_size: int = setting(
+        4_000_000,
+        int_rule(1),
+        ds=_ZO,
+        not_applied=(
+            None,
+            "bounds each parameter all-gather at ZeRO-1/2 (here each reduction bucket is gathered in one piece)",
+        ),
+    )
     overlap_comm: bool = setting(True, to_bool, ds=_ZO)
-    contiguous_gradients: bool = setting(True, to_bool, ds=_ZO, not_applied=(
-        True, "false keeps gradients out of one contiguous buffer (here shards are always contiguous)"))
-    reduce_scatter: bool = setting(True, to_bool, ds=_ZO, not_applied=(
-        True, "false averages gradients with all-reduce (here they are always reduce-scattered)"))
-    allgather_partitions: bool = setting(True, to_bool, ds=_ZO, not_applied=(
-        True, "false broadcasts partitions instead of all-gathering them (here always all-gathered)"))
+    contiguous_gradients: bool = setting(
+        True,
+        to_bool,
+        ds=_ZO,
+        not_applied=(True, "false keeps gradients out of one contiguous buffer (here shards are always contiguous)"),
+    )
+    reduce_scatter: bool = setting(
+        True,
+        to_bool,
+        ds=_ZO,
+        not_applied=(True, "false averages gradients with all-reduce (here they are always reduce-scattered)"),
+    )
+    allgather_partitions: bool = setting(
+        True,
+        to_bool,
+        ds=_ZO,
+        not_applied=(True, "false broadcasts partitions instead of all-gathering them (here always all-gathered)"),
+    )
     offload_optimizer: OffloadConfig = setting(OffloadConfig(), read=_OFFLOAD, ds=_ZO)
     offload_param: OffloadConfig = setting(OffloadConfig(), read=_OFFLOAD, ds=_ZO)
     stage3_max_live_parameters: int = setting(1_000_000_000, int_rule(0), ds=_ZO)
     stage3_max_reuse_distance: int = setting(1_000_000_000, int_rule(0), ds=_ZO)
-    stage3_prefetch_bucket_size: int = setting(50_000_000, int_rule(0), ds=_ZO, not_applied=(
-        None, "bounds the bytes prefetched at ZeRO-3 (here `prefetch` whole units are gathered ahead)"))
+    stage3_prefetch_bucket_size: int = setting(
+        50_000_000,
+        int_rule(0),
+        ds=_ZO,
+        not_applied=(None, "bounds the bytes prefetched at ZeRO-3 (here `prefetch` whole units are gathered ahead)"),
+    )
     stage3_param_persistence_threshold: int = setting(100_000, int_rule(0), ds=_ZO)
     stage3_gather_16bit_weights_on_model_save: bool = setting(
-        False, to_bool, ds=_ZO, aliases=("stage3_gather_fp16_weights_on_model_save",), not_applied=(
-            False, "gathers 16-bit weights for save_16bit_model (here use zero_strategy.full_state_dict or "
-                   "export_full)"))
-    sub_group_size: int = setting(1_000_000_000, int_rule(1), ds=_ZO, not_applied=(
-        None, "steps the optimizer over sub-groups of this many elements (here one step over the rank's shard)"))
-    precision: PrecisionConfig = setting(PrecisionConfig(), read=_nested(
-        PrecisionConfig, scalar=PrecisionConfig.from_name, scalars=(str, torch.dtype, int)))
+        False,
+        to_bool,
+        ds=_ZO,
+        aliases=("stage3_gather_fp16_weights_on_model_save",),
+        not_applied=(
+            False,
+            "gathers 16-bit weights for save_16bit_model (here use zero_strategy.full_state_dict or export_full)",
+        ),
+    )
+    sub_group_size: int = setting(
+        1_000_000_000,
+        int_rule(1),
+        ds=_ZO,
+        not_applied=(
+            None,
+            "steps the optimizer over sub-groups of this many elements (here one step over the rank's shard)",
+        ),
+    )
+    precision: PrecisionConfig = setting(
+        PrecisionConfig(),
+        read=_nested(PrecisionConfig, scalar=PrecisionConfig.from_name, scalars=(str, torch.dtype, int)),
+    )
     loss_scale: LossScaleConfig = setting(LossScaleConfig(), read=_nested(LossScaleConfig))
     gradient_clipping: float | None = setting(None, optional(float_rule(gt=0.0)), ds=_TOP, ds_rule=_ds_clip)
     gradient_accumulation_steps: int | None = setting(None, optional(int_rule(1)), ds=_TOP)
@@ -411,7 +449,7 @@ class ZeroConfig:
         out: dict[str, Any] = {}
         for name in _FIELD_NAMES:
             value = getattr(self, name)
-            if dataclasses.is_dataclass(value):
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 value = {k: _DTYPE_NAMES.get(v, v) for k, v in dataclasses.asdict(value).items()}
             out[name] = value
         return out
@@ -630,7 +668,9 @@ class _DeepSpeedReader:
         if not (bf16_on or fp16_on or reduce):
             return None
         param = torch.bfloat16 if bf16_on else torch.float16 if fp16_on else None  # DeepSpeed: 16-bit parameters
-        return PrecisionConfig(param_dtype=param, autocast_dtype=param, reduce_dtype=next(iter(reduce.values()), torch.float32))
+        return PrecisionConfig(
+            param_dtype=param, autocast_dtype=param, reduce_dtype=next(iter(reduce.values()), torch.float32)
+        )
 
     def _warn(self, frontend: list[str]) -> None:
         reasons = (

@@ -57,7 +57,7 @@ def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
-def _parse_number(value: Any, where: str) -> numbers.Real:
+def _parse_number(value: Any, where: str) -> numbers.Real | float:
     if isinstance(value, bool):
         raise TypeError(f"{where}: expected a number, got the bool {value!r}")
     if isinstance(value, numbers.Real):
@@ -75,12 +75,13 @@ def _parse_number(value: Any, where: str) -> numbers.Real:
 
 def to_int(value: Any, where: str, *, minimum: int | None = 0) -> int:
     number = _parse_number(value, where)
-    if not isinstance(number, numbers.Integral):
+    if isinstance(number, numbers.Integral):
+        result = int(number)
+    else:
         as_float = float(number)
         if not (math.isfinite(as_float) and as_float.is_integer()):
             raise ValueError(f"{where}: expected a whole number, got {value!r}")
-        number = as_float
-    result = int(number)
+        result = int(as_float)
     if minimum is not None and result < minimum:
         bound = "> 0" if minimum == 1 else f">= {minimum}"
         raise ValueError(f"{where}: must be {bound}, got {result}")
@@ -177,9 +178,13 @@ def setting(
         not_applied: for settings read but not acted on: the value that changes nothing here
             (None: any explicit value is reported) and what DeepSpeed does with the setting.
     """
-    if (rule is None) == (read is None):
+    reader: Reader
+    if rule is not None and read is None:
+        reader = functools.partial(apply_rule, rule)
+    elif read is not None and rule is None:
+        reader = read
+    else:
         raise TypeError("setting(): give exactly one of rule= or read=")
-    reader: Reader = read if read is not None else functools.partial(apply_rule, rule)
     ds_read = reader if ds_rule is None else functools.partial(apply_rule, ds_rule)
     metadata = {"read": reader, "ds": ds, "aliases": aliases, "ds_read": ds_read, "not_applied": not_applied}
     return dataclasses.field(default=default, metadata=metadata)
@@ -194,7 +199,8 @@ def settings_of(cls: type) -> dict[str, dataclasses.Field]:
 
 def coerce_fields(obj: Any, prefix: str) -> None:
     """Replace each declared field of a frozen config by its value read with the field's rule."""
-    for name, spec in settings_of(type(obj)).items():
+    cls: type = type(obj)
+    for name, spec in settings_of(cls).items():
         object.__setattr__(obj, name, spec.metadata["read"](getattr(obj, name), f"{prefix}.{name}", None))
 
 
@@ -237,7 +243,5 @@ def read_block(block: Any, path: str, source: str | None, cls: type) -> dict[str
     specs = settings_of(cls)
     check_keys(block, path, source, specs)
     return {
-        key: specs[key].metadata["read"](raw, f"{path}.{key}", source)
-        for key, raw in block.items()
-        if not is_auto(raw)
+        key: specs[key].metadata["read"](raw, f"{path}.{key}", source) for key, raw in block.items() if not is_auto(raw)
     }

@@ -16,15 +16,26 @@ Seed every rank alike before building: ranks keep pieces of their own local valu
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from zero_strategy import collectives as C
-from zero_strategy.pieces import Piece, local_range, placeholder, record_piece, recorded, sharded_init_piece, take_record
+from zero_strategy.pieces import (
+    Piece,
+    local_range,
+    placeholder,
+    record_piece,
+    recorded,
+    sharded_init_piece,
+    take_record,
+)
 
 __all__ = ["materialize_full", "sharded_init"]
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def _shard_module(m: nn.Module, ctx: C.CommContext) -> None:
@@ -67,8 +78,9 @@ def materialize_full(p: nn.Parameter) -> None:
         p.data = _gather_full(e)
 
 
-def _all_module_classes() -> list[type]:
-    seen, stack = [], [nn.Module]
+def _all_module_classes() -> list[type[nn.Module]]:
+    seen: list[type[nn.Module]] = []
+    stack: list[type[nn.Module]] = [nn.Module]
     while stack:
         cls = stack.pop()
         seen.append(cls)
@@ -82,9 +94,9 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
 
     Collective: every rank builds the same modules in the same order."""
     ctx = C.make_context(process_group, comm_timeout)
-    patched: list[tuple[type, Callable]] = []
+    patched: list[tuple[type[nn.Module], Callable]] = []
 
-    def wrap(cls: type) -> None:
+    def wrap(cls: type[nn.Module]) -> None:
         orig = cls.__dict__.get("__init__")
         if orig is None or getattr(orig, "_zero_sharded_init", False):
             return
@@ -94,9 +106,8 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
             if type(self).__init__ is __init__:  # the most-derived __init__ has returned
                 _shard_module(self, ctx)
 
-        __init__._zero_sharded_init = True  # type: ignore[attr-defined]
-        __init__.__wrapped__ = orig  # type: ignore[attr-defined]
-        cls.__init__ = __init__
+        __init__.__dict__.update(_zero_sharded_init=True, __wrapped__=orig)  # marked, and what it wraps
+        cls.__init__ = __init__  # type: ignore[method-assign]  # patched inside the block, restored on exit
         patched.append((cls, orig))
 
     for cls in _all_module_classes():
@@ -105,26 +116,26 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
     orig_subclass_hook = nn.Module.__dict__.get("__init_subclass__")
     orig_apply = nn.Module.apply
 
-    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+    def __init_subclass__(cls: type[nn.Module], **kwargs: Any) -> None:
         super(nn.Module, cls).__init_subclass__(**kwargs)
         wrap(cls)
 
-    def apply(self: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
+    def apply(self: _M, fn: Callable[[nn.Module], None]) -> _M:
         for child in self.children():
             child.apply(fn)
         with _materialized(self):
             fn(self)
         return self
 
-    nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
-    nn.Module.apply = apply  # type: ignore[method-assign]
+    nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]  # patched inside the block
+    nn.Module.apply = apply  # type: ignore[method-assign]  # patched inside the block
     try:
         yield
     finally:
-        nn.Module.apply = orig_apply  # type: ignore[method-assign]
+        nn.Module.apply = orig_apply  # type: ignore[method-assign]  # restored on exit
         if orig_subclass_hook is None:
             del nn.Module.__init_subclass__
         else:
-            nn.Module.__init_subclass__ = orig_subclass_hook  # type: ignore[assignment]
+            nn.Module.__init_subclass__ = orig_subclass_hook  # type: ignore[method-assign]  # restored on exit
         for cls, orig in patched:
-            cls.__init__ = orig
+            cls.__init__ = orig  # type: ignore[method-assign]  # restored on exit

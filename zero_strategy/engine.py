@@ -26,7 +26,8 @@ import contextlib
 import functools
 import warnings
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -37,7 +38,14 @@ from zero_strategy import collectives as C
 from zero_strategy._swap import swap_class, unswap_class
 from zero_strategy.config import ZeroConfig, not_applied_settings, unsupported_features
 from zero_strategy.construction import materialize_full
-from zero_strategy.grads import AllReduceAtEnd, GradReducer, GradSchedule, ReduceAtStep, ReduceAtUnitEnd, ReduceInBackward
+from zero_strategy.grads import (
+    AllReduceAtEnd,
+    GradReducer,
+    GradSchedule,
+    ReduceAtStep,
+    ReduceAtUnitEnd,
+    ReduceInBackward,
+)
 from zero_strategy.group import GroupSpec, InPlaceMasters, SeparateMasters, ShardGroup, build_groups
 from zero_strategy.partition import UnitPolicy, find_units
 from zero_strategy.pieces import check_placeholder, forget_pieces, is_placeholder, sharded_init_piece
@@ -49,14 +57,15 @@ from zero_strategy.zero3 import UnitScheduler, Zero3Settings
 
 __all__ = ["GradState", "TrainingState", "ZeroEngine", "ZeroModule", "get_engine", "live_engines", "persistent_buffers"]
 
-_LIVE: "weakref.WeakSet[ZeroEngine]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[ZeroEngine] = weakref.WeakSet()
 _WARNED: set[str] = set()
 
-def live_engines() -> list["ZeroEngine"]:
+
+def live_engines() -> list[ZeroEngine]:
     return list(_LIVE)
 
 
-def _call_weakly(ref: "weakref.ref[ZeroEngine]", method: str, *args: Any) -> None:
+def _call_weakly(ref: weakref.ref[ZeroEngine], method: str, *args: Any) -> None:
     engine = ref()
     if engine is not None:
         getattr(engine, method)(*args)
@@ -68,7 +77,9 @@ class ZeroEngine:
     groups: list[ShardGroup]  # the optimizer's shard groups (ZeRO-3: one per unit with trainable parameters)
     zero3: UnitScheduler | None  # ZeRO-3's unit lifecycle, None at ZeRO-1/2
 
-    def __init__(self, module: nn.Module, config: ZeroConfig, process_group: Any = None, policy: UnitPolicy = None) -> None:
+    def __init__(
+        self, module: nn.Module, config: ZeroConfig, process_group: Any = None, policy: UnitPolicy = None
+    ) -> None:
         for message in not_applied_settings(config):
             if message not in _WARNED:  # once per setting and process
                 _WARNED.add(message)
@@ -83,7 +94,10 @@ class ZeroEngine:
         self.config = config
         first = next(module.parameters(), None)
         self.ctx = C.make_context(
-            process_group, config.comm_timeout, config.collective_impl, device=first.device if first is not None else None
+            process_group,
+            config.comm_timeout,
+            config.collective_impl,
+            device=first.device if first is not None else None,
         )
         self.precision = select_precision(config.precision)
         self.scaler = select_scaler(config.loss_scale, self.precision, explicit=config.explicitly_set("loss_scale"))
@@ -163,7 +177,9 @@ class ZeroEngine:
             refuse_norm_layers_with_running_stats(module, config)
         if config.stage == 3:
             self._plan = find_units(module, policy)
-            storage = ShardedParams(module, self._plan.units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold)
+            storage = ShardedParams(
+                module, self._plan.units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold
+            )
             self.params, self.groups = storage, storage.groups
             forget_pieces(built_sharded)  # their pieces live in the unit rows now
             return
@@ -181,7 +197,9 @@ class ZeroEngine:
                 target = self.precision.param_dtype_for(p)
                 if p.dtype != target:
                     p.data = p.data.to(target)
-        self.params = ReplicatedParams(self.ctx, self.groups, [p for _, p in named], max_in_flight=2 if config.overlap_comm else 0)
+        self.params = ReplicatedParams(
+            self.ctx, self.groups, [p for _, p in named], max_in_flight=2 if config.overlap_comm else 0
+        )
 
     def _schedule_for(self, optimizer: torch.optim.Optimizer | None) -> GradSchedule:
         if self.config.stage == 3:
@@ -258,7 +276,9 @@ class ZeroEngine:
             for sub in m.modules():
                 local = [n for n, p in sub._parameters.items() if p is not None and id(p) in sharded]
                 if local:
-                    self._hooks.append(sub._register_state_dict_hook(functools.partial(self._refuse_sharded_state_dict, local)))
+                    self._hooks.append(
+                        sub._register_state_dict_hook(functools.partial(self._refuse_sharded_state_dict, local))
+                    )
         else:  # masters that are not views of the parameters must follow a load
             self._hooks.append(m.register_load_state_dict_post_hook(lambda mod, incompatible: self._refresh_masters()))
 
@@ -276,7 +296,9 @@ class ZeroEngine:
             "parameters. Use zero_strategy.load_full_state_dict(model, state_dict_or_path) instead."
         )
 
-    def _refuse_sharded_state_dict(self, local_names: list[str], module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+    def _refuse_sharded_state_dict(
+        self, local_names: list[str], module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any
+    ) -> None:
         """On every module that owns sharded parameters. Outside gathering, a sharded value
         would be a placeholder: raise. A gathered value is copied, because the gathered storage
         is freed at the next release (a view kept past it would read freed memory).
@@ -346,11 +368,19 @@ class ZeroEngine:
                 t.register_hook(self._on_output_grad)
         return output
 
+    def _unit_scheduler(self) -> UnitScheduler:
+        """ZeRO-3's scheduler, for the unit hooks (registered at ZeRO-3 only)."""
+        if self.zero3 is None:
+            raise RuntimeError(
+                "zero_strategy: a ZeRO-3 unit hook ran on an engine at stage 1 or 2; this is a bug in zero_strategy"
+            )
+        return self.zero3
+
     def _unit_pre_forward(self, u: UnitStorage, module: nn.Module, args: Any) -> None:
-        self.zero3.pre_forward(u)  # type: ignore[union-attr]  # registered at ZeRO-3 only
+        self._unit_scheduler().pre_forward(u)
 
     def _unit_post_forward(self, u: UnitStorage, module: nn.Module, args: Any, output: Any) -> Any:
-        self.zero3.post_forward(u)  # type: ignore[union-attr]  # registered at ZeRO-3 only
+        self._unit_scheduler().post_forward(u)
         if torch.is_grad_enabled():  # gradients reaching an output start the unit's backward
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -359,7 +389,7 @@ class ZeroEngine:
 
     def _unit_pre_backward(self, u: UnitStorage, grad: torch.Tensor) -> None:
         self._queue_end_of_backward()
-        self.zero3.pre_backward(u)  # type: ignore[union-attr]  # registered at ZeRO-3 only
+        self._unit_scheduler().pre_backward(u)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._queue_end_of_backward()
@@ -497,7 +527,10 @@ class ZeroEngine:
 
     @contextlib.contextmanager
     def gathered_parameters(self, params: Any = None, modifier_rank: int | None = None) -> Iterator[None]:
-        self._expect_idle("gathered_parameters()", "use it between steps (parameters are gathered automatically inside forward and backward)")
+        self._expect_idle(
+            "gathered_parameters()",
+            "use it between steps (parameters are gathered automatically inside forward and backward)",
+        )
         if modifier_rank is not None and not 0 <= modifier_rank < self.ctx.world_size:
             raise ValueError(
                 f"gathered_parameters(modifier_rank={modifier_rank}): use a rank of the group, 0..{self.ctx.world_size - 1}, or None"
@@ -525,7 +558,7 @@ class ZeroEngine:
                 if key not in expected:
                     continue
                 t = get(key)
-                target = params.get(key, buffers.get(key))
+                target = params[key] if key in params else buffers[key]
                 if tuple(t.shape) != tuple(target.shape):
                     raise ValueError(
                         f"load_full_state_dict(): '{key}' has shape {tuple(t.shape)} in the weights but "
@@ -665,7 +698,13 @@ class ZeroEngine:
         self._on_destroy.append(fn)
 
 
-class ZeroModule:
+if TYPE_CHECKING:
+    _ModuleBase = nn.Module  # what the mixin's methods extend once swapped in (see _swap)
+else:
+    _ModuleBase = object
+
+
+class ZeroModule(_ModuleBase):
     """Mixin placed in front of the model's class by ``initialize`` (as FSDP2 does)."""
 
     _zero_engine: ZeroEngine
@@ -681,7 +720,7 @@ class ZeroModule:
         depth = eng._root_depth
         eng._root_depth = depth + 1
         try:
-            out = super().__call__(*args, **kwargs)  # type: ignore[misc]
+            out = super().__call__(*args, **kwargs)
         except BaseException:
             eng._root_depth = depth
             if depth == 0:
@@ -695,14 +734,14 @@ class ZeroModule:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         eng = self._zero_engine
         with eng.precision.forward_context(eng.ctx.device.type):
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
+            return super().forward(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         with self._zero_engine.no_sync():
             yield
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_engine.zero_grad(set_to_none=set_to_none)
 
     def memory_stats(self) -> dict[str, int]:
@@ -711,7 +750,7 @@ class ZeroModule:
 
 def swap_module_class(module: nn.Module, engine: ZeroEngine) -> None:
     swap_class(module, ZeroModule)
-    module._zero_engine = engine  # type: ignore[attr-defined]
+    cast(ZeroModule, module)._zero_engine = engine  # the swapped class carries ZeroModule's attributes
 
 
 def get_engine(module: nn.Module) -> ZeroEngine:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -39,7 +39,11 @@ _ST_DTYPES = {
 
 
 def _write_safetensors(
-    out_file: str, entries: list[tuple[str, list[int], torch.dtype]], read: Callable[[str], torch.Tensor], *, write: bool = True
+    out_file: str,
+    entries: list[tuple[str, list[int], torch.dtype]],
+    read: Callable[[str], torch.Tensor],
+    *,
+    write: bool = True,
 ) -> None:
     """Header first, then one tensor at a time. With ``write=False`` only ``read`` is called
     for every entry, in order (the other ranks' part of a live, collective export)."""
@@ -64,18 +68,24 @@ def _write_safetensors(
     os.replace(tmp, out_file)
 
 
-def _checkpoint_entries(path: str, dtype: torch.dtype | None) -> tuple[list[tuple[str, list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
+def _checkpoint_entries(
+    path: str, dtype: torch.dtype | None
+) -> tuple[list[tuple[str, list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"export_full(): {path!r} is not a directory; give a checkpoint written by save_checkpoint")
+        raise FileNotFoundError(
+            f"export_full(): {path!r} is not a directory; give a checkpoint written by save_checkpoint"
+        )
     path, meta = read_meta(path, "export_full()")
-    saved = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    saved = SafeFileSystemReader(path).tensor_entries()
     names = meta.get("state_names") or meta["shapes"]
     entries = []
     for name in names:
         key = f"model.{meta.get('aliases', {}).get(name, name)}"
         md = saved[key]
         saved_dtype = md.properties.dtype
-        out_dtype = dtype if dtype is not None and saved_dtype.is_floating_point else saved_dtype  # ints, bools: as saved
+        out_dtype = (
+            dtype if dtype is not None and saved_dtype.is_floating_point else saved_dtype
+        )  # ints, bools: as saved
         entries.append((name, list(meta.get("state_shapes", meta["shapes"])[name]), out_dtype))
 
     def read(name: str) -> torch.Tensor:
@@ -88,7 +98,9 @@ def _checkpoint_entries(path: str, dtype: torch.dtype | None) -> tuple[list[tupl
     return entries, read
 
 
-def _live_entries(model: nn.Module, dtype: torch.dtype | None) -> tuple[list[tuple[str, list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
+def _live_entries(
+    model: nn.Module, dtype: torch.dtype | None
+) -> tuple[list[tuple[str, list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
     tensors = model.state_dict(keep_vars=True)
     entries = [(n, list(t.shape), (dtype or t.dtype) if t.is_floating_point() else t.dtype) for n, t in tensors.items()]
 
@@ -102,7 +114,9 @@ def _live_entries(model: nn.Module, dtype: torch.dtype | None) -> tuple[list[tup
     return entries, read
 
 
-def export_full(source: str | os.PathLike[str] | nn.Module, out_file: str | os.PathLike[str], dtype: torch.dtype | None = None) -> str:
+def export_full(
+    source: str | os.PathLike[str] | nn.Module, out_file: str | os.PathLike[str], dtype: torch.dtype | None = None
+) -> str:
     """Write ``source``'s full state dict to ``out_file`` (``.safetensors`` or ``.pt``)."""
     out_file = os.fspath(out_file)
     fmt = "pt" if out_file.endswith((".pt", ".pth", ".bin")) else "safetensors"

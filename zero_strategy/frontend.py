@@ -30,7 +30,9 @@ def precision_flags(frontend: str) -> tuple[str, ...]:
     try:
         table = FRONTEND_PRECISION[frontend]
     except KeyError:
-        raise ValueError(f"precision_flags({frontend!r}): unknown front-end; use one of {sorted(FRONTEND_PRECISION)}") from None
+        raise ValueError(
+            f"precision_flags({frontend!r}): unknown front-end; use one of {sorted(FRONTEND_PRECISION)}"
+        ) from None
     flags: list[str] = []
     names: list[str | None] = []
     for flag, name in table.items():

@@ -22,8 +22,9 @@ on any rank ends with ``master.grad = None``, so the optimizer skips it as DDP d
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -50,7 +51,7 @@ class GradSchedule:
     reduces_when_ready: ClassVar[bool] = False  # reduce each group as soon as its gradients are ready
     full_grads: ClassVar[bool] = False  # p.grad holds DDP's full averaged gradient (no sharded state)
 
-    def end_of_backward(self, reducer: "GradReducer", *, sync: bool) -> None:
+    def end_of_backward(self, reducer: GradReducer, *, sync: bool) -> None:
         """A synchronising backward reduces what is left, in group order, and waits."""
         if sync:
             reducer.end_of_backward()
@@ -61,7 +62,7 @@ class ReduceAtStep(GradSchedule):
     """ZeRO-1: nothing happens in backward; :meth:`GradReducer.finalize` reduces everything at
     the step."""
 
-    def end_of_backward(self, reducer: "GradReducer", *, sync: bool) -> None:
+    def end_of_backward(self, reducer: GradReducer, *, sync: bool) -> None:
         return None
 
 
@@ -87,7 +88,7 @@ class AllReduceAtEnd(GradSchedule):
 
     full_grads: ClassVar[bool] = True
 
-    def end_of_backward(self, reducer: "GradReducer", *, sync: bool) -> None:
+    def end_of_backward(self, reducer: GradReducer, *, sync: bool) -> None:
         if sync:
             reducer.all_reduce_full()
 
@@ -176,7 +177,7 @@ class GradReducer:
         self._launched[g.index] = True
         lay, n = g.layout, self.ctx.world_size
         inp = self.ctx.pool.get(n * lay.shard_numel, g.reduce_dtype, g.device)
-        grads = []
+        grads: list[torch.Tensor | None] = []
         for p in g.params:
             if p.grad is not None:
                 self._used[self._where[id(p)][2]] = 1
@@ -270,7 +271,9 @@ class GradReducer:
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         dev, what = self.ctx.device, f"gradient norm ({self._describe_step()})"
         if norm_type == float("inf"):
-            local = max((g.abs().max().to(dtype) for g in grads if g.numel()), default=torch.zeros((), dtype=dtype, device=dev))
+            local = max(
+                (g.abs().max().to(dtype) for g in grads if g.numel()), default=torch.zeros((), dtype=dtype, device=dev)
+            )
             total = local.reshape(1).clone()
             C.all_reduce(self.ctx, total, op="max", what=what).wait()
             total = total[0]
@@ -379,7 +382,14 @@ class GradReducer:
                 else:
                     buf[off : off + n].copy_(p.grad.reshape(-1))
                 off += n
-            pending.append((g, C.all_reduce(self.ctx, buf, op="sum", what=f"gradients of {g.name} ({self._describe_step()})"), buf, mask))
+            pending.append(
+                (
+                    g,
+                    C.all_reduce(self.ctx, buf, op="sum", what=f"gradients of {g.name} ({self._describe_step()})"),
+                    buf,
+                    mask,
+                )
+            )
             while len(pending) > max(self.max_in_flight, 1) - 1 and len(pending) > 1:
                 complete(pending.popleft())
         while pending:

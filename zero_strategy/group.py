@@ -14,14 +14,14 @@ views of each unit's persistent row.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from zero_strategy.pieces import piece_of
 from zero_strategy.layout import ShardLayout
+from zero_strategy.pieces import piece_of
 
 __all__ = ["GroupSpec", "InPlaceMasters", "MasterPolicy", "SeparateMasters", "ShardGroup", "build_groups"]
 
@@ -127,7 +127,9 @@ class GroupSpec:
     reduce_dtype_for: Callable[[torch.Tensor], torch.dtype]
     master_policy: MasterPolicy
 
-    def make_group(self, index: int, pending: Sequence[tuple[str, nn.Parameter]], label: str | None = None) -> ShardGroup:
+    def make_group(
+        self, index: int, pending: Sequence[tuple[str, nn.Parameter]], label: str | None = None
+    ) -> ShardGroup:
         """One group of ``pending`` (in that order), with its masters made by the policy."""
         layout = ShardLayout(tuple(p.numel() for _, p in pending), self.world_size, self.rank)
         masters = []
@@ -138,7 +140,9 @@ class GroupSpec:
         return ShardGroup(index, params, fqns, layout, masters, self.reduce_dtype_for(pending[0][1]), label)
 
 
-def build_groups(named_params: Sequence[tuple[str, nn.Parameter]], spec: GroupSpec, *, bucket_numel: int) -> list[ShardGroup]:
+def build_groups(
+    named_params: Sequence[tuple[str, nn.Parameter]], spec: GroupSpec, *, bucket_numel: int
+) -> list[ShardGroup]:
     """Cut ``named_params`` (in the order gradients are expected: reverse registration) into
     groups of at most ``bucket_numel`` elements (a larger parameter gets a group of its own),
     starting a new group whenever the dtype changes."""

@@ -12,9 +12,9 @@ gathered or to-be-reduced buffer holds ``world_size`` such rows, rank-major.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
 
 import torch
 

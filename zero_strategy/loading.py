@@ -8,7 +8,7 @@ needs (ZeRO-1/2), so a model that no rank can hold whole still loads pretrained 
 from __future__ import annotations
 
 import os
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -18,7 +18,9 @@ from zero_strategy.engine import get_engine
 __all__ = ["load_full_state_dict"]
 
 
-def _open_state_dict(source: str | os.PathLike[str] | Mapping[str, torch.Tensor]) -> tuple[Callable[[str], torch.Tensor], list[str]]:
+def _open_state_dict(
+    source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+) -> tuple[Callable[[str], torch.Tensor], list[str]]:
     if isinstance(source, Mapping):
         return (lambda k: source[k]), list(source.keys())
     path = os.fspath(source)
@@ -33,7 +35,9 @@ def _open_state_dict(source: str | os.PathLike[str] | Mapping[str, torch.Tensor]
     return (lambda k: sd[k]), list(sd.keys())
 
 
-def load_full_state_dict(model: nn.Module, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+def load_full_state_dict(
+    model: nn.Module, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], *, strict: bool = True
+) -> None:
     """Load full weights into a model managed by ``initialize``, one tensor at a time; each
     rank keeps only its pieces (ZeRO-3) or the full tensors it needs (ZeRO-1/2). Not a
     collective: every rank reads the source itself."""

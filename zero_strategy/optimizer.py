@@ -17,7 +17,8 @@ An overflowing step is skipped by leaving every master gradient ``None``, which 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -26,18 +27,24 @@ from zero_strategy._swap import swap_class, swapped_by
 if TYPE_CHECKING:
     from zero_strategy.engine import ZeroEngine
 
-__all__ = ["ZeroOptimizer", "bind_optimizer", "build_optimizer", "check_optimizer"]
+__all__ = ["ZeroOptimizer", "bind_optimizer", "build_optimizer", "check_optimizer", "engine_of"]
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
-class ZeroOptimizer:
+if TYPE_CHECKING:
+    _OptimizerBase = torch.optim.Optimizer  # what the mixin's methods extend once swapped in (see _swap)
+else:
+    _OptimizerBase = object
+
+
+class ZeroOptimizer(_OptimizerBase):
     """Mixin placed in front of the user's optimizer class by :func:`bind_optimizer`."""
 
-    _zero_engine: "ZeroEngine"
+    _zero_engine: ZeroEngine
 
     @property
-    def zero_engine(self) -> "ZeroEngine":
+    def zero_engine(self) -> ZeroEngine:
         return self._zero_engine
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -57,11 +64,13 @@ class ZeroOptimizer:
         """Multiply ``loss`` by the current fp16 loss scale (identity otherwise)."""
         return self._zero_engine.scale_loss(loss)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_engine.zero_grad(set_to_none=set_to_none)
 
 
-def build_optimizer(optimizer: torch.optim.Optimizer | OptimizerFactory, module: torch.nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(
+    optimizer: torch.optim.Optimizer | OptimizerFactory, module: torch.nn.Module
+) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     if callable(optimizer):
@@ -111,7 +120,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -
                 )
 
 
-def bind_optimizer(optimizer: torch.optim.Optimizer, engine: "ZeroEngine") -> torch.optim.Optimizer:
+def bind_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> torch.optim.Optimizer:
     new_state: dict[torch.Tensor, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         new_params = []
@@ -127,16 +136,28 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, engine: "ZeroEngine") -> to
     optimizer.state.clear()
     optimizer.state.update(new_state)
     swap_class(optimizer, ZeroOptimizer)
-    optimizer._zero_engine = engine  # type: ignore[attr-defined]
+    cast(ZeroOptimizer, optimizer)._zero_engine = engine  # the swapped class carries ZeroOptimizer's attributes
     optimizer.register_step_pre_hook(_before_step)
     optimizer.register_step_post_hook(_after_step)
     return optimizer
 
 
+def engine_of(optimizer: torch.optim.Optimizer) -> ZeroEngine:
+    """The engine ``optimizer`` was bound to (by ``initialize`` or ``replace_optimizer``)."""
+    engine: ZeroEngine | None = getattr(optimizer, "_zero_engine", None)
+    if engine is None:
+        raise ValueError(
+            f"{type(optimizer).__name__} is not bound to a zero_strategy model; use the optimizer that "
+            "zero_strategy.initialize returned"
+        )
+    return engine
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer.zero_engine.destroyed:  # type: ignore[attr-defined]
+    engine = engine_of(optimizer)
+    if engine.destroyed:
         raise RuntimeError("optimizer.step(): its model's zero_strategy engine was destroyed; build a new optimizer")
-    if optimizer.zero_engine.optimizer is not optimizer:  # type: ignore[attr-defined]
+    if engine.optimizer is not optimizer:
         raise RuntimeError(
             "optimizer.step(): this optimizer was replaced by zero_strategy.replace_optimizer(); step the new one"
         )
@@ -145,8 +166,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             "optimizer.step(closure) is not supported by zero_strategy: the closure's backward would run after "
             "the gradients were reduced. Run forward and backward before step() and call step() without a closure."
         )
-    optimizer.zero_engine.before_optimizer_step()  # type: ignore[attr-defined]
+    engine.before_optimizer_step()
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    optimizer.zero_engine.after_optimizer_step()  # type: ignore[attr-defined]
+    engine_of(optimizer).after_optimizer_step()

@@ -21,8 +21,8 @@ explicit policy an inner match inside an outer match is ignored (the outer unit 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 from torch import nn
 
@@ -59,12 +59,14 @@ class UnitPlan:
     conditional_lists: list[list[str]] = field(default_factory=list)
 
 
-def _policy_fn(root: nn.Module, policy: UnitPolicy) -> tuple[Callable[[nn.Module, str], bool], str, list[list[nn.Module]]]:
+def _policy_fn(
+    root: nn.Module, policy: UnitPolicy
+) -> tuple[Callable[[nn.Module, str], bool], str, list[list[nn.Module]]]:
     if policy is not None:
         if callable(policy) and not isinstance(policy, type):
             return policy, "the policy callable", []
         try:
-            classes = tuple(policy)  # type: ignore[arg-type]
+            classes = tuple(policy)  # type: ignore[arg-type]  # a class left here is not iterable: raises below
         except TypeError:
             raise TypeError(
                 f"initialize(policy=...): expected a set of nn.Module classes or a callable (module, name) -> bool, got {policy!r}"
@@ -93,7 +95,11 @@ def _outermost_block_lists(root: nn.Module) -> list[list[nn.Module]]:
         for m in frontier:
             for child in m.children():
                 kids = list(child.children())
-                if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(kids) >= 2 and len({type(k) for k in kids}) == 1:
+                if (
+                    isinstance(child, (nn.ModuleList, nn.Sequential))
+                    and len(kids) >= 2
+                    and len({type(k) for k in kids}) == 1
+                ):
                     if any(True for _ in kids[0].parameters()):
                         found.append(kids)
                         continue

@@ -10,6 +10,7 @@ depending on how the model was built.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,7 @@ def sharded_init_piece(p: torch.Tensor) -> torch.Tensor | None:
     return entry.piece if entry is not None else None
 
 
-def forget_pieces(params: list[torch.Tensor]) -> None:
+def forget_pieces(params: Iterable[torch.Tensor]) -> None:
     for p in params:
         _PIECES.pop(id(p), None)
 

@@ -25,8 +25,8 @@ mode, so that "16-mixed" equals DDP with a GradScaler.
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
 
@@ -103,7 +103,9 @@ class GradScalerSchedule:
 class LossScaler:
     """The fp16 loss scale and its schedule (one of the two above, chosen by type)."""
 
-    def __init__(self, schedule: DeepSpeedSchedule | GradScalerSchedule, enabled: bool, max_consecutive_skips: int = 50) -> None:
+    def __init__(
+        self, schedule: DeepSpeedSchedule | GradScalerSchedule, enabled: bool, max_consecutive_skips: int = 50
+    ) -> None:
         self.enabled = enabled
         self.schedule = schedule
         self.scale = schedule.initial if enabled else 1.0
@@ -116,10 +118,14 @@ class LossScaler:
     def counters(self) -> torch.Tensor:
         """The schedule's position, saved in checkpoints next to the scale (as GradScaler saves
         its growth tracker): good steps in the window, hysteresis left, skips."""
-        return torch.tensor([self._good_steps, self._hysteresis_left, self.consecutive_skips, self.skipped_steps], dtype=torch.int64)
+        return torch.tensor(
+            [self._good_steps, self._hysteresis_left, self.consecutive_skips, self.skipped_steps], dtype=torch.int64
+        )
 
     def load_counters(self, t: torch.Tensor) -> None:
-        self._good_steps, self._hysteresis_left, self.consecutive_skips, self.skipped_steps = (int(v) for v in t.tolist())
+        self._good_steps, self._hysteresis_left, self.consecutive_skips, self.skipped_steps = (
+            int(v) for v in t.tolist()
+        )
 
     def _refuse_endless_skipping(self, at_floor: bool = False) -> None:
         if self.consecutive_skips >= self.max_consecutive_skips or at_floor:
@@ -175,4 +181,6 @@ def select_scaler(config_loss_scale: LossScaleConfig, precision: Precision, *, e
     """DeepSpeed's schedule for 16-bit parameters or an explicit fp16 block, GradScaler's in mixed mode."""
     mixed = not precision.low_params
     schedule = GradScalerSchedule() if mixed and not explicit else DeepSpeedSchedule(config_loss_scale)
-    return LossScaler(schedule, enabled=precision.uses_loss_scaling, max_consecutive_skips=config_loss_scale.max_consecutive_skips)
+    return LossScaler(
+        schedule, enabled=precision.uses_loss_scaling, max_consecutive_skips=config_loss_scale.max_consecutive_skips
+    )

@@ -35,7 +35,9 @@ def check_params(named: list[tuple[str, nn.Parameter]], ctx: C.CommContext, owne
                 "parameters, so make it contiguous first (e.g. model.to(memory_format=torch.contiguous_format))"
             )
         if p.device.type == "meta":
-            raise ValueError(f"initialize(): parameter '{n}' is on the meta device (never materialised); build it on a real device")
+            raise ValueError(
+                f"initialize(): parameter '{n}' is on the meta device (never materialised); build it on a real device"
+            )
         if p.device != named[0][1].device:
             raise ValueError(
                 f"initialize(): parameter '{n}' is on {p.device} but '{named[0][0]}' is on {named[0][1].device}; ZeRO "
@@ -57,7 +59,10 @@ def agree_on_setup(ctx: C.CommContext, config: ZeroConfig, named: list[tuple[str
         return
     desc = {
         "config": json.dumps(config.to_dict(), sort_keys=True, default=str),
-        "params": [f"{n} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}{'' if p.requires_grad else ' frozen'}" for n, p in named],
+        "params": [
+            f"{n} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}{'' if p.requires_grad else ' frozen'}"
+            for n, p in named
+        ],
     }
     digest = zlib.crc32(json.dumps(desc, sort_keys=True).encode())
     device = (socket.gethostname(), ctx.device.index) if ctx.device.type == "cuda" else None

@@ -9,8 +9,9 @@ checks the state it leaves against a table of allowed transitions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum, auto
-from typing import Mapping, TypeVar
+from typing import TypeVar
 
 __all__ = [
     "GRAD_TRANSITIONS",

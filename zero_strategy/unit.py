@@ -17,7 +17,8 @@ error naming the units and the ranks, instead of swapping data silently.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,7 +44,9 @@ class UnitDivergence(RuntimeError):
 class ParamStorage:
     """Where the model's full parameters are: one storage per engine, chosen by type."""
 
-    def gathered(self, params: Sequence[torch.Tensor] | None, modifier_rank: int | None, step: str) -> contextlib.AbstractContextManager[None]:
+    def gathered(
+        self, params: Sequence[torch.Tensor] | None, modifier_rank: int | None, step: str
+    ) -> contextlib.AbstractContextManager[None]:
         """Full parameters (``params``, or all) inside the block; with ``modifier_rank``, that
         rank's values are broadcast and kept at its end. Collective."""
         raise NotImplementedError(f"{type(self).__name__}.gathered")
@@ -65,7 +68,9 @@ class ParamStorage:
 class ReplicatedParams(ParamStorage):
     """ZeRO-1/2: full parameters everywhere; refreshed by an all-gather after each step."""
 
-    def __init__(self, ctx: C.CommContext, groups: Sequence[ShardGroup], params: Sequence[torch.Tensor], max_in_flight: int) -> None:
+    def __init__(
+        self, ctx: C.CommContext, groups: Sequence[ShardGroup], params: Sequence[torch.Tensor], max_in_flight: int
+    ) -> None:
         self.ctx, self.groups, self.params, self.max_in_flight = ctx, list(groups), list(params), max_in_flight
         self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
 
@@ -76,7 +81,9 @@ class ReplicatedParams(ParamStorage):
         yield
         if modifier_rank is not None:
             plist = self.params if params is None else list(params)
-            C.broadcast_coalesced(self.ctx, [p.detach() for p in plist], src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
+            C.broadcast_coalesced(
+                self.ctx, [p.detach() for p in plist], src=modifier_rank, what="gathered_parameters(modifier_rank=...)"
+            )
             with torch.no_grad():
                 for g in self.groups:
                     refresh_masters(g)
@@ -155,7 +162,7 @@ class UnitStorage:
         trainable: Sequence[tuple[str, nn.Parameter]],
         frozen: Sequence[tuple[str, nn.Parameter]],
         ctx: C.CommContext,
-        precision: "Precision",
+        precision: Precision,
         meter: GatherMeter,
         persistence_threshold: int,
         group_index: int,
@@ -239,7 +246,9 @@ class UnitStorage:
     def _to(self, new: ShardedState, what: str) -> None:
         """The one place a unit's state changes, from the states it may leave."""
         where = f"rank {self.ctx.rank}: {what} of {self.name}"
-        self.state = check_transition(SHARDED_TRANSITIONS, self.state, new, where, note="an engine bug: please report it")
+        self.state = check_transition(
+            SHARDED_TRANSITIONS, self.state, new, where, note="an engine bug: please report it"
+        )
 
     def unshard_async(self, step: str) -> None:
         if self.state is not ShardedState.SHARDED:
@@ -332,7 +341,7 @@ class ShardedParams(ParamStorage):
         units: Sequence[tuple[str, nn.Module]],
         named: Sequence[tuple[str, nn.Parameter]],
         ctx: C.CommContext,
-        precision: "Precision",
+        precision: Precision,
         persistence_threshold: int,
     ) -> None:
         """One unit per module of ``units`` (in that order) plus the root unit (label
@@ -416,7 +425,9 @@ class ShardedParams(ParamStorage):
     def _unit_of_or_raise(self, p: torch.Tensor, what: str) -> tuple[UnitStorage, int]:
         where = self.unit_of(p)
         if where is None:
-            raise RuntimeError(f"rank {self.ctx.rank}: {what} of a parameter of shape {tuple(p.shape)} that no ZeRO-3 unit holds")
+            raise RuntimeError(
+                f"rank {self.ctx.rank}: {what} of a parameter of shape {tuple(p.shape)} that no ZeRO-3 unit holds"
+            )
         return where
 
     def materialize(self, step: str) -> None:
@@ -427,4 +438,6 @@ class ShardedParams(ParamStorage):
             u.wait_unshard(self.names)
             u.persistent = True  # nothing frees them again
             self.meter.add(-u.full_bytes)
-            u.full = [torch.empty(0, dtype=f.dtype, device=f.device) for f in u.full]  # the parameters own the storages now
+            u.full = [
+                torch.empty(0, dtype=f.dtype, device=f.device) for f in u.full
+            ]  # the parameters own the storages now

@@ -58,9 +58,13 @@ class UnitScheduler:
         self.settings = settings
         storages = storage.units
         by_label = {u.label: u for u in storages}
-        self.module_units: list[tuple[nn.Module, UnitStorage]] = [(m, by_label[fqn]) for fqn, m in plan.units if fqn in by_label]
+        self.module_units: list[tuple[nn.Module, UnitStorage]] = [
+            (m, by_label[fqn]) for fqn, m in plan.units if fqn in by_label
+        ]
         # units of lists that might run conditionally (default policy): list index by unit tag
-        self.lists: list[list[UnitStorage]] = [[by_label[f] for f in fqns if f in by_label] for fqns in plan.conditional_lists]
+        self.lists: list[list[UnitStorage]] = [
+            [by_label[f] for f in fqns if f in by_label] for fqns in plan.conditional_lists
+        ]
         self.list_of: dict[int, int] = {u.tag: k for k, members in enumerate(self.lists) for u in members}
         self.pinned: set[int] = set()  # tags of units gathered with the root (their list diverged once)
         self.root: UnitStorage | None = by_label.get("<root>")
@@ -87,7 +91,11 @@ class UnitScheduler:
         if not depth or self.order is None or not self._on_path:
             return
         tags = self.order
-        nxt = range(position + 1, min(len(tags), position + 1 + depth)) if direction > 0 else range(position - 1, max(-1, position - 1 - depth), -1)
+        nxt = (
+            range(position + 1, min(len(tags), position + 1 + depth))
+            if direction > 0
+            else range(position - 1, max(-1, position - 1 - depth), -1)
+        )
         cap = self.settings.max_live_parameters
         for j in nxt:
             u = self.all_units[tags[j] - 1]

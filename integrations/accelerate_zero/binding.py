@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator
 from functools import partial
 from types import MethodType
-from typing import Any, Callable, Iterator
+from typing import Any, Protocol, cast
 
 import torch
 from accelerate import Accelerator
@@ -50,7 +51,9 @@ from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from torch import nn
 
 import zero_strategy as zs
+from zero_strategy.engine import get_engine
 from zero_strategy.frontend import accumulation_to_adopt, frontend_engine_config
+from zero_strategy.optimizer import engine_of
 
 __all__ = ["CHECKPOINT_DIR", "OPTIMIZER_MARKER", "ZeroAcceleratedOptimizer", "check_accelerator", "prepare_with_zero"]
 
@@ -89,6 +92,16 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         )
 
 
+class _AcceleratePrepared(Protocol):
+    """The plain attributes a prepared model gets, as Accelerate's own ``prepare`` sets them
+    (``nn.Module``'s typed ``__setattr__`` describes tensors and modules only);
+    ``_drop_forward_wrapper`` removes them."""
+
+    forward: Callable[..., Any]
+    _original_forward: Callable[..., Any]
+    _is_accelerate_prepared: bool
+
+
 class _Marker(dict):
     """A ZeRO model's entry in the weights list during ``save_state`` (removed by the pre-hook)."""
 
@@ -116,7 +129,9 @@ class _Binding:
                 return k, m, opt
         return None
 
-    def entry_of_parameters(self, parameters: Any, call: str) -> tuple[int, nn.Module, torch.optim.Optimizer | None] | None:
+    def entry_of_parameters(
+        self, parameters: Any, call: str
+    ) -> tuple[int, nn.Module, torch.optim.Optimizer | None] | None:
         """The ZeRO model whose parameters these are (they must be all of its trainable ones),
         or None if they belong to no ZeRO model."""
         given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -139,7 +154,7 @@ class _Binding:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         kwargs.pop("learning_rate", None)  # LOMO's argument; not a ZeRO optimizer
         loss = loss / self.accelerator.gradient_accumulation_steps
-        scaled = [m for m, opt in self.entries if opt is not None and m.zero_engine.scaler.enabled]
+        scaled = [m for m, opt in self.entries if opt is not None and get_engine(m).scaler.enabled]
         if len(scaled) > 1:
             raise ValueError(
                 f"accelerator.backward(): {len(scaled)} ZeroPlugin models train with an fp16 loss scale each, and "
@@ -164,7 +179,7 @@ class _Binding:
             return self.original["clip_grad_value_"](parameters, clip_value)
         if not self.accelerator.sync_gradients:
             return None
-        found[2].clip_grad_value_(clip_value)  # element-wise on this rank's averaged pieces
+        engine_of(found[2]).clip_grad_value_(clip_value)  # element-wise on this rank's averaged pieces
         return None
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
@@ -185,7 +200,7 @@ class _Binding:
             with self.original["trigger_sync_in_backward"](model):
                 yield
             return
-        found[1].zero_engine.sync_next_backward()  # as DDP's prepare_for_backward
+        get_engine(found[1]).sync_next_backward()  # as DDP's prepare_for_backward
         yield
 
     # -- save_state / load_state -------------------------------------------------------------
@@ -218,8 +233,14 @@ class _Binding:
         return {"accelerate_step": int(self.accelerator.step)}
 
 
-_BOUND = ("backward", "clip_grad_norm_", "clip_grad_value_", "unscale_gradients", "get_state_dict", "trigger_sync_in_backward")
-
+_BOUND = (
+    "backward",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "unscale_gradients",
+    "get_state_dict",
+    "trigger_sync_in_backward",
+)
 
 
 def _drop_forward_wrapper(model: Any) -> None:
@@ -233,7 +254,9 @@ def check_accelerator(accelerator: Any) -> None:
     """Refuse what ``ZeroPlugin.prepare`` cannot run on: not an Accelerator, DeepSpeed/FSDP/
     Megatron, tensor or context parallelism."""
     if not isinstance(accelerator, Accelerator):
-        raise TypeError(f"ZeroPlugin.prepare(accelerator=...): expected an accelerate.Accelerator, got {type(accelerator).__name__}")
+        raise TypeError(
+            f"ZeroPlugin.prepare(accelerator=...): expected an accelerate.Accelerator, got {type(accelerator).__name__}"
+        )
     if accelerator.distributed_type not in _SUPPORTED_TYPES:
         raise ValueError(
             f"ZeroPlugin.prepare(): the Accelerator runs {accelerator.distributed_type}; ZeroPlugin replaces DDP and works "
@@ -242,7 +265,9 @@ def check_accelerator(accelerator: Any) -> None:
         )
     pc = getattr(accelerator, "parallelism_config", None)
     if pc is not None and (getattr(pc, "tp_enabled", False) or getattr(pc, "cp_enabled", False)):
-        raise ValueError("ZeroPlugin.prepare(): tensor or context parallelism is not supported; remove parallelism_config")
+        raise ValueError(
+            "ZeroPlugin.prepare(): tensor or context parallelism is not supported; remove parallelism_config"
+        )
 
 
 @contextlib.contextmanager
@@ -285,11 +310,11 @@ def _binding_of(accelerator: Accelerator) -> _Binding:
 
     for name in _BOUND:
         setattr(accelerator, name, getattr(binding, name))
-    accelerator.save_state = bound_save_state  # type: ignore[method-assign]
-    accelerator.load_state = bound_load_state  # type: ignore[method-assign]
+    accelerator.save_state = bound_save_state
+    accelerator.load_state = bound_load_state
     accelerator.register_save_state_pre_hook(binding.save_hook)
     accelerator.register_load_state_pre_hook(binding.load_hook)
-    accelerator._zero_binding = binding  # type: ignore[attr-defined]
+    accelerator._zero_binding = binding
     return binding
 
 
@@ -315,13 +340,15 @@ def prepare_with_zero(
         if accelerator.device_placement:
             model.to(accelerator.device)
         model, optimizer = zs.initialize(model, optimizer, config=engine_config, policy=policy)
+        prepared = cast(_AcceleratePrepared, model)
         if config.precision.autocast_dtype is not None:
             # as Accelerate's own mixed precision: the engine autocasts inside forward, the outputs
             # come back in fp32 (a loss computed from them outside forward is computed in fp32)
-            model._original_forward = model.forward
-            model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
-            model.zero_engine.on_destroy(partial(_drop_forward_wrapper, model))
-        model._is_accelerate_prepared = True  # tracked by the Accelerator, not wrapped in DDP or autocast
+            forward = cast(MethodType, model.forward)  # the class's forward, bound to the model
+            prepared._original_forward = forward
+            prepared.forward = MethodType(convert_outputs_to_fp32(forward.__func__), model)
+            get_engine(model).on_destroy(partial(_drop_forward_wrapper, model))
+        prepared._is_accelerate_prepared = True  # tracked by the Accelerator, not wrapped in DDP or autocast
         if optimizer is not None:
             wrapped = ZeroAcceleratedOptimizer(optimizer, model)
             wrapped._is_accelerate_prepared = True

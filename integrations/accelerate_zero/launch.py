@@ -40,7 +40,9 @@ def _launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
         env[ours[flag]] = os.path.abspath(value) if flag == "--zero-config" else value
         i += 1
     if "ZERO_STRATEGY_CONFIG" not in env:
-        raise ValueError(f"zero-strategy launch: --zero-config FILE is required (before the accelerate arguments)\n{LAUNCH_USAGE}")
+        raise ValueError(
+            f"zero-strategy launch: --zero-config FILE is required (before the accelerate arguments)\n{LAUNCH_USAGE}"
+        )
     return env, argv[i:]
 
 

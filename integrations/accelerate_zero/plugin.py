@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import yaml
@@ -63,8 +64,10 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             import difflib
 
             close = difflib.get_close_matches(field, _ENV_FIELDS, n=1)
-            hint = f"did you mean {ENV_PREFIX}{close[0].upper()}?" if close else (
-                f"use {ENV_PREFIX}<FIELD> with a ZeroConfig field: {', '.join(f.upper() for f in _ENV_FIELDS)}"
+            hint = (
+                f"did you mean {ENV_PREFIX}{close[0].upper()}?"
+                if close
+                else (f"use {ENV_PREFIX}<FIELD> with a ZeroConfig field: {', '.join(f.upper() for f in _ENV_FIELDS)}")
             )
             raise ValueError(f"environment variable {name}={raw!r} is not a zero_strategy setting; {hint}")
         overrides[field] = _env_value(name, raw)
@@ -94,12 +97,12 @@ class ZeroPlugin:
         return f"ZeroPlugin(stage={self.config.stage}, policy={self.policy!r})"
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str], *, policy: Any = None, **overrides: Any) -> "ZeroPlugin":
+    def from_file(cls, path: str | os.PathLike[str], *, policy: Any = None, **overrides: Any) -> ZeroPlugin:
         """From a YAML/JSON file with DeepSpeed key names (``zero_optimization: {stage: 3}``)."""
         return cls(zs.ZeroConfig.from_file(path), policy=policy, **overrides)
 
     @classmethod
-    def from_env(cls, *, policy: Any = None, environ: Mapping[str, str] | None = None) -> "ZeroPlugin":
+    def from_env(cls, *, policy: Any = None, environ: Mapping[str, str] | None = None) -> ZeroPlugin:
         """From the environment, as Accelerate reads its own ``FSDP_*`` variables:
         ``ZERO_STRATEGY_CONFIG`` names a config file (optional) and ``ZERO_STRATEGY_<FIELD>``
         sets one ZeroConfig field (``ZERO_STRATEGY_STAGE=3``, ``ZERO_STRATEGY_PRECISION=bf16``,
@@ -179,12 +182,13 @@ def pair_models_and_optimizers(objects: tuple[Any, ...]) -> list[tuple[nn.Module
                     "(e.g. an nn.ModuleDict)"
                 )
     paired: dict[int, torch.optim.Optimizer] = {}
+    no_model = -1  # the owner of a parameter that is in no model given here
     for opt in optimizers:
-        ks = {owner.get(id(p)) for g in opt.param_groups for p in g["params"]}
-        if len(ks) != 1 or None in ks:
+        ks = {owner.get(id(p), no_model) for g in opt.param_groups for p in g["params"]}
+        if len(ks) != 1 or no_model in ks:
             raise ValueError(
                 "ZeroPlugin.prepare(): an optimizer holds parameters of "
-                + ("no model given here" if None in ks else f"{len(ks)} of the models given")
+                + ("no model given here" if no_model in ks else f"{len(ks)} of the models given")
                 + "; build each optimizer on the parameters of one model and pass that model too"
             )
         k = ks.pop()

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Optional, TypeVar, cast
 
 import torch
 from typing_extensions import override
@@ -22,18 +23,54 @@ from typing_extensions import override
 import lightning_zero._settings as S
 import zero_strategy as zs
 from zero_strategy.frontend import format_precision_flags, frontend_engine_config
+from zero_strategy.optimizer import ZeroOptimizer, engine_of
+
+if TYPE_CHECKING:
+    # Typing only (Lightning is imported where a namespace's classes are built): the mixins are
+    # checked against lightning.fabric's Precision, which lightning.pytorch's Precision extends,
+    # and against _ParallelStrategyBase below.
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.fabric.plugins.precision import Precision as _PrecisionBase
+
+    _T = TypeVar("_T")
+
+    class _ParallelStrategyBase:
+        """What ``ZeroParallelMixin`` overrides and uses of Lightning's ``ParallelStrategy``:
+        ``lightning.pytorch``'s and ``lightning.fabric``'s share no base class."""
+
+        cluster_environment: Optional[ClusterEnvironment]
+
+        @property
+        def root_device(self) -> torch.device: ...
+        @property
+        def global_rank(self) -> int: ...
+        @property
+        def local_rank(self) -> int: ...
+        @property
+        def node_rank(self) -> int: ...
+        @property
+        def distributed_sampler_kwargs(self) -> Optional[dict[str, Any]]: ...
+        def _configure_launcher(self) -> None: ...
+        def setup_environment(self) -> None: ...
+        def barrier(self, name: Optional[str] = None) -> None: ...
+        def broadcast(self, obj: _T, src: int = 0) -> _T: ...
+        @classmethod
+        def register_strategies(cls, strategy_registry: Any) -> None: ...
+
+else:
+    _PrecisionBase = _ParallelStrategyBase = object
 
 # Lightning's own plugins for the precision flags; ZeroPrecision then refuses flags it cannot run
 LIGHTNING_PRECISION_PLUGINS = ("Precision", "MixedPrecision", "DoublePrecision", "HalfPrecision")
 
 
-class ZeroPrecisionMixin:
+class ZeroPrecisionMixin(_PrecisionBase):
     """Autocast to the engine's training dtype (set by the strategy from the resolved config)
     and the engine's fp16 loss scale (through the bound optimizer)."""
 
     def __init__(self, precision: str = "32-true") -> None:
         S.training_dtype(precision)  # refuses what the engine cannot do
-        self.precision = precision
+        self.precision = precision  # type: ignore[assignment]  # as given: Lightning's Literal omits the alias "32"
         self.dtype: torch.dtype | None = None
         self.device_type = "cpu"
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -45,15 +82,15 @@ class ZeroPrecisionMixin:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def _scaled(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.optimizer.scale_loss(tensor) if self.optimizer is not None else tensor
+        return engine_of(self.optimizer).scale_loss(tensor) if self.optimizer is not None else tensor
 
 
-def zero_optimizer(optimizer: Any, what: str) -> Any:
+def zero_optimizer(optimizer: Any, what: str) -> ZeroOptimizer:
     """The zero_strategy optimizer inside Lightning's or Fabric's optimizer wrapper."""
     opt = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None) or optimizer
     if getattr(opt, "zero_engine", None) is None:
         raise RuntimeError(f"{what}: the optimizer is not managed by zero_strategy; use the one the strategy set up")
-    return opt
+    return cast(ZeroOptimizer, opt)  # bound by initialize: its class carries ZeroOptimizer's methods
 
 
 def register_names(registry: Any, cls: type) -> None:
@@ -61,7 +98,9 @@ def register_names(registry: Any, cls: type) -> None:
     for entry in S.NAMES:
         if entry.name in registry:
             continue
-        registry.register(entry.name, cls, description=entry.description, stage=entry.stage, offload=dict(entry.offload) or None)
+        registry.register(
+            entry.name, cls, description=entry.description, stage=entry.stage, offload=dict(entry.offload) or None
+        )
 
 
 def publish(prefix: str, classes: Mapping[str, type]) -> None:
@@ -71,14 +110,13 @@ def publish(prefix: str, classes: Mapping[str, type]) -> None:
         cls.__module__, cls.__name__, cls.__qualname__ = "lightning_zero", prefix + name, prefix + name
 
 
-class ZeroParallelMixin:
+class ZeroParallelMixin(_ParallelStrategyBase):
     _zero_dist: ModuleType
     _zero_rank_zero: ModuleType
     _zero_launcher: type
     _zero_object: str
     _zero_reset_seed: Optional[Callable[[], None]] = None  # the Trainer's DDP calls lightning's reset_seed()
     parallel_devices: Optional[list[torch.device]]
-    cluster_environment: Any
     num_nodes: int
 
     def _zero_init(
@@ -154,8 +192,10 @@ class ZeroParallelMixin:
     @override
     def root_device(self) -> torch.device:
         if self.parallel_devices is None:
-            raise RuntimeError(f"{type(self).__name__}.root_device: the devices are not set yet; create the Trainer/Fabric first")
-        return self.parallel_devices[self.local_rank]  # type: ignore[attr-defined]
+            raise RuntimeError(
+                f"{type(self).__name__}.root_device: the devices are not set yet; create the Trainer/Fabric first"
+            )
+        return self.parallel_devices[self.local_rank]
 
     @property
     def num_processes(self) -> int:
@@ -164,7 +204,7 @@ class ZeroParallelMixin:
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}  # type: ignore[attr-defined]
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -173,7 +213,9 @@ class ZeroParallelMixin:
     @override
     def _configure_launcher(self) -> None:
         if self.cluster_environment is None:
-            raise RuntimeError(f"{type(self).__name__}: no cluster environment; Lightning sets it when it creates the strategy")
+            raise RuntimeError(
+                f"{type(self).__name__}: no cluster environment; Lightning sets it when it creates the strategy"
+            )
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = self._zero_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -182,12 +224,14 @@ class ZeroParallelMixin:
         """Ranks from the cluster environment, then the process group (kept if one exists).
         The random streams end exactly as the same namespace's DDP strategy leaves them: the
         Trainer's DDP re-seeds from ``seed_everything`` here (``reset_seed``), Fabric's does not."""
-        super().setup_environment()  # type: ignore[misc]
+        super().setup_environment()
         if self._zero_reset_seed is not None:
             self._zero_reset_seed()
         self._zero_set_world_ranks()
         dist = self._zero_dist
-        self._process_group_backend = self._process_group_backend or dist._get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = self._process_group_backend or dist._get_default_process_group_backend_for_device(
+            self.root_device
+        )
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
@@ -195,9 +239,9 @@ class ZeroParallelMixin:
 
     def _zero_set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)  # type: ignore[attr-defined]
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        self._zero_rank_zero.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self._zero_rank_zero.rank_zero_only.rank = self.global_rank
 
     def _zero_reduce(self, tensor: Any, group: Optional[Any], reduce_op: Optional[Any]) -> Any:
         """Lightning's ``reduce`` (Trainer) / ``all_reduce`` (Fabric): tensors only, as DDP does."""
@@ -223,11 +267,19 @@ class ZeroParallelMixin:
         """Rank 0's path, on every rank (each rank writes its shards into the same directory)."""
         return Path(self.broadcast(os.fspath(path)))
 
-    def _zero_save_shards(self, path: Path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], state: Any) -> None:
+    def _zero_save_shards(
+        self, path: Path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], state: Any
+    ) -> None:
         # keep_last=1: saving again under the same name replaces that save, as a plain checkpoint file is overwritten
         zs.save_checkpoint(path, module, optimizer, objects={self._zero_object: state}, keep_last=1)
 
-    def _zero_load_shards(self, path: Path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], weights_only: Optional[bool]) -> Any:
+    def _zero_load_shards(
+        self,
+        path: Path,
+        module: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        weights_only: Optional[bool],
+    ) -> Any:
         """Load the shards into ``module`` (and ``optimizer``); returns Lightning's own state."""
         zs.load_checkpoint(path, module, optimizer)
         # None (Lightning's default) reads as weights_only=True: only an explicit False opts out

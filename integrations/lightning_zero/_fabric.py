@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import nn
 from typing_extensions import override
 
 import zero_strategy as zs
-
 from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
+from zero_strategy.engine import get_engine
 
 FABRIC_OBJECT = "fabric"  # the non-model entries of Fabric's state dict (fabric.pt)
 
@@ -28,7 +29,14 @@ def build(ns: str) -> tuple[type, type]:
     rank_zero = importlib.import_module(f"{ns}.utilities.rank_zero")
     stateful = importlib.import_module(f"{ns}.utilities.types")._Stateful
     apply_to_collection = importlib.import_module("lightning_utilities.core.apply_func").apply_to_collection
-    Precision = precision_mod.Precision
+    if TYPE_CHECKING:  # checked against lightning.fabric's classes (nothing is imported at run time)
+        from lightning.fabric.plugins.precision import Precision
+        from lightning.fabric.strategies import ParallelStrategy
+        from lightning.fabric.strategies.strategy import _BackwardSyncControl
+    else:  # the base classes of namespace ``ns``
+        Precision = precision_mod.Precision
+        ParallelStrategy = strategies.ParallelStrategy
+        _BackwardSyncControl = strategy_mod._BackwardSyncControl
 
     class ZeroFabricPrecision(ZeroPrecisionMixin, Precision):
         """Autocast to the engine's training dtype and the engine's fp16 loss scale."""
@@ -38,22 +46,26 @@ def build(ns: str) -> tuple[type, type]:
             # as Fabric's own mixed precision: outputs come back in the default (fp32) dtype
             if self.dtype is None:
                 return data
-            return apply_to_collection(data, torch.Tensor, lambda t: t.to(torch.get_default_dtype()) if t.is_floating_point() else t)
+            return apply_to_collection(
+                data, torch.Tensor, lambda t: t.to(torch.get_default_dtype()) if t.is_floating_point() else t
+            )
 
         @override
         def backward(self, tensor: torch.Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
             self._scaled(tensor).backward(*args, **kwargs)
 
-    class BackwardSync(strategy_mod._BackwardSyncControl):
+    class BackwardSync(_BackwardSyncControl):
         @override
         def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
             if not enabled:
                 return contextlib.nullcontext()
             if getattr(module, "zero_engine", None) is None:
-                raise TypeError(f"Fabric.no_backward_sync: {type(module).__name__} was not set up by the zero strategy; pass the module fabric.setup returned")
-            return module.no_sync()
+                raise TypeError(
+                    f"Fabric.no_backward_sync: {type(module).__name__} was not set up by the zero strategy; pass the module fabric.setup returned"
+                )
+            return get_engine(module).no_sync()
 
-    class ZeroFabricStrategy(ZeroParallelMixin, strategies.ParallelStrategy):
+    class ZeroFabricStrategy(ZeroParallelMixin, ParallelStrategy):
         """ZeRO stages 1-3 from ``zero_strategy`` for ``Fabric(strategy=...)``; arguments as
         for the Trainer's ``ZeroStrategy``. Set up the module and its one optimizer together."""
 
@@ -95,7 +107,9 @@ def build(ns: str) -> tuple[type, type]:
         @precision.setter
         @override
         def precision(self, plugin: Any) -> None:
-            self._zero_precision = self._zero_precision_from(plugin, ZeroFabricPrecision, "ZeroFabricStrategy", "Fabric")
+            self._zero_precision = self._zero_precision_from(
+                plugin, ZeroFabricPrecision, "ZeroFabricStrategy", "Fabric"
+            )
 
         @property
         def num_nodes(self) -> int:
@@ -113,9 +127,13 @@ def build(ns: str) -> tuple[type, type]:
             return stack
 
         @override
-        def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None) -> Any:
+        def setup_module_and_optimizers(
+            self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
+        ) -> Any:
             if len(optimizers) != 1:
-                raise ValueError(f"ZeroFabricStrategy: fabric.setup got {len(optimizers)} optimizers; the zero strategies shard exactly one")
+                raise ValueError(
+                    f"ZeroFabricStrategy: fabric.setup got {len(optimizers)} optimizers; the zero strategies shard exactly one"
+                )
             module, optimizer = self._initialize(module, optimizers[0])
             self.precision.optimizer = optimizer
             return module, [optimizer], scheduler
@@ -143,13 +161,19 @@ def build(ns: str) -> tuple[type, type]:
         @override
         def clip_gradients_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: Union[float, int],
                                 norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:  # fmt: skip
-            total = zero_optimizer(optimizer, "Fabric.clip_gradients").clip_grad_norm_(float(max_norm), float(norm_type))
+            total = zero_optimizer(optimizer, "Fabric.clip_gradients").clip_grad_norm_(
+                float(max_norm), float(norm_type)
+            )
             if error_if_nonfinite and not bool(torch.isfinite(total)):
-                raise RuntimeError(f"Fabric.clip_gradients: the total gradient norm is {total.item()}; pass error_if_nonfinite=False to skip this check")
+                raise RuntimeError(
+                    f"Fabric.clip_gradients: the total gradient norm is {total.item()}; pass error_if_nonfinite=False to skip this check"
+                )
             return total
 
         @override
-        def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: Union[float, int]) -> None:
+        def clip_gradients_value(
+            self, module: nn.Module, optimizer: torch.optim.Optimizer, clip_val: Union[float, int]
+        ) -> None:
             zero_optimizer(optimizer, "Fabric.clip_gradients").clip_grad_value_(float(clip_val))
 
         @override
@@ -161,17 +185,28 @@ def build(ns: str) -> tuple[type, type]:
         def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
                             filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:  # fmt: skip
             if storage_options is not None or filter is not None:
-                raise TypeError("ZeroFabricStrategy.save_checkpoint: storage_options and filter are not supported (shards are written by zero_strategy)")
+                raise TypeError(
+                    "ZeroFabricStrategy.save_checkpoint: storage_options and filter are not supported (shards are written by zero_strategy)"
+                )
             model_key, opt_key = _split(state)
             path = self._zero_checkpoint_path(path)
-            rest = {k: (v.state_dict() if isinstance(v, stateful) else v) for k, v in state.items() if k not in (model_key, opt_key)}
+            rest = {
+                k: (v.state_dict() if isinstance(v, stateful) else v)
+                for k, v in state.items()
+                if k not in (model_key, opt_key)
+            }
             meta = {"model_key": model_key, "optimizer_key": opt_key, "state": rest}
-            self._zero_save_shards(path, state[model_key], state.get(opt_key), meta)
+            optimizer = None if opt_key is None else state[opt_key]
+            self._zero_save_shards(path, state[model_key], optimizer, meta)
 
         @override
-        def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        def load_checkpoint(
+            self, path: Any, state: Any = None, strict: bool = True, weights_only: Optional[bool] = None
+        ) -> dict[str, Any]:
             if not isinstance(state, dict) or not state:
-                raise TypeError("ZeroFabricStrategy.load_checkpoint: pass the state dict to restore into, e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})")
+                raise TypeError(
+                    "ZeroFabricStrategy.load_checkpoint: pass the state dict to restore into, e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})"
+                )
             model_key, opt_key = _split(state)
             path = self._zero_checkpoint_path(path)
             meta = self._zero_load_shards(path, state[model_key], state.get(opt_key), weights_only)
@@ -181,7 +216,9 @@ def build(ns: str) -> tuple[type, type]:
                     continue
                 if key not in saved:
                     if strict:
-                        raise KeyError(f"ZeroFabricStrategy.load_checkpoint: {key!r} is not in the checkpoint {path} (it has {sorted(saved)}); pass strict=False to skip it")
+                        raise KeyError(
+                            f"ZeroFabricStrategy.load_checkpoint: {key!r} is not in the checkpoint {path} (it has {sorted(saved)}); pass strict=False to skip it"
+                        )
                     continue
                 if isinstance(obj, stateful):
                     obj.load_state_dict(saved.pop(key))
@@ -198,7 +235,13 @@ def _split(state: Mapping[str, Any]) -> tuple[str, Optional[str]]:
     """The keys of the one zero-managed module and its optimizer in Fabric's state dict."""
     models = [k for k, v in state.items() if isinstance(v, nn.Module) and getattr(v, "zero_engine", None) is not None]
     if len(models) != 1:
-        raise ValueError(f"ZeroFabricStrategy: the state must hold exactly one module set up by the zero strategy; found {models or 'none'}")
+        raise ValueError(
+            f"ZeroFabricStrategy: the state must hold exactly one module set up by the zero strategy; found {models or 'none'}"
+        )
     engine = state[models[0]].zero_engine
-    opts = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer) and getattr(v, "zero_engine", None) is engine]
+    opts = [
+        k
+        for k, v in state.items()
+        if isinstance(v, torch.optim.Optimizer) and getattr(v, "zero_engine", None) is engine
+    ]
     return models[0], (opts[0] if opts else None)

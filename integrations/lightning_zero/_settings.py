@@ -5,8 +5,9 @@ how the Lightning arguments meet the config file (the rules every front-end foll
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from typing import Any, Union
 
 import torch
 
@@ -33,6 +34,7 @@ NAMES: tuple[RegisteredName, ...] = (
     RegisteredName("zero3_offload", 3, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, "ZeRO stage 3 + CPU offload (not yet available)"),
     RegisteredName("zero3_offload_nvme", 3, {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}, "ZeRO stage 3 + NVMe offload (not yet available)"),
 )  # fmt: skip
+
 
 def training_dtype(flag: str) -> str | None:
     """The engine's precision name for Lightning's flag (None for "32-true": the config decides).
@@ -69,10 +71,18 @@ def apply_lightning_arguments(
     Lightning's defaults ("32-true", no clipping, accumulation 1) count as "not given", so a
     file's bf16 / gradient_clipping / gradient_accumulation_steps then applies."""
     clip = None
-    if gradient_clip_val is not None and lightning_clips(gradient_clip_val) and (gradient_clip_algorithm or "norm") == "norm":
+    if (
+        gradient_clip_val is not None
+        and lightning_clips(gradient_clip_val)
+        and (gradient_clip_algorithm or "norm") == "norm"
+    ):
         clip = float(gradient_clip_val)
     return apply_frontend_settings(
-        cfg, source=source, precision=training_dtype(precision), accumulation=accumulate_grad_batches, gradient_clipping=clip
+        cfg,
+        source=source,
+        precision=training_dtype(precision),
+        accumulation=accumulate_grad_batches,
+        gradient_clipping=clip,
     )
 
 

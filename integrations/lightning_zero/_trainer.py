@@ -12,17 +12,21 @@ from __future__ import annotations
 import contextlib
 import importlib
 import warnings
+from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from types import ModuleType
-from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from typing_extensions import override
 
 import zero_strategy as zs
+from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
+from zero_strategy.engine import get_engine
 from zero_strategy.frontend import accumulation_to_adopt
 
-from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
 
 LIGHTNING_OBJECT = "lightning"  # the Trainer's state, saved beside the shards (lightning.pt)
 
@@ -38,8 +42,12 @@ def build(ns: str) -> tuple[type, type]:
     trainer_fn = importlib.import_module(f"{ns}.trainer.states").TrainerFn
     rank_zero = importlib.import_module(f"{ns}.utilities.rank_zero")
     reset_seed = importlib.import_module(f"{fabric_ns}.utilities.seed").reset_seed
-    Precision = precision_mod.Precision
-    ParallelStrategy = strategies.ParallelStrategy
+    if TYPE_CHECKING:  # checked against lightning.pytorch's classes (nothing is imported at run time)
+        from lightning.pytorch.plugins.precision import Precision
+        from lightning.pytorch.strategies import ParallelStrategy
+    else:  # the base classes of namespace ``ns``
+        Precision = precision_mod.Precision
+        ParallelStrategy = strategies.ParallelStrategy
 
     class ZeroPrecision(ZeroPrecisionMixin, Precision):
         """Precision for the zero strategies: autocast to the engine's training dtype, the
@@ -52,7 +60,9 @@ def build(ns: str) -> tuple[type, type]:
             return self._scaled(tensor)
 
         @override
-        def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        def optimizer_step(  # type: ignore[override]  # the Trainer's signature, as lightning.pytorch's Precision
+            self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+        ) -> Any:
             closure_result = closure()  # forward and backward first: the step needs reduced gradients
             self._after_closure(model, optimizer)  # callbacks, then clipping (global norm, below)
             skipped_backward = closure_result is None
@@ -153,14 +163,18 @@ def build(ns: str) -> tuple[type, type]:
         @override
         def setup(self, trainer: Any) -> None:
             if self.accelerator is None or self.model is None:
-                raise RuntimeError("ZeroStrategy.setup: no accelerator or model; the Trainer connects them before setup")
+                raise RuntimeError(
+                    "ZeroStrategy.setup: no accelerator or model; the Trainer connects them before setup"
+                )
             self.accelerator.setup(trainer)
             fitting = trainer.state.fn == trainer_fn.FITTING
             wanted = self._zero_apply_arguments(
                 "the Trainer's arguments (precision, gradient_clip_val, accumulate_grad_batches)",
                 precision=str(self.precision_plugin.precision),
                 gradient_clip_val=trainer.gradient_clip_val,
-                gradient_clip_algorithm=getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm),
+                gradient_clip_algorithm=getattr(
+                    trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm
+                ),
                 accumulate_grad_batches=trainer.accumulate_grad_batches,
             )
             steps = accumulation_to_adopt(self.zero_config, trainer.accumulate_grad_batches)
@@ -183,7 +197,7 @@ def build(ns: str) -> tuple[type, type]:
                 optimizer = self.optimizers[0] if fitting else None  # validate/test/predict: no optimizer, as DDP
                 zs.initialize(self.model, optimizer, config=wanted, policy=self._policy)
             else:
-                current = self.model.zero_engine.config
+                current = get_engine(self.model).config
                 if current != wanted:
                     have, want = current.to_dict(), wanted.to_dict()
                     diff = [f for f in have if have[f] != want[f]]
@@ -202,21 +216,35 @@ def build(ns: str) -> tuple[type, type]:
             self._zero_bind_precision(plugin)
             plugin.optimizer = self.optimizers[0] if self.optimizers else None
 
+        def _zero_model(self, caller: str) -> torch.nn.Module:
+            """The model the Trainer connected (it does so before ``setup``)."""
+            if self.model is None:
+                raise RuntimeError(f"ZeroStrategy.{caller}: no model; the Trainer connects it before setup")
+            return self.model
+
+        def _zero_lightning_module(self, caller: str) -> LightningModule:
+            """The LightningModule the Trainer connected (it does so before ``setup``)."""
+            module = self.lightning_module
+            if module is None:
+                raise RuntimeError(f"ZeroStrategy.{caller}: no LightningModule; the Trainer connects it before setup")
+            return module
+
         @override
         def model_to_device(self) -> None:
-            self.model.to(self.root_device)  # called from setup, which checked the model
+            self._zero_model("model_to_device").to(self.root_device)
 
         @contextlib.contextmanager
         @override
         def block_backward_sync(self) -> Generator[None, None, None]:
             """Accumulation steps: gradients stay local until the step that syncs."""
-            with self.model.no_sync():
+            with get_engine(self._zero_model("block_backward_sync")).no_sync():
                 yield None
 
         def _redirect(self, context: Any, method: str, *args: Any, **kwargs: Any) -> Any:
             # through the module's __call__, so the engine's root hooks run around the step
+            model, lightning_module = self._zero_model(method), self._zero_lightning_module(method)
             with context:
-                return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+                return self._forward_redirection(model, lightning_module, method, *args, **kwargs)
 
         @override
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -243,7 +271,8 @@ def build(ns: str) -> tuple[type, type]:
         @override
         def lightning_module_state_dict(self) -> dict[str, Any]:
             if self.state_dict_type == "full":
-                return zs.full_state_dict(self.model)  # collective; rank 0 keeps it
+                # collective; rank 0 keeps it
+                return zs.full_state_dict(self._zero_model("lightning_module_state_dict"))
             return {}  # sharded: save_checkpoint writes the pieces
 
         @override
@@ -251,9 +280,13 @@ def build(ns: str) -> tuple[type, type]:
             return {}  # sharded: in the shards; full: weights only (see the class docstring)
 
         @override
-        def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        def save_checkpoint(
+            self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+        ) -> None:
             if storage_options is not None:
-                raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported: shards are written by zero_strategy")
+                raise TypeError(
+                    "ZeroStrategy.save_checkpoint(storage_options=...) is not supported: shards are written by zero_strategy"
+                )
             path = self._zero_checkpoint_path(filepath)
             if self.state_dict_type == "full":
                 if path.is_dir():
@@ -264,18 +297,20 @@ def build(ns: str) -> tuple[type, type]:
                 self.barrier()
                 return
             if path.is_file():
-                raise ValueError(f"ZeroStrategy: {path} is a file; sharded checkpoints are directories (remove it or pick another name)")
+                raise ValueError(
+                    f"ZeroStrategy: {path} is a file; sharded checkpoints are directories (remove it or pick another name)"
+                )
             state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             optimizer = self.optimizers[0] if self.optimizers else None
-            self._zero_save_shards(path, self.model, optimizer, state)
+            self._zero_save_shards(path, self._zero_model("save_checkpoint"), optimizer, state)
 
         @override
         def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
             path = self._zero_checkpoint_path(checkpoint_path)
             if path.is_file():  # a full checkpoint: weights (and loop state) only
                 checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-                zs.load_full_state_dict(self.model, checkpoint["state_dict"])
-                if self.lightning_module.trainer.state.fn == trainer_fn.FITTING:
+                zs.load_full_state_dict(self._zero_model("load_checkpoint"), checkpoint["state_dict"])
+                if self._zero_lightning_module("load_checkpoint").trainer.state.fn == trainer_fn.FITTING:
                     warnings.warn(
                         f"ZeroStrategy: {path} is a full (weights-only) checkpoint: the optimizer starts fresh. "
                         "Resume from a sharded checkpoint (state_dict_type='sharded') to continue exactly.",
@@ -284,7 +319,7 @@ def build(ns: str) -> tuple[type, type]:
                     )
                 return checkpoint
             optimizer = self.optimizers[0] if self.optimizers else None
-            return self._zero_load_shards(path, self.model, optimizer, weights_only)
+            return self._zero_load_shards(path, self._zero_model("load_checkpoint"), optimizer, weights_only)
 
         @override
         def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -165,7 +165,7 @@ def job_precision(out: dict[str, Any]) -> None:
     for mode in ("ddp", "zero1", "zero2", "zero3"):
         acc, model, opt, sched, _ = build(mode, mixed)
         inner: list[str] = []
-        acc.unwrap_model(model).head.register_forward_hook(lambda m, a, o: inner.append(str(o.dtype)))
+        acc.unwrap_model(model).head.register_forward_hook(lambda m, a, o, inner=inner: inner.append(str(o.dtype)))
         res = train(acc, model, opt, sched, 0, None)
         res["mixed_precision"] = acc.mixed_precision
         res["native_amp"] = acc.native_amp
@@ -197,7 +197,11 @@ def job_precision(out: dict[str, Any]) -> None:
             opt.zero_grad()
         unwrapped = acc.unwrap_model(model)
         with zs.gathered_parameters(unwrapped):
-            out[f"regression_{mode}"] = {"a": float(unwrapped.a), "b": float(unwrapped.b), "dtype": str(unwrapped.a.dtype)}
+            out[f"regression_{mode}"] = {
+                "a": float(unwrapped.a),
+                "b": float(unwrapped.b),
+                "dtype": str(unwrapped.a.dtype),
+            }
 
 
 # -- Accelerate's own gradient-sync checks ---------------------------------------------------
@@ -272,7 +276,7 @@ def job_sync(out: dict[str, Any]) -> None:
 
     ran: list[str] = []
     for stage in (1, 2):
-        original = _route_prepare_through(lambda: ZeroPlugin(stage=stage))
+        original = _route_prepare_through(lambda stage=stage: ZeroPlugin(stage=stage))
         try:
             acc = Accelerator()
             test_sync.test_distributed_sync(acc)
@@ -357,7 +361,9 @@ def job_hf(save_dir: str) -> dict[str, Any]:
             ref = {k: v.detach().clone() for k, v in sd.items()}
             continue
         unwrapped = acc.unwrap_model(model)
-        unwrapped.save_pretrained(save_dir, is_main_process=acc.is_main_process, save_function=acc.save, state_dict=dict(sd))
+        unwrapped.save_pretrained(
+            save_dir, is_main_process=acc.is_main_process, save_function=acc.save, state_dict=dict(sd)
+        )
         acc.wait_for_everyone()
         if acc.is_main_process:
             loaded = GPT2LMHeadModel.from_pretrained(save_dir)
@@ -381,7 +387,9 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     try:
         out: dict[str, Any] = {}
-        {"train": job_train, "resume": job_resume, "precision": job_precision, "env": job_env, "sync": job_sync}[job](out)
+        {"train": job_train, "resume": job_resume, "precision": job_precision, "env": job_env, "sync": job_sync}[job](
+            out
+        )
         rank = dist.get_rank() if dist.is_initialized() else 0
         out["world"] = dist.get_world_size() if dist.is_initialized() else 1
         with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:

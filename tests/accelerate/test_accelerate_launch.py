@@ -81,7 +81,7 @@ def run_launch(tmp: Path, job: str, n: int, *, env: dict[str, str] | None = None
         if not teardown_abort_only(out, n, proc.returncode, missing, stderr.decode()):
             pytest.fail(f"{' '.join(cmd)} failed: {report}")
         warnings.warn(f"accelerate launch exited {proc.returncode}: gloo's SIGABRT while destroying the group, after "
-                      "every rank wrote its results and passed the final barrier (tolerated)")  # fmt: skip
+                      "every rank wrote its results and passed the final barrier (tolerated)", stacklevel=2)  # fmt: skip
     return [json.loads(f.read_text()) for f in files]
 
 
@@ -217,7 +217,12 @@ def test_accelerates_own_sync_checks_pass_on_zero_models(tmp_path: Path) -> None
             for stage in (1, 2, 3):
                 zero = runs[f"zero{stage}"]
                 assert zero["synced"] == ddp["synced"], (key, stage)
-                assert zero["lrs"] == ddp["lrs"], (key, stage, zero["lrs"], ddp["lrs"])  # the scheduler steps at boundaries only
+                assert zero["lrs"] == ddp["lrs"], (
+                    key,
+                    stage,
+                    zero["lrs"],
+                    ddp["lrs"],
+                )  # the scheduler steps at boundaries only
                 assert_close(zero["params"], ddp["params"], rtol=1e-6, atol=1e-7, what=f"{key} zero{stage} parameters")
 
 

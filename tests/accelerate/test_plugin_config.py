@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import zero_strategy as zs
-from zero_strategy.config import PrecisionConfig
-from accelerate_zero import CONFIG_ENV, ZeroPlugin
-from accelerate_zero import launch
+from accelerate_zero import CONFIG_ENV, ZeroPlugin, launch
 from accelerate_zero.plugin import pair_models_and_optimizers
 from zero_strategy import cli
+from zero_strategy.config import PrecisionConfig
 
 
 def write(tmp_path: Path, text: str, name: str = "zero.yaml") -> str:
@@ -60,12 +59,17 @@ def test_from_env_missing_file_fails_before_training(tmp_path: Path) -> None:
 
 def test_from_env_bad_key_in_file(tmp_path: Path) -> None:
     path = write(tmp_path, "zero_optimization:\n  reduce_bucket_sise: 1000\n")
-    with pytest.raises(ValueError, match=r"ZERO_STRATEGY_CONFIG=.*unknown key 'zero_optimization.reduce_bucket_sise'.*did you mean 'reduce_bucket_size'"):
+    with pytest.raises(
+        ValueError,
+        match=r"ZERO_STRATEGY_CONFIG=.*unknown key 'zero_optimization.reduce_bucket_sise'.*did you mean 'reduce_bucket_size'",
+    ):
         ZeroPlugin.from_env(environ={CONFIG_ENV: path})
 
 
 def test_from_env_bad_variables(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="ZERO_STRATEGY_STAGEE='3' is not a zero_strategy setting; did you mean ZERO_STRATEGY_STAGE"):
+    with pytest.raises(
+        ValueError, match="ZERO_STRATEGY_STAGEE='3' is not a zero_strategy setting; did you mean ZERO_STRATEGY_STAGE"
+    ):
         ZeroPlugin.from_env(environ={"ZERO_STRATEGY_STAGEE": "3"})
     with pytest.raises(ValueError, match="stage.*ZERO_STRATEGY_STAGE"):
         ZeroPlugin.from_env(environ={"ZERO_STRATEGY_STAGE": "7"})
@@ -80,7 +84,9 @@ def test_accelerator_settings_map_onto_the_engine(tmp_path: Path) -> None:
     # Accelerate's names keep Accelerate's meaning: autocast over fp32 parameters
     cfg = ZeroPlugin(stage=2).resolved_config(fake_accelerator("bf16", gas=4))
     assert cfg.precision == PrecisionConfig(autocast_dtype=torch.bfloat16) and cfg.gradient_accumulation_steps == 4
-    assert ZeroPlugin().resolved_config(fake_accelerator("fp16")).precision == PrecisionConfig(autocast_dtype=torch.float16)
+    assert ZeroPlugin().resolved_config(fake_accelerator("fp16")).precision == PrecisionConfig(
+        autocast_dtype=torch.float16
+    )
     assert not ZeroPlugin().resolved_config(fake_accelerator("no")).precision.enabled
     # fp16 that Accelerate itself does not apply (on a CPU: native_amp False) is not applied either
     assert not ZeroPlugin().resolved_config(fake_accelerator("fp16", native_amp=False)).precision.enabled
@@ -89,13 +95,28 @@ def test_accelerator_settings_map_onto_the_engine(tmp_path: Path) -> None:
     plugin = ZeroPlugin({"bf16": {"enabled": True}})
     assert plugin.resolved_config(fake_accelerator("no")).precision.param_dtype == torch.bfloat16
     assert plugin.resolved_config(fake_accelerator("bf16")).precision.param_dtype == torch.bfloat16
-    with pytest.raises(ValueError, match=r"precision=bf16 from the config conflicts with precision=16-mixed from Accelerator\(mixed_precision='fp16'"):
+    with pytest.raises(
+        ValueError,
+        match=r"precision=bf16 from the config conflicts with precision=16-mixed from Accelerator\(mixed_precision='fp16'",
+    ):
         plugin.resolved_config(fake_accelerator("fp16"))
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4 from the config conflicts.*gradient_accumulation_steps=2"):
+    with pytest.raises(
+        ValueError, match=r"gradient_accumulation_steps=4 from the config conflicts.*gradient_accumulation_steps=2"
+    ):
         ZeroPlugin({"gradient_accumulation_steps": 4}).resolved_config(fake_accelerator(gas=2))
-    assert ZeroPlugin({"gradient_accumulation_steps": 2}).resolved_config(fake_accelerator(gas=2)).gradient_accumulation_steps == 2
+    assert (
+        ZeroPlugin({"gradient_accumulation_steps": 2})
+        .resolved_config(fake_accelerator(gas=2))
+        .gradient_accumulation_steps
+        == 2
+    )
     # Accelerate's default (1) counts as "not given": the file's value applies
-    assert ZeroPlugin({"gradient_accumulation_steps": 4}).resolved_config(fake_accelerator(gas=1)).gradient_accumulation_steps == 4
+    assert (
+        ZeroPlugin({"gradient_accumulation_steps": 4})
+        .resolved_config(fake_accelerator(gas=1))
+        .gradient_accumulation_steps
+        == 4
+    )
     with pytest.raises(ValueError, match="mixed_precision='fp8'.*use 'no', 'bf16' or 'fp16'"):
         ZeroPlugin().resolved_config(fake_accelerator("fp8"))
 

@@ -177,7 +177,9 @@ def _truncated_worker(rank: int, world: int, root: str) -> str:
     import zero_strategy as zs
     from zero_strategy.testing.parity import Cell, Net
 
-    model, opt = zs.initialize(Net(Cell()).double(), lambda p: torch.optim.SGD(p, lr=0.1), config=zs.ZeroConfig(stage=3))
+    model, opt = zs.initialize(
+        Net(Cell()).double(), lambda p: torch.optim.SGD(p, lr=0.1), config=zs.ZeroConfig(stage=3)
+    )
     path = zs.save_checkpoint(root, model, opt, tag="t")
     torch.distributed.barrier()
     if rank == 0:

@@ -46,7 +46,9 @@ def _comm_worker(rank: int, world: int) -> dict:
     # cross-check once: what the counters say moved against the bytes actually handed to send
     torch.manual_seed(0)
     model = _model()
-    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters()), config=zs.ZeroConfig(stage=2, reduce_bucket_size=20_000))
+    model, opt = zs.initialize(
+        model, torch.optim.AdamW(model.parameters()), config=zs.ZeroConfig(stage=2, reduce_bucket_size=20_000)
+    )
     zs.reset_comm_stats()
     with _count_sent_bytes() as sent:
         for step in range(2):
@@ -62,7 +64,9 @@ def _comm_worker(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = _model()
         psi = num_parameters(model)
-        model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters()), config=zs.ZeroConfig(stage=stage, reduce_bucket_size=20_000))
+        model, opt = zs.initialize(
+            model, torch.optim.AdamW(model.parameters()), config=zs.ZeroConfig(stage=stage, reduce_bucket_size=20_000)
+        )
         n_params = sum(len(g.params) for g in model.zero_engine.groups)
         zs.reset_comm_stats()
         steps = 3
@@ -175,7 +179,9 @@ def _dying_worker(rank: int, world: int, stage: int, how: str = "kill") -> dict 
     cfg = GPTConfig(vocab_size=256, seq_len=16, d_model=64, n_layer=2, n_head=4)
     torch.manual_seed(0)
     model = _model()
-    zcfg = zs.ZeroConfig(stage=stage, comm_timeout=3, stage3_param_persistence_threshold=0)  # ZeRO-3: gathered again for backward
+    zcfg = zs.ZeroConfig(
+        stage=stage, comm_timeout=3, stage3_param_persistence_threshold=0
+    )  # ZeRO-3: gathered again for backward
     model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters()), config=zcfg)
     t0 = None
     try:
@@ -210,5 +216,9 @@ def test_dead_rank_makes_the_others_fail_fast(launch, how: str) -> None:
         msg = r["message"]
         # names the rank, the collective, what it moved (the unit) and the step
         assert "rank 0" in msg and "step 3" in msg, msg
-        expected = ("all_gather of parameters of unit",) if stage == 3 else ("reduce_scatter of gradients of group", "all_reduce of gradient flags")
+        expected = (
+            ("all_gather of parameters of unit",)
+            if stage == 3
+            else ("reduce_scatter of gradients of group", "all_reduce of gradient flags")
+        )
         assert any(k in msg for k in expected), (stage, msg)

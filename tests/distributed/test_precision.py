@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from zero_strategy.testing import assert_close, rel_error
 
-
 # LayerNorm weights inside the blocks start at 1.0, where bf16's spacing is 2^-7; their updates in
 # this run stay below that, so with 16-bit parameters they cannot move: excluded by name.
 BF16_UNMOVABLE = ("ln1.weight", "ln2.weight")
@@ -26,7 +25,10 @@ def _bf16_worker(rank: int, world: int) -> dict:
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4)
     out = {}
     for stage in (1, 2, 3):
-        def train(mode: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+
+        def train(
+            mode: str, stage: int = stage
+        ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
             torch.manual_seed(0)
             model = GPT(cfg)
             init = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
@@ -34,7 +36,9 @@ def _bf16_worker(rank: int, world: int) -> dict:
             if mode == "ddp":
                 net = DDP(model)
             else:
-                net, opt = zs.initialize(model, opt, config=zs.ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=5000))
+                net, opt = zs.initialize(
+                    model, opt, config=zs.ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=5000)
+                )
                 assert all(m.dtype == torch.float32 for g in opt.param_groups for m in g["params"])
             losses = []
             for step in range(30):
@@ -103,7 +107,7 @@ def _mixed_worker(rank: int, world: int) -> dict:
                 inject = [False]
                 target = model.blocks[0].mlp.fc.weight
                 if rank == 1:
-                    target.register_hook(lambda g: torch.full_like(g, float("inf")) if inject[0] else g)
+                    target.register_hook(lambda g, inject=inject: torch.full_like(g, float("inf")) if inject[0] else g)
                 losses, scales, dtypes = [], [], set()
                 for step in range(12):
                     inject[0] = dtype == torch.float16 and step == 4
@@ -128,7 +132,10 @@ def _mixed_worker(rank: int, world: int) -> dict:
                     final = {k: v.detach().clone() for k, v in model.state_dict().items()}
                     pdtypes = {str(p.dtype) for p in model.parameters()}
                 runs[mode] = (losses, final, init, scales, dtypes, pdtypes)
-            (ref, ref_final, init, ref_scales, ref_dtypes, _), (got, final, _, scales, dtypes, pdtypes) = runs["ddp"], runs["zero"]
+            (ref, ref_final, init, ref_scales, ref_dtypes, _), (got, final, _, scales, dtypes, pdtypes) = (
+                runs["ddp"],
+                runs["zero"],
+            )
             assert pdtypes == {"torch.float32"}, pdtypes  # mixed: fp32 parameters, as DDP
             assert dtypes == ref_dtypes == {str(dtype)}, (dtypes, ref_dtypes)  # the same autocast ran
             assert_close(got, ref, rtol=1e-6, what=f"{precision} stage {stage} losses")
@@ -169,9 +176,15 @@ def _fp16_worker(rank: int, world: int) -> dict:
         zcfg = zs.ZeroConfig(stage=stage, precision="fp16", loss_scale={"initial_scale_power": 8, "hysteresis": 1})
         model, opt = zs.initialize(model, opt, config=zcfg)
         target = model.blocks[0].mlp.fc.weight
-        if rank == 1:  # one inf in one element that rank 0 owns: only the flag tells rank 1
-            target.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("inf"), dtype=g.dtype)) if inject[0] else g)
         inject = [False]
+        if rank == 1:  # one inf in one element that rank 0 owns: only the flag tells rank 1
+            target.register_hook(
+                lambda g, inject=inject: (
+                    g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(float("inf"), dtype=g.dtype))
+                    if inject[0]
+                    else g
+                )
+            )
         scaler = model.zero_engine.scaler
         scales, changed, skipped, grad_err = [], [], [], None
         for step in range(5):

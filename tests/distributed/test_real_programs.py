@@ -270,7 +270,9 @@ def case_frozen_zero3(rank: int, world: int, root: str) -> None:
         torch.set_default_dtype(torch.float32)
     ddp = DDP(ref)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    model, opt = zs.initialize(model, lambda ps: torch.optim.AdamW([p for p in ps if p.requires_grad], lr=1e-2), stage=3)
+    model, opt = zs.initialize(
+        model, lambda ps: torch.optim.AdamW([p for p in ps if p.requires_grad], lr=1e-2), stage=3
+    )
     frozen_bytes = model.zero_engine.memory_stats()["param_shards"]
     full = sum(p.numel() * 8 for p in ref.parameters())
     assert frozen_bytes <= 1.05 * full / world + 64, (frozen_bytes, full)
@@ -375,7 +377,6 @@ def case_moe_default_policy(rank: int, world: int, accum: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
-
     TopTwoMoE = _moe()
 
     def tokens(step: int, micro: int) -> torch.Tensor:
@@ -418,7 +419,6 @@ def case_two_lists(rank: int, world: int, extra_on: int) -> None:
     import torch
     from torch import nn
 
-
     class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -446,7 +446,9 @@ def case_two_lists(rank: int, world: int, extra_on: int) -> None:
         runs[mode] = (losses, _state(model, mode == "zero"))
         if mode == "zero":
             labels = [u.label for u in model.zero_engine.params.units]
-            assert labels == ["blocks.0", "blocks.1", "experts.0", "experts.1", "experts.2"], labels  # no root parameters
+            assert labels == ["blocks.0", "blocks.1", "experts.0", "experts.1", "experts.2"], (
+                labels
+            )  # no root parameters
             assert model.zero_engine.zero3.pinned == {1, 2, 3, 4, 5}, model.zero_engine.zero3.pinned
     assert_close(runs["zero"][0], runs["ddp"][0], rtol=1e-9, what="two-list losses")
     for k, v in runs["ddp"][1].items():
@@ -481,7 +483,9 @@ def case_gpt_default_units(rank: int, world: int) -> None:
 def _world2(rank: int, world: int, root: str) -> dict:
     run_subtests(lambda **kw: case_class_swap(rank, world, **kw),
                  subtest_grid(kind=["abc", "metaclass", "slots", "call"], stage=[2, 3]), label="class swap")  # fmt: skip
-    run_subtests(lambda **kw: case_setup_leaves_rng_as_ddp(rank, world, **kw), subtest_grid(stage=[1, 2, 3]), label="rng")
+    run_subtests(
+        lambda **kw: case_setup_leaves_rng_as_ddp(rank, world, **kw), subtest_grid(stage=[1, 2, 3]), label="rng"
+    )
     run_subtests(lambda **kw: case_model_only(rank, world, **kw), subtest_grid(stage=[1, 2, 3]), label="model only")
     case_frozen_zero3(rank, world, root)
     case_stale_after_load(rank, world)
@@ -505,10 +509,14 @@ def _world3(rank: int, world: int, root: str) -> dict:
     for stage in (3, 1):
         torch.manual_seed(99)
         model = FineTune().double()
-        model, opt = zs.initialize(model, lambda ps: torch.optim.AdamW([p for p in ps if p.requires_grad], lr=1e-2), stage=stage)
+        model, opt = zs.initialize(
+            model, lambda ps: torch.optim.AdamW([p for p in ps if p.requires_grad], lr=1e-2), stage=stage
+        )
         extra = zs.load_checkpoint(root, model, opt)
         for k, v in _state(model, True).items():
-            assert_close(v, torch.tensor(extra["reference"][k], dtype=v.dtype), rtol=1e-12, what=f"reloaded stage {stage} {k}")
+            assert_close(
+                v, torch.tensor(extra["reference"][k], dtype=v.dtype), rtol=1e-12, what=f"reloaded stage {stage} {k}"
+            )
         out[stage] = True
     return out
 

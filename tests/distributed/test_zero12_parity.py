@@ -11,7 +11,6 @@ import pytest
 
 from zero_strategy.testing import run_subtests
 
-
 # the production code paths: native collectives (NCCL's path, here on gloo), no overlap, and
 # gradients reduced in bf16 against DDP's bf16 compress hook (world size 2)
 PATHS = [{"impl": "native"}, {"impl": "native", "accum": "no_sync", "clip": 0.05}, {"overlap": False},
@@ -33,8 +32,24 @@ def _cells(full: bool, world: int = 2) -> list[dict]:
         {"dtype": "float32"},
         {"dtype": "float32", "clip": 0.05, "tied": True},
         # everything at once
-        {"optim": "adam", "clip": 0.05, "tied": True, "frozen": True, "ckpt": "nonreentrant", "groups": True, "unused": "some_ranks"},
-        {"optim": "sgd", "clip": 0.05, "tied": True, "frozen": True, "ckpt": "reentrant", "groups": True, "unused": "some_steps"},
+        {
+            "optim": "adam",
+            "clip": 0.05,
+            "tied": True,
+            "frozen": True,
+            "ckpt": "nonreentrant",
+            "groups": True,
+            "unused": "some_ranks",
+        },
+        {
+            "optim": "sgd",
+            "clip": 0.05,
+            "tied": True,
+            "frozen": True,
+            "ckpt": "reentrant",
+            "groups": True,
+            "unused": "some_steps",
+        },
         {"set_to_none": False, "unused": "some_steps"},  # zeroed grads still count, as under DDP
         {"late": True, "ckpt": "reentrant"},  # a gradient that arrives after its bucket was reduced
     ]
@@ -42,7 +57,11 @@ def _cells(full: bool, world: int = 2) -> list[dict]:
     cells = []
     for stage in (1, 2):
         for accum in ("none", "plain", "no_sync"):
-            extras = singles + optimizers if full else singles[:1] + singles[4:5] + singles[8:9] + singles[-4:] + optimizers[2:]
+            extras = (
+                singles + optimizers
+                if full
+                else singles[:1] + singles[4:5] + singles[8:9] + singles[-4:] + optimizers[2:]
+            )
             cells += [dict(stage=stage, accum=accum, **e) for e in extras]
         # bf16 reduction at world size 2 only: there DDP's hook and ours round the same sums; at 3
         # and more the division by N and the order of the bf16 additions differ (bf16-level noise)
@@ -63,10 +82,11 @@ def _parity_worker(rank: int, world: int, full: bool) -> int:
     return len(cells)
 
 
-@pytest.mark.parametrize("world,full", [(1, False), (2, True), (3, False), (4, False)], ids=["ws1-smoke", "ws2-full", "ws3", "ws4"])
+@pytest.mark.parametrize(
+    "world,full", [(1, False), (2, True), (3, False), (4, False)], ids=["ws1-smoke", "ws2-full", "ws3", "ws4"]
+)
 def test_zero12_matches_ddp(launch, world: int, full: bool) -> None:
     """World size 1 is a smoke test (one process, nothing is reduced), not distributed evidence."""
     counts = launch(_parity_worker, world, args=(full,), timeout=600)
     assert counts == [len(_cells(full, world))] * world
     assert counts[0] >= 30
-

@@ -33,7 +33,9 @@ def _cells(full: bool, world: int = 2) -> list[dict]:
     cells = [dict(stage=3, accum=a, **f) for a in ("none", "plain", "no_sync") for f in features]
     # the production code paths: native collectives (NCCL's), no overlap, bf16 reduction (DDP's bf16 hook)
     paths = [{"impl": "native"}, {"impl": "native", "accum": "no_sync"}, {"overlap": False, "accum": "plain"}]
-    paths += [{"reduce": "bf16"}, {"reduce": "bf16", "accum": "no_sync", "clip": 0.05}] if world == 2 else []  # see zero12
+    paths += (
+        [{"reduce": "bf16"}, {"reduce": "bf16", "accum": "no_sync", "clip": 0.05}] if world == 2 else []
+    )  # see zero12
     return cells + [dict(stage=3, **p) for p in paths]
 
 
@@ -45,7 +47,9 @@ def _parity_worker(rank: int, world: int, full: bool) -> int:
     return len(cells)
 
 
-@pytest.mark.parametrize("world,full", [(1, False), (2, True), (3, False), (4, False)], ids=["ws1-smoke", "ws2-full", "ws3", "ws4"])
+@pytest.mark.parametrize(
+    "world,full", [(1, False), (2, True), (3, False), (4, False)], ids=["ws1-smoke", "ws2-full", "ws3", "ws4"]
+)
 def test_zero3_matches_ddp(launch, world: int, full: bool) -> None:
     """World size 1 is a smoke test (one process, nothing is reduced), not distributed evidence."""
     counts = launch(_parity_worker, world, args=(full,), timeout=600)
@@ -201,7 +205,13 @@ def _accounting_worker(rank: int, world: int) -> dict:
     for cap in (10**9, root_numel + unit_bytes // 4 + 1000):
         torch.manual_seed(0)
         m = GPT(cfg)
-        m, o = zs.initialize(m, torch.optim.AdamW(m.parameters()), config=zs.ZeroConfig(stage=3, prefetch=2, stage3_max_live_parameters=cap, stage3_param_persistence_threshold=0))
+        m, o = zs.initialize(
+            m,
+            torch.optim.AdamW(m.parameters()),
+            config=zs.ZeroConfig(
+                stage=3, prefetch=2, stage3_max_live_parameters=cap, stage3_param_persistence_threshold=0
+            ),
+        )
         for step in range(3):
             x, y = synthetic_batch(cfg, 2, step, seed=rank)
             F.cross_entropy(m(x).view(-1, 256), y.reshape(-1)).backward()
@@ -209,8 +219,16 @@ def _accounting_worker(rank: int, world: int) -> dict:
             o.zero_grad()
         peaks[cap] = zs.memory_stats(m)["gathered_peak"]
         m.zero_engine.close()
-    return {"per_step": per_step, "psi": psi, "root": root_numel, "n_params": n_params, "stats": stats,
-            "unit_bytes": unit_bytes, "eval_ok": eval_ok, "peaks": peaks}
+    return {
+        "per_step": per_step,
+        "psi": psi,
+        "root": root_numel,
+        "n_params": n_params,
+        "stats": stats,
+        "unit_bytes": unit_bytes,
+        "eval_ok": eval_ok,
+        "peaks": peaks,
+    }
 
 
 def test_zero3_comm_volume_and_memory(launch) -> None:
@@ -327,7 +345,9 @@ def _order_change_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     # `extra` is its own unit and runs on steps 1, 4, 7: the recorded order changes
     model = Net(Cell(stage=3, unused="some_steps", policy="blocks")).double()
-    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=zs.ZeroConfig(stage=3), policy={type(model.extra)})
+    model, opt = zs.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), config=zs.ZeroConfig(stage=3), policy={type(model.extra)}
+    )
     for step in range(8):
         x, y = batch(step, 0, rank)
         F.cross_entropy(model(x, step % 3 == 1).view(-1, VOCAB), y.reshape(-1)).backward()

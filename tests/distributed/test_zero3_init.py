@@ -36,7 +36,9 @@ def _init_worker(rank: int, world: int, tmpdir: str) -> dict:
             torch.manual_seed(0)
             with zs.sharded_init():
                 model = GPT(_cfg())
-        model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=zs.ZeroConfig(stage=stage))
+        model, opt = zs.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), config=zs.ZeroConfig(stage=stage)
+        )
         with zs.gathered_parameters(model):
             got = {k: v.clone() for k, v in model.state_dict().items()}
         out[f"init{stage}"] = all(torch.equal(got[k], reference[k]) for k in reference)
@@ -77,8 +79,15 @@ def _init_worker(rank: int, world: int, tmpdir: str) -> dict:
 def test_sharded_init_gathered_parameters_and_loading(launch, tmp_path) -> None:
     for world in (2, 3):
         for r in launch(_init_worker, world, args=(str(tmp_path),), timeout=180):
-            assert r == {"init3": True, "modified3": True, "master3": True, "loaded": True,
-                         "init2": True, "modified2": True, "master2": True}, r
+            assert r == {
+                "init3": True,
+                "modified3": True,
+                "master3": True,
+                "loaded": True,
+                "init2": True,
+                "modified2": True,
+                "master2": True,
+            }, r
 
 
 def _memory_cap_worker(rank: int, world: int) -> dict:

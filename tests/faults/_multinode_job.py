@@ -44,7 +44,11 @@ def main() -> None:
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {"world": dist.get_world_size(), "node": os.environ.get("GROUP_RANK"), "local_rank": os.environ.get("LOCAL_RANK")}
+    result = {
+        "world": dist.get_world_size(),
+        "node": os.environ.get("GROUP_RANK"),
+        "local_rank": os.environ.get("LOCAL_RANK"),
+    }
     ref_losses, ref_state, _, _ = train("ddp", 0, rank)
     for stage in (2, 3):
         losses, state, model, opt = train("zero", stage, rank)

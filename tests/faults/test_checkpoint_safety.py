@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import zero_strategy as zs
-import zero_strategy.checkpoint as ckpt
 from zero_strategy.checkpoint_files import CheckpointFileError
 
 
@@ -161,8 +160,12 @@ def test_a_full_disk_removes_the_partial_save_and_keeps_the_last_good_one(tmp_pa
             return getattr(self.raw, name)
 
     real_init = checkpoint_files._CRCStream.__init__
-    monkeypatch.setattr(checkpoint_files._CRCStream, "__init__", lambda self, raw, errors: real_init(self, FullDisk(raw), errors))
-    with pytest.raises(RuntimeError, match=r"writing .*step-2.* failed .*No space left on device.*partial directory was removed"):
+    monkeypatch.setattr(
+        checkpoint_files._CRCStream, "__init__", lambda self, raw, errors: real_init(self, FullDisk(raw), errors)
+    )
+    with pytest.raises(
+        RuntimeError, match=r"writing .*step-2.* failed .*No space left on device.*partial directory was removed"
+    ):
         zs.save_checkpoint(tmp_path / "ck", model, opt)
     monkeypatch.undo()
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-1"]
@@ -181,7 +184,9 @@ def test_pruning_touches_only_our_complete_or_abandoned_directories(tmp_path: Pa
     (root / "foreign" / ".metadata").write_bytes(b"x")
     (root / "in-progress").mkdir()  # another live job's save (pid 1 is alive): never touched
     (root / "in-progress" / OWNER).write_text(json.dumps({"host": os.uname().nodename, "pid": 1, "created": 0.0}))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout
     (root / "abandoned").mkdir()  # a killed job's partial save: its process is gone
     (root / "abandoned" / OWNER).write_text(json.dumps({"host": os.uname().nodename, "pid": int(dead), "created": 0.0}))
     zs.save_checkpoint(root, model, opt, tag="b", keep_last=1)
@@ -227,19 +232,21 @@ def test_a_save_that_dies_at_any_point_leaves_a_loadable_checkpoint(tmp_path: Pa
     """SIGKILL at each phase of a save (here: the process exits at once, as SIGKILL would, leaving
     no cleanup): `latest` names a complete checkpoint, which loads, before and after the pointer moves."""
     script = tmp_path / "die.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, torch, zero_strategy as zs
         import zero_strategy.checkpoint as ckpt
         torch.manual_seed(0)
         model, opt = zs.initialize(torch.nn.Linear(8, 8), lambda p: torch.optim.AdamW(p, lr=1e-2), stage=2)
         model(torch.ones(2, 8)).sum().backward(); opt.step(); opt.zero_grad()
-        zs.save_checkpoint({str(tmp_path / 'ck')!r}, model, opt, objects={{"trainer": {{"step": 1}}}})
-        torch.save(dict(model.state_dict()), {str(tmp_path / 'state-1.pt')!r})
+        zs.save_checkpoint({str(tmp_path / "ck")!r}, model, opt, objects={{"trainer": {{"step": 1}}}})
+        torch.save(dict(model.state_dict()), {str(tmp_path / "state-1.pt")!r})
         model(torch.ones(2, 8)).sum().backward(); opt.step(); opt.zero_grad()
-        torch.save(dict(model.state_dict()), {str(tmp_path / 'state-2.pt')!r})
+        torch.save(dict(model.state_dict()), {str(tmp_path / "state-2.pt")!r})
         ckpt.FAULT_HOOK = lambda where, rank: os._exit(9) if where == {point!r} else None
-        zs.save_checkpoint({str(tmp_path / 'ck')!r}, model, opt, objects={{"trainer": {{"step": 2}}}})
-    """))
+        zs.save_checkpoint({str(tmp_path / "ck")!r}, model, opt, objects={{"trainer": {{"step": 2}}}})
+    """)
+    )
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 9, done.stderr[-3000:]
     latest = (tmp_path / "ck" / "latest").read_text().strip()

@@ -38,7 +38,9 @@ def _count() -> dict[str, int]:
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential(
+        *(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)), torch.nn.Linear(16, 4)
+    )
 
 
 def test_twenty_engines_leave_nothing_behind(tmp_path: Path) -> None:
@@ -76,7 +78,9 @@ def test_destroy_hands_back_a_plain_module_with_its_trained_values() -> None:
     for stage in (1, 2, 3):
         model = _model()
         plain = _model()
-        model, opt = zs.initialize(model, lambda p: torch.optim.SGD(p, lr=0.1), stage=stage, stage3_param_persistence_threshold=0)
+        model, opt = zs.initialize(
+            model, lambda p: torch.optim.SGD(p, lr=0.1), stage=stage, stage3_param_persistence_threshold=0
+        )
         plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
         for m, o in ((model, opt), (plain, plain_opt)):
             m(torch.ones(2, 16)).square().sum().backward()

@@ -69,7 +69,8 @@ def _lit_class():
             decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
             rest = [p for n, p in self.named_parameters() if p.ndim < 2]
             opt = torch.optim.AdamW(
-                [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": self.lr / 2}], lr=self.lr
+                [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": self.lr / 2}],
+                lr=self.lr,
             )
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
             return [opt], [{"scheduler": sched, "interval": "step"}]
@@ -126,7 +127,13 @@ class _Losses:
                 import torch
 
                 if not hasattr(pl_module, "zero_engine"):  # DDP: full gradients, before clipping
-                    self.norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in pl_module.parameters() if p.grad is not None])))
+                    self.norms.append(
+                        float(
+                            torch.nn.utils.get_total_norm(
+                                [p.grad for p in pl_module.parameters() if p.grad is not None]
+                            )
+                        )
+                    )
 
         return Rec()
 
@@ -150,7 +157,11 @@ def _parity_worker(rank: int, world: int) -> dict:
     for name in ("ddp", "zero1", "zero2", "zero3", "zero3_sharded_init", "ddp_bf16", "zero2_bf16"):
         sharded = name.endswith("sharded_init")
         stage_name = name.split("_")[0]
-        strategy = lightning_zero.ZeroStrategy(stage=3) if sharded else (stage_name if stage_name != "zero1" else lightning_zero.ZeroStrategy(stage=1))
+        strategy = (
+            lightning_zero.ZeroStrategy(stage=3)
+            if sharded
+            else (stage_name if stage_name != "zero1" else lightning_zero.ZeroStrategy(stage=1))
+        )
         rec = _Losses()
         # bf16 runs do not clip: the global norm is summed over shards in another order than
         # torch's, a last-bit difference that bf16 rounding of activations amplifies over steps
@@ -186,7 +197,9 @@ def _parity_worker(rank: int, world: int) -> dict:
                      "lr": lr, "norms": rec.norms}  # fmt: skip
     for name in ("ddp", "zero3"):  # manual optimization
         rec = _Losses()
-        trainer = _trainer(name, world, max_steps=10, callbacks=[rec], enable_checkpointing=False, num_sanity_val_steps=0)
+        trainer = _trainer(
+            name, world, max_steps=10, callbacks=[rec], enable_checkpointing=False, num_sanity_val_steps=0
+        )
         model = LitGPT.Manual()
         trainer.fit(model, _data(80, 2))
         out[f"manual_{name}"] = rec.losses
@@ -194,7 +207,6 @@ def _parity_worker(rank: int, world: int) -> dict:
 
 
 def test_ddp_parity_with_accumulation_clipping_and_scheduler(launch) -> None:
-    import torch
 
     results = launch(_parity_worker, 2, timeout=600)
     for rank, res in enumerate(results):
@@ -219,7 +231,9 @@ def test_ddp_parity_with_accumulation_clipping_and_scheduler(launch) -> None:
         bf16, ddp_bf16 = res["zero2_bf16"], res["ddp_bf16"]
         assert bf16["dtype"] == ddp_bf16["dtype"] == "torch.float32"
         assert_close(bf16["losses"], ddp_bf16["losses"], rtol=1e-6, what=f"rank {rank} bf16-mixed losses")
-        assert_state_close(bf16["params"], ddp_bf16["params"], rtol=1e-5, atol=1e-6, what=f"rank {rank} bf16-mixed weights")
+        assert_state_close(
+            bf16["params"], ddp_bf16["params"], rtol=1e-5, atol=1e-6, what=f"rank {rank} bf16-mixed weights"
+        )
         assert rel_error(bf16["losses"], res["zero2"]["losses"]) > 1e-4  # autocast did change the numbers
 
 
@@ -227,9 +241,9 @@ GLOBAL_BATCH, EPOCH_STEPS = 12, 4
 
 
 def _resume_worker(rank: int, world: int, root: str, phase: str) -> dict:
-    import torch
 
     import lightning.pytorch as pl
+
     import lightning_zero
     import zero_strategy as zs
 
@@ -242,9 +256,19 @@ def _resume_worker(rank: int, world: int, root: str, phase: str) -> dict:
     stage = {"save": 3, "slurm": 3, "one": 1}[phase]
     rec = _Losses()
     if phase == "save":  # the uninterrupted run; checkpoints every epoch
-        ckpt = pl.callbacks.ModelCheckpoint(dirpath=root, filename="ep{epoch}", save_top_k=-1, every_n_epochs=1, auto_insert_metric_name=False)
-        best = pl.callbacks.ModelCheckpoint(dirpath=f"{root}/best", monitor="loss", save_top_k=1, every_n_train_steps=1, save_last=True)
-        trainer = _trainer(lightning_zero.ZeroStrategy(stage=stage), world, max_epochs=2, callbacks=[rec, ckpt, best], gradient_clip_val=0.3)
+        ckpt = pl.callbacks.ModelCheckpoint(
+            dirpath=root, filename="ep{epoch}", save_top_k=-1, every_n_epochs=1, auto_insert_metric_name=False
+        )
+        best = pl.callbacks.ModelCheckpoint(
+            dirpath=f"{root}/best", monitor="loss", save_top_k=1, every_n_train_steps=1, save_last=True
+        )
+        trainer = _trainer(
+            lightning_zero.ZeroStrategy(stage=stage),
+            world,
+            max_epochs=2,
+            callbacks=[rec, ckpt, best],
+            gradient_clip_val=0.3,
+        )
         model = LitGPT()
         trainer.fit(model, data)
         out["losses"] = rec.losses
@@ -254,8 +278,17 @@ def _resume_worker(rank: int, world: int, root: str, phase: str) -> dict:
             out["params"] = {k: v.detach().clone() for k, v in model.gpt.state_dict().items()}
     else:
         if phase == "slurm":
-            assert type(_trainer("zero3", world)._accelerator_connector.cluster_environment).__name__ == "SLURMEnvironment"
-        trainer = _trainer(lightning_zero.ZeroStrategy(stage=stage), world, max_epochs=2, callbacks=[rec], gradient_clip_val=0.3, enable_checkpointing=False)
+            assert (
+                type(_trainer("zero3", world)._accelerator_connector.cluster_environment).__name__ == "SLURMEnvironment"
+            )
+        trainer = _trainer(
+            lightning_zero.ZeroStrategy(stage=stage),
+            world,
+            max_epochs=2,
+            callbacks=[rec],
+            gradient_clip_val=0.3,
+            enable_checkpointing=False,
+        )
         model = LitGPT()
         trainer.fit(model, data, ckpt_path=f"{root}/ep0.ckpt")
         out["losses"] = rec.losses
@@ -272,7 +305,9 @@ def test_checkpoint_resumes_on_other_device_counts(launch, tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "ep0.ckpt", "ep1.ckpt", "full.ckpt"]
     # save_top_k=1 removed the sharded directories it replaced; last.ckpt is one too
     kept = sorted(p.name for p in (tmp_path / "best").iterdir())
-    assert len(kept) == 2 and "last.ckpt" in kept and all((tmp_path / "best" / k / "latest").is_file() for k in kept), kept
+    assert len(kept) == 2 and "last.ckpt" in kept and all((tmp_path / "best" / k / "latest").is_file() for k in kept), (
+        kept
+    )
     assert (tmp_path / "ep0.ckpt" / "latest").is_file()  # a sharded directory
     for world, phase in ((3, "slurm"), (1, "one")):
         got = launch(_resume_worker, world, args=(str(tmp_path), phase), timeout=300)[0]
@@ -290,10 +325,10 @@ def test_checkpoint_resumes_on_other_device_counts(launch, tmp_path) -> None:
 
 
 def _cli_worker(rank: int, world: int, root: str) -> list:
+    from lightning.pytorch import LightningDataModule
     from lightning.pytorch.cli import LightningCLI
 
     import lightning_zero
-    from lightning.pytorch import LightningDataModule
 
     LitGPT = _lit_class()
 
@@ -316,8 +351,16 @@ def _cli_worker(rank: int, world: int, root: str) -> list:
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.model.zero_engine.config.stage == 3 and cli.trainer.global_step == 2
     seen.append(type(s).__name__)
-    cli2 = LightningCLI(LitGPT, Data, run=False, save_config_callback=None, args=["--trainer.strategy=zero2", "--trainer.accelerator=cpu", "--trainer.devices=1"])
-    assert isinstance(cli2.trainer.strategy, lightning_zero.ZeroStrategy) and cli2.trainer.strategy.zero_config.stage == 2
+    cli2 = LightningCLI(
+        LitGPT,
+        Data,
+        run=False,
+        save_config_callback=None,
+        args=["--trainer.strategy=zero2", "--trainer.accelerator=cpu", "--trainer.devices=1"],
+    )
+    assert (
+        isinstance(cli2.trainer.strategy, lightning_zero.ZeroStrategy) and cli2.trainer.strategy.zero_config.stage == 2
+    )
     seen.append(cli2.trainer.strategy.zero_config.stage)
     return seen
 
@@ -389,7 +432,9 @@ def test_errors_name_the_setting_and_the_fix(tmp_path) -> None:
     # without the import, Lightning's own error stands
     code = "import lightning.pytorch as pl\ntry:\n    pl.Trainer(strategy='zero3', accelerator='cpu')\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "Invalid strategy name zero3" in done.stdout or "invalid strategy" in done.stdout.lower(), done.stdout + done.stderr
+    assert "Invalid strategy name zero3" in done.stdout or "invalid strategy" in done.stdout.lower(), (
+        done.stdout + done.stderr
+    )
     assert "lightning_zero" not in done.stdout
     import lightning_zero
 
@@ -411,9 +456,8 @@ def test_errors_name_the_setting_and_the_fix(tmp_path) -> None:
 
 
 def test_config_file_precision_conflicts_with_trainer() -> None:
-    from lightning_zero import _settings as S
-
     import zero_strategy as zs
+    from lightning_zero import _settings as S
 
     cfg = zs.ZeroConfig.from_dict({"bf16": {"enabled": True}, "gradient_clipping": 1.0})
     assert S.apply_lightning_arguments(cfg, precision="32-true", gradient_clip_val=None, gradient_clip_algorithm="norm",
@@ -430,7 +474,11 @@ def test_config_file_precision_conflicts_with_trainer() -> None:
     assert kept.precision.param_dtype == zs.ZeroConfig(precision="bf16-true").precision.param_dtype
     # without a file, the Trainer's names: "*-mixed" is autocast over fp32, "*-true" 16-bit parameters
     plain = zs.ZeroConfig()
-    for flag, param, autocast in (("bf16-mixed", None, "bf16"), ("16-mixed", None, "fp16"), ("bf16-true", "bf16", "bf16")):
+    for flag, param, autocast in (
+        ("bf16-mixed", None, "bf16"),
+        ("16-mixed", None, "fp16"),
+        ("bf16-true", "bf16", "bf16"),
+    ):
         got = S.apply_lightning_arguments(plain, precision=flag, gradient_clip_val=None, gradient_clip_algorithm=None,
                                           accumulate_grad_batches=1, source="Trainer").precision  # fmt: skip
         assert got == zs.ZeroConfig(precision={"param_dtype": param, "autocast_dtype": autocast}).precision, flag
@@ -442,7 +490,9 @@ def _run_script(cmd: list[str], timeout: float) -> str:
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -475,11 +525,15 @@ def teardown_abort_only(out: str, returncode: int, ranks: int) -> bool:
 def test_only_a_teardown_sigabrt_after_the_final_barrier_is_tolerated() -> None:
     done = "rank 0: done\nrank 1: done\n"
     assert teardown_abort_only(done, -6, ranks=2)
-    assert teardown_abort_only(done + "exitcode  : -6 (pid: 7)\nTraceback (most recent call last):\n  x\nChildFailedError:", 1, ranks=2)
+    assert teardown_abort_only(
+        done + "exitcode  : -6 (pid: 7)\nTraceback (most recent call last):\n  x\nChildFailedError:", 1, ranks=2
+    )
     assert not teardown_abort_only("rank 0: done\n", -6, ranks=2)  # rank 1 never passed the barrier
     assert not teardown_abort_only(done, 1, ranks=2)  # an exit code, not gloo's abort
     assert not teardown_abort_only(done + "exitcode  : 1 (pid: 7)", 1, ranks=2)
-    assert not teardown_abort_only(done + "Traceback (most recent call last):\n  File x\nValueError: boom\n", -6, ranks=2)
+    assert not teardown_abort_only(
+        done + "Traceback (most recent call last):\n  File x\nValueError: boom\n", -6, ranks=2
+    )
 
 
 @pytest.mark.parametrize("launcher", ["lightning", "torchrun"])

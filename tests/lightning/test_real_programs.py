@@ -22,7 +22,11 @@ def _rng_digest() -> dict[str, int]:
     def h(obj) -> int:
         return int(hashlib.sha1(pickle.dumps(obj)).hexdigest()[:12], 16)
 
-    out = {"torch": h(torch.get_rng_state().tolist()), "random": h(random.getstate()), "numpy": h(np.random.get_state()[1].tolist())}
+    out = {
+        "torch": h(torch.get_rng_state().tolist()),
+        "random": h(random.getstate()),
+        "numpy": h(np.random.get_state()[1].tolist()),
+    }
     if torch.cuda.is_available():
         out["cuda"] = h([s.tolist() for s in torch.cuda.get_rng_state_all()])
     return out
@@ -197,7 +201,9 @@ def test_batchnorm_clipping_by_value_and_sync_batchnorm(launch) -> None:
         for name in ("zero2", "zero3"):
             got = res[name]
             assert_close(got["train"], ref["train"], rtol=1e-6, what=f"rank {rank} {name} losses")
-            assert_close(got["running_mean"], ref["running_mean"], rtol=1e-6, atol=1e-7, what=f"rank {rank} {name} running mean")
+            assert_close(
+                got["running_mean"], ref["running_mean"], rtol=1e-6, atol=1e-7, what=f"rank {rank} {name} running mean"
+            )
             sync = res[f"sync_{name}"]
             # converted before the engine took the module: the SyncBatchNorm's own weight is managed
             assert sync["type"] == "SyncBatchNorm" and sync["managed"], sync
@@ -253,7 +259,10 @@ def test_fabric_setup_leaves_the_random_streams_as_ddp(launch) -> None:
     The model is built in fabric.init_module(), which shards it at zero3."""
     for rank, res in enumerate(launch(_fabric_worker, 2, timeout=300)):
         # fabric.init_module() at zero3: no parameter held its full values after construction
-        assert res["zero3"]["built_bytes"] < res["ddp"]["built_bytes"] / 10, (res["zero3"]["built_bytes"], res["ddp"]["built_bytes"])
+        assert res["zero3"]["built_bytes"] < res["ddp"]["built_bytes"] / 10, (
+            res["zero3"]["built_bytes"],
+            res["ddp"]["built_bytes"],
+        )
         for name in ("zero1", "zero2", "zero3"):
             assert res[name]["digest"] == res["ddp"]["digest"], (rank, name)
             assert_close(res[name]["losses"], res["ddp"]["losses"], rtol=1e-6, what=f"rank {rank} {name} losses")

@@ -57,7 +57,9 @@ def test_full_grad_and_module_level_clip() -> None:
     torch.manual_seed(0)
     ref = GPT(CFG)
     model = copy.deepcopy(ref)
-    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config={"zero_optimization": {"stage": 2}})
+    model, opt = zs.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), config={"zero_optimization": {"stage": 2}}
+    )
     _loss(ref, 0).backward()
     _loss(model, 0).backward()
     for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
@@ -92,7 +94,11 @@ def test_user_errors_are_clear() -> None:
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         zs.initialize(GPT(CFG), "adam")
     with pytest.raises(NotImplementedError, match="offload_optimizer.*not yet supported"):
-        zs.initialize(GPT(CFG), lambda p: torch.optim.SGD(p, lr=0.1), config={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+        zs.initialize(
+            GPT(CFG),
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            config={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        )
     m, o = zs.initialize(GPT(CFG), lambda p: torch.optim.SGD(p, lr=0.1), gradient_clipping=1.0)
     with pytest.raises(RuntimeError, match="already managed"):
         zs.initialize(m, lambda p: torch.optim.SGD(p, lr=0.1))
@@ -226,7 +232,11 @@ def test_config_clipping_applies_when_the_user_does_not_clip() -> None:
     ref = GPT(CFG)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
-    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), config={"gradient_clipping": 0.01, "zero_optimization": {"stage": 2}})
+    model, opt = zs.initialize(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        config={"gradient_clipping": 0.01, "zero_optimization": {"stage": 2}},
+    )
     _loss(ref, 0).backward()
     _loss(model, 0).backward()
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
@@ -517,7 +527,9 @@ def test_zero3_zero_dim_parameter_and_partial_saves_pruned(tmp_path) -> None:
     torch.manual_seed(0)
     ref = Scaled()
     model = copy.deepcopy(ref)
-    model, opt = zs.initialize(model, lambda p: torch.optim.SGD(p, lr=0.1), stage=3, stage3_param_persistence_threshold=0)
+    model, opt = zs.initialize(
+        model, lambda p: torch.optim.SGD(p, lr=0.1), stage=3, stage3_param_persistence_threshold=0
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for m, o in ((model, opt), (ref, ref_opt)):
         m(torch.ones(2, 4)).sum().backward()
@@ -530,8 +542,12 @@ def test_zero3_zero_dim_parameter_and_partial_saves_pruned(tmp_path) -> None:
     import subprocess
     import sys
 
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
-    (tmp_path / "step-0" / ".zero_owner.json").write_text(json.dumps({"host": os.uname().nodename, "pid": dead, "created": 0.0}))
+    dead = int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    )
+    (tmp_path / "step-0" / ".zero_owner.json").write_text(
+        json.dumps({"host": os.uname().nodename, "pid": dead, "created": 0.0})
+    )
     (tmp_path / "notes").mkdir()  # not ours: kept
     zs.save_checkpoint(tmp_path, model, opt, keep_last=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes", "step-1"]
@@ -542,7 +558,9 @@ def test_fp16_deepspeed_schedule_hysteresis_and_window_at_runtime() -> None:
     before halving, loss_scale_window good steps double the scale (and refill the allowance)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-    cfg = zs.ZeroConfig(stage=2, precision="fp16", loss_scale={"initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3})
+    cfg = zs.ZeroConfig(
+        stage=2, precision="fp16", loss_scale={"initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3}
+    )
     model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), config=cfg)
     inject = [False]
     model[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")) if inject[0] else g)
@@ -571,7 +589,9 @@ def test_fp16_mixed_follows_grad_scaler_schedule() -> None:
         seen.append(scaler.scale)
     assert seen == [2.0, 1.0, 0.5, 0.5, 1.0, 0.5], seen
     model, _ = zs.initialize(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), stage=2, precision="16-mixed")
-    assert isinstance(model.zero_engine.scaler.schedule, GradScalerSchedule) and model.zero_engine.scaler.scale == 2.0**16
+    assert (
+        isinstance(model.zero_engine.scaler.schedule, GradScalerSchedule) and model.zero_engine.scaler.scale == 2.0**16
+    )
 
 
 def test_a_forward_between_clip_and_step_does_not_reopen_finalized_gradients() -> None:
@@ -611,7 +631,10 @@ def test_fp16_endless_overflow_raises() -> None:
                 zs.backward(model(torch.ones(2, 4, dtype=torch.float16)).float().sum(), model=model)
                 opt.step()
                 opt.zero_grad()
-        assert model.zero_engine.scaler.consecutive_skips == steps, (cfg.loss_scale, model.zero_engine.scaler.consecutive_skips)
+        assert model.zero_engine.scaler.consecutive_skips == steps, (
+            cfg.loss_scale,
+            model.zero_engine.scaler.consecutive_skips,
+        )
 
 
 def test_a_failed_zero3_initialize_leaves_the_model_as_it_was() -> None:
@@ -654,7 +677,9 @@ def test_a_parameter_of_a_managed_model_is_refused_by_a_second_engine() -> None:
 def test_fp16_scaler_schedule_resumes_where_it_was_saved(tmp_path) -> None:
     """Saved after an absorbed overflow (hysteresis used) in the middle of a window: the resumed
     run halves at the next overflow and doubles at the same step as the uninterrupted one."""
-    cfg = zs.ZeroConfig(stage=2, precision="fp16", loss_scale={"initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3})
+    cfg = zs.ZeroConfig(
+        stage=2, precision="fp16", loss_scale={"initial_scale_power": 8, "hysteresis": 2, "loss_scale_window": 3}
+    )
 
     def build():
         torch.manual_seed(0)
@@ -708,5 +733,8 @@ def test_illegal_transitions_are_named() -> None:
     opt.step()  # after backward: fine
     unit = model.zero_engine.zero3.all_units[0]
     assert unit.state.name == "SHARDED"
-    with pytest.raises(RuntimeError, match=r"wait_unshard of unit 'blocks.0' moves it to UNSHARDED, which needs state UNSHARDING, but it is SHARDED"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"wait_unshard of unit 'blocks.0' moves it to UNSHARDED, which needs state UNSHARDING, but it is SHARDED",
+    ):
         unit.wait_unshard({})

@@ -81,7 +81,12 @@ def test_defaults():
     assert not cfg.precision.enabled and cfg.precision.autocast_dtype is None
     assert cfg.loss_scale.hysteresis == 1 and cfg.loss_scale.dynamic
     assert cfg.gradient_clipping is None and cfg.gradient_accumulation_steps is None
-    assert (cfg.comm_timeout, cfg.prefetch, cfg.check_unit_order, cfg.collective_impl) == (None, 1, True, "auto")  # None: the group's timeout
+    assert (cfg.comm_timeout, cfg.prefetch, cfg.check_unit_order, cfg.collective_impl) == (
+        None,
+        1,
+        True,
+        "auto",
+    )  # None: the group's timeout
     assert cfg.stage3_prefetch_bucket_size == 50_000_000 and cfg.sub_group_size == 1_000_000_000
     assert not any(cfg.explicitly_set(f.name) for f in dataclasses.fields(cfg) if f.name != "_explicit")
     assert unsupported_features(cfg) == []
@@ -143,7 +148,10 @@ def test_frontend_precision_table():
     from zero_strategy.config import PRECISION_NAMES, frontend_precision
 
     assert frontend_precision("lightning", "32-true") is None and frontend_precision("accelerate", "no") is None
-    assert frontend_precision("accelerate", "bf16") == "bf16-mixed" and frontend_precision("accelerate", "fp16") == "16-mixed"
+    assert (
+        frontend_precision("accelerate", "bf16") == "bf16-mixed"
+        and frontend_precision("accelerate", "fp16") == "16-mixed"
+    )
     assert frontend_precision("lightning", "bf16-true") == "bf16-true"
     for table in ("lightning", "accelerate"):
         for flag in ("bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "fp16"):
@@ -268,7 +276,9 @@ def test_from_dict_deepspeed_style():
     assert cfg.stage3_max_live_parameters == 300_000_000 and cfg.stage3_max_reuse_distance == 0
     assert cfg.stage3_prefetch_bucket_size == 1_000_000 and cfg.stage3_param_persistence_threshold == 10_000
     assert cfg.stage3_gather_16bit_weights_on_model_save is True and cfg.sub_group_size == 100_000_000
-    assert cfg.precision == PrecisionConfig(param_dtype=torch.float16, reduce_dtype=torch.float16, autocast_dtype=torch.float16)
+    assert cfg.precision == PrecisionConfig(
+        param_dtype=torch.float16, reduce_dtype=torch.float16, autocast_dtype=torch.float16
+    )
     assert cfg.loss_scale == LossScaleConfig(
         initial_scale_power=12, hysteresis=2, loss_scale_window=500, min_loss_scale=0.5, consecutive_hysteresis=True
     )
@@ -420,7 +430,9 @@ def test_warns_once_for_ignored_deepspeed_keys():
 
 
 def test_legacy_cpu_offload_means_optimizer_offload_and_is_refused():
-    cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}})
+    cfg = ZeroConfig.from_dict(
+        {"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}}
+    )
     assert cfg.offload_optimizer == OffloadConfig(device="cpu", pin_memory=True)
     assert unsupported_features(cfg) == ["offload_optimizer (device='cpu')"]  # initialize refuses it, no silent run
 

@@ -31,7 +31,11 @@ SCALARS = (
     | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=6)
     | st.sampled_from(["auto", "1e9", "1e400", "-1", "bf16", "fp16", "cpu", "nvme", "true", "3", "0.5"])
 )  # fmt: skip
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 def _paths(d: dict, prefix: tuple = ()) -> list[tuple]:

@@ -114,7 +114,11 @@ def test_core_imports_no_frontend_and_distributed_calls_stay_in_collectives() ->
         tree = ast.parse(path.read_text())
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        banned = {m for m in names if m.split(".")[0] in ("lightning", "pytorch_lightning", "accelerate", "lightning_zero", "accelerate_zero")}
+        banned = {
+            m
+            for m in names
+            if m.split(".")[0] in ("lightning", "pytorch_lightning", "accelerate", "lightning_zero", "accelerate_zero")
+        }
         assert not banned, f"{name} imports {sorted(banned)}: the core never imports a front-end"
         if name == "zero_strategy.collectives" or name.startswith("zero_strategy.testing"):
             continue
@@ -126,7 +130,9 @@ def test_core_imports_no_frontend_and_distributed_calls_stay_in_collectives() ->
         }  # fmt: skip
         collectives = calls & {"all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "reduce_scatter",
                                "send", "recv", "isend", "irecv", "batch_isend_irecv", "new_group", "all_gather_into_tensor"}  # fmt: skip
-        assert not collectives, f"{name} calls torch.distributed.{sorted(collectives)}: go through zero_strategy.collectives"
+        assert not collectives, (
+            f"{name} calls torch.distributed.{sorted(collectives)}: go through zero_strategy.collectives"
+        )
 
 
 def test_core_imports_with_torch_alone() -> None:

@@ -75,8 +75,9 @@ def _failing_subtests(rank: int, world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_launch_returns_per_rank_results(launch: Callable[..., list[Any]], world_size: int) -> None:
-    results = launch(_sum_ranks, world_size, args=(100,), kwargs={"scale": 2},
-                     env={"ZERO_TEST_MARKER": "from-parent"}, timeout=60)
+    results = launch(
+        _sum_ranks, world_size, args=(100,), kwargs={"scale": 2}, env={"ZERO_TEST_MARKER": "from-parent"}, timeout=60
+    )
     expected_sum = sum(range(world_size)) * 2 + 100
     assert [r["rank"] for r in results] == list(range(world_size))
     for r in results:

@@ -57,7 +57,15 @@ def test_decorator_policy_classes_and_callable() -> None:
     assert [n for n, _ in plan.units] == ["layers.0", "layers.1"] and plan.rule == "@zero_auto_partition"
     assert plan.conditional_lists == []
     units = find_units(GPT(CFG), {nn.LayerNorm}).units
-    assert [n for n, _ in units] == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "blocks.2.ln1", "blocks.2.ln2", "ln_f"]
+    assert [n for n, _ in units] == [
+        "blocks.0.ln1",
+        "blocks.0.ln2",
+        "blocks.1.ln1",
+        "blocks.1.ln2",
+        "blocks.2.ln1",
+        "blocks.2.ln2",
+        "ln_f",
+    ]
     units = find_units(GPT(CFG), lambda m, name: name in ("blocks.1", "head")).units
     assert [n for n, _ in units] == ["blocks.1", "head"]
     with pytest.raises(TypeError, match="not nn.Module classes"):

@@ -34,7 +34,9 @@ def stdlib_corpus(max_bytes: int = 8_000_000) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
 
 
-def text_batch(corpus: torch.Tensor, batch: int, seq_len: int, step: int, rank: int = 0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def text_batch(
+    corpus: torch.Tensor, batch: int, seq_len: int, step: int, rank: int = 0, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-byte targets, ``(batch, seq_len)`` each, as int64."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + rank)
     starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch,), generator=g)

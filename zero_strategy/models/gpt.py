@@ -33,7 +33,7 @@ class GPTConfig:
             )
 
     @classmethod
-    def bench(cls) -> "GPTConfig":
+    def bench(cls) -> GPTConfig:
         """About 63M parameters: the setting of ``../shared/PERF-NOTES.md``."""
         return cls(vocab_size=4096, seq_len=64, d_model=768, n_layer=8, n_head=12, tie_embeddings=False)
 

@@ -90,7 +90,7 @@ def _test_exit(rank: int, point: str) -> None:
     if how == f"exit1_{point}":
         os._exit(1)
     if how == f"traceback_abort_{point}":
-        sys.stderr.write("Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: late failure\n")
+        sys.stderr.write('Traceback (most recent call last):\n  File "x.py", line 1\nRuntimeError: late failure\n')
         _flush()
         os.abort()
 
@@ -121,8 +121,7 @@ def _report_failure(launch_dir: str, rank: int, exc: BaseException) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print(f"usage: python -m zero_strategy.testing._child LAUNCH_DIR RANK WORLD_SIZE; got {argv}",
-              file=sys.stderr)
+        print(f"usage: python -m zero_strategy.testing._child LAUNCH_DIR RANK WORLD_SIZE; got {argv}", file=sys.stderr)
         return 2
     launch_dir, rank, world_size = argv[0], int(argv[1]), int(argv[2])
     faulthandler.enable(all_threads=True)  # segfault / abort -> Python stacks on stderr

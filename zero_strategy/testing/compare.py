@@ -71,7 +71,9 @@ def _assert_close_tensors(got: Any, ref: Any, rtol: float, atol: float, what: st
     for side, t in (("got", a), ("reference", b)):
         bad = (~torch.isfinite(t)).nonzero().reshape(-1)
         if bad.numel():
-            raise AssertionError(f"{what}: the {side} has non-finite values at {bad[:5].tolist()} ({t[bad[0]].item()!r})")
+            raise AssertionError(
+                f"{what}: the {side} has non-finite values at {bad[:5].tolist()} ({t[bad[0]].item()!r})"
+            )
     ok = (a - b).abs() <= atol + rtol * b.abs()
     if not bool(ok.all()):
         i = int((~ok).nonzero()[0])
@@ -99,7 +101,13 @@ def assert_close(got: Any, ref: Any, *, rtol: float, atol: float = 0.0, what: st
 
 
 def assert_state_close(
-    got: Mapping[str, Any], ref: Mapping[str, Any], *, rtol: float, atol: float = 0.0, what: str = "state", check_dtype: bool = True
+    got: Mapping[str, Any],
+    ref: Mapping[str, Any],
+    *,
+    rtol: float,
+    atol: float = 0.0,
+    what: str = "state",
+    check_dtype: bool = True,
 ) -> None:
     """:func:`assert_close` for every tensor of two state dicts with the same keys (and, unless
     ``check_dtype=False``, the same dtypes: a bf16 copy of fp32 weights is not the same state)."""
@@ -110,5 +118,7 @@ def assert_state_close(
     for key in ref:
         a, b = got[key], ref[key]
         if check_dtype and getattr(a, "dtype", None) != getattr(b, "dtype", None):
-            raise AssertionError(f"{what}[{key!r}]: dtype {getattr(a, 'dtype', type(a))} but the reference has {getattr(b, 'dtype', type(b))}")
+            raise AssertionError(
+                f"{what}[{key!r}]: dtype {getattr(a, 'dtype', type(a))} but the reference has {getattr(b, 'dtype', type(b))}"
+            )
         assert_close(a, b, rtol=rtol, atol=atol, what=f"{what}[{key!r}]")

@@ -145,9 +145,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _child_env(
-    rank: int, world_size: int, port: int, launch_dir: str, extra: dict[str, str] | None
-) -> dict[str, str]:
+def _child_env(rank: int, world_size: int, port: int, launch_dir: str, extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
@@ -173,9 +171,7 @@ def _child_env(
 def _start_rank(rank: int, world_size: int, launch_dir: str, env: dict[str, str]) -> _Rank:
     cmd = [sys.executable, "-m", "zero_strategy.testing._child", launch_dir, str(rank), str(world_size)]
     with open(stdout_path(launch_dir, rank), "wb") as out, open(stderr_path(launch_dir, rank), "wb") as err:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True
-        )
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, start_new_session=True)
     return _Rank(rank=rank, proc=proc)
 
 
@@ -358,17 +354,27 @@ def _load_results(launch_dir: str, fn_name: str, world_size: int, may_die: froze
     return results
 
 
-def _write_spec(launch_dir: str, fn: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any], pg_timeout: float, may_die: frozenset[int]) -> None:
+def _write_spec(
+    launch_dir: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    pg_timeout: float,
+    may_die: frozenset[int],
+) -> None:
     source, qualname = _locate(fn)
-    spec = {"source": source, "qualname": qualname, "args": tuple(args),
-            "kwargs": dict(kwargs), "pg_timeout": float(pg_timeout), "may_die": sorted(may_die)}
+    spec = {
+        "source": source,
+        "qualname": qualname,
+        "args": tuple(args),
+        "kwargs": dict(kwargs),
+        "pg_timeout": float(pg_timeout),
+        "may_die": sorted(may_die),
+    }
     try:
         payload = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
-        raise TypeError(
-            f"launch({qualname}): args/kwargs must be picklable (plain data / tensors): {exc}"
-        ) from exc
+        raise TypeError(f"launch({qualname}): args/kwargs must be picklable (plain data / tensors): {exc}") from exc
     Path(launch_dir, SPEC_FILE).write_bytes(payload)
 
 
@@ -419,13 +425,15 @@ def launch(
         if outcome == "timeout":
             _dump_stacks(ranks)
             _kill_all(ranks)
-            headline = (f"launch({fn_name}, world_size={world_size}) timed out after {timeout:g} s; "
-                        f"ranks still running: {bad}")
+            headline = (
+                f"launch({fn_name}, world_size={world_size}) timed out after {timeout:g} s; ranks still running: {bad}"
+            )
             raise LaunchTimeout(_full_report(headline, launch_dir, ranks, keep), bad)
         if outcome == "failed":
             _kill_all(ranks)
-            headline = (f"launch({fn_name}, world_size={world_size}) failed: "
-                        f"rank(s) {bad} exited without writing a result")
+            headline = (
+                f"launch({fn_name}, world_size={world_size}) failed: rank(s) {bad} exited without writing a result"
+            )
             raise RankFailure(_full_report(headline, launch_dir, ranks, keep), bad)
         _check_exits(fn_name, launch_dir, ranks, may_die, keep)
         return _load_results(launch_dir, fn_name, world_size, may_die)

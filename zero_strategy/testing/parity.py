@@ -9,7 +9,9 @@ returns the per-step losses and final parameters/buffers of both.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -19,8 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import zero_strategy as zs
-from zero_strategy.testing.compare import assert_close
+from zero_strategy.config import DTYPES, PrecisionConfig
+from zero_strategy.engine import ZeroModule
 from zero_strategy.models.gpt import Block, GPTConfig
+from zero_strategy.optimizer import ZeroOptimizer
+from zero_strategy.testing.compare import assert_close
 
 VOCAB, SEQ, BATCH = 32, 8, 2
 
@@ -65,7 +70,8 @@ class Net(nn.Module):
         self.ckpt = c.ckpt
         self.tok = nn.Embedding(VOCAB, 16)
         self.pos = nn.Embedding(SEQ, 16)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(2))
+        blocks = [Block(cfg) for _ in range(2)]
+        self.blocks = nn.ModuleList(blocks)
         self.norm = nn.BatchNorm1d(16) if c.buffers else nn.LayerNorm(16)
         self.head = nn.Linear(16, VOCAB, bias=False)
         # a block that runs only on some steps or ranks; its own unit under policy "blocks"
@@ -75,7 +81,7 @@ class Net(nn.Module):
         if c.tied:
             self.head.weight = self.tok.weight
         if c.tied_units:
-            self.blocks[1].mlp.fc.weight = self.blocks[0].mlp.fc.weight
+            blocks[1].mlp.fc.weight = blocks[0].mlp.fc.weight
         if c.frozen:
             self.pos.weight.requires_grad_(False)
 
@@ -88,7 +94,7 @@ class Net(nn.Module):
             else:
                 x = checkpoint(blk, x, use_reentrant=self.ckpt == "reentrant")
         if self.late:  # blocks[0].ln1.bias also runs outside its (checkpointed) block
-            x = x + self.blocks[0].ln1.bias
+            x = x + cast(Block, self.blocks[0]).ln1.bias
         if use_extra and self.extra is not None:
             x = self.extra(x)
         if isinstance(self.norm, nn.BatchNorm1d):
@@ -98,8 +104,9 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def make_optimizer(c: Cell, model: nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(c: Cell, model: Net) -> torch.optim.Optimizer:
     params = [p for p in model.parameters()]
+    groups: list[dict[str, Any]]
     if c.groups:
         block_ids = {id(p) for p in model.blocks.parameters()}
         groups = [
@@ -133,14 +140,14 @@ def use_extra(c: Cell, step: int, rank: int) -> bool:
     return False
 
 
-def _bf16_compress_hook(state, bucket):  # noqa: ANN001  DDP checks the annotations as objects: none here
+def _bf16_compress_hook(state, bucket):
     """DDP's ``bf16_compress_hook`` (which refuses CPUs): the bucket cast to bf16 and divided by
     the world size, all-reduced in bf16, cast back."""
     buf = bucket.buffer()
     compressed = buf.to(torch.bfloat16).div_(dist.get_world_size())
     fut = dist.all_reduce(compressed, async_op=True).get_future()
 
-    def decompress(f):  # noqa: ANN001
+    def decompress(f):
         buf.copy_(f.value()[0])
         return buf
 
@@ -152,7 +159,9 @@ def oracle_kind(c: Cell, world: int) -> str:
         raise ValueError("a reduce dtype needs the DDP oracle (world size 2 or more): there is nothing to reduce at 1")
     # DDP rejects unused parameters under reentrant checkpointing; use the local oracle there.
     # and DDP's static_graph (needed for reentrant checkpointing) does not support no_sync.
-    if c.ckpt == "reentrant" and (c.unused != "none" or c.tied or c.tied_units or c.reuse or c.late or c.accum != "none"):
+    if c.ckpt == "reentrant" and (
+        c.unused != "none" or c.tied or c.tied_units or c.reuse or c.late or c.accum != "none"
+    ):
         return "local"
     return "ddp" if world > 1 else "local"
 
@@ -165,20 +174,25 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
     n_micro = 1 if c.accum == "none" else 2
     losses: list[float] = []
     norms: list[float] = []
+    wrapped: nn.Module = model
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     if mode == "ddp":
         static = c.ckpt == "reentrant"
-        wrapped = DDP(model, find_unused_parameters=c.unused != "none" and not static, static_graph=static)
+        ddp = DDP(model, find_unused_parameters=c.unused != "none" and not static, static_graph=static)
         if c.reduce == "bf16":
-            wrapped.register_comm_hook(None, _bf16_compress_hook)
+            ddp.register_comm_hook(None, _bf16_compress_hook)
+        wrapped, no_sync = ddp, ddp.no_sync
     elif mode == "zero":
         policy = {Block} if c.policy == "blocks" else None
         cfg = zs.ZeroConfig(
             stage=c.stage, reduce_bucket_size=c.bucket, prefetch=c.prefetch, stage3_param_persistence_threshold=c.persist,
-            collective_impl=c.impl, overlap_comm=c.overlap, precision={"reduce_dtype": c.reduce},
+            collective_impl=c.impl, overlap_comm=c.overlap, precision=PrecisionConfig(reduce_dtype=DTYPES[c.reduce]),
         )  # fmt: skip
-        wrapped, opt = zs.initialize(model, opt, config=cfg, policy=policy)
-    else:
-        wrapped = model
+        zero_model, zero_opt = zs.initialize(model, opt, config=cfg, policy=policy)
+        if zero_opt is None:
+            raise AssertionError("initialize() returned no optimizer although it was given one")
+        wrapped, opt = zero_model, zero_opt
+        no_sync = cast(ZeroModule, zero_model).no_sync  # the model's class was swapped by initialize
     for step in range(c.steps):
         for micro in range(n_micro):
             if mode == "local":  # one process computes the mean over every rank's micro-batch
@@ -194,7 +208,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
                 continue
             x, y = batch(step, micro, rank)
             quiet = c.accum == "no_sync" and micro < n_micro - 1
-            ctx = wrapped.no_sync() if quiet else contextlib.nullcontext()
+            ctx = no_sync() if quiet else contextlib.nullcontext()
             with ctx:
                 out = wrapped(x, use_extra(c, step, rank))
                 loss = F.cross_entropy(out.view(-1, VOCAB), y.reshape(-1))
@@ -202,7 +216,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
             losses.append(loss.item())
         if c.clip is not None:  # the returned norm is the global one, DDP's number
             if mode == "zero":
-                norms.append(float(opt.clip_grad_norm_(c.clip)))
+                norms.append(float(cast(ZeroOptimizer, opt).clip_grad_norm_(c.clip)))
             else:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)))
         opt.step()
@@ -227,7 +241,13 @@ def compare(c: Cell, rank: int, world: int) -> None:
     for k, ref in ref_state.items():
         # float64: elementwise; fp32: relative to the tensor's largest element
         atol = 1e-12 if c.dtype == "float64" else 1e-5 * float(ref.abs().max())
-        assert_close(state[k], ref, rtol=1e-6 if c.dtype == "float64" else 0.0, atol=atol, what=f"rank {rank}: {k} against {oracle}")
+        assert_close(
+            state[k],
+            ref,
+            rtol=1e-6 if c.dtype == "float64" else 0.0,
+            atol=atol,
+            what=f"rank {rank}: {k} against {oracle}",
+        )
 
 
 def world_info() -> tuple[int, int]:

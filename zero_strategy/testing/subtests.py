@@ -53,6 +53,5 @@ def run_subtests(fn: Callable[..., None], grid: list[dict[str, Any]], *, label: 
         try:
             fn(**cfg)
         except Exception as exc:
-            message = (f"{prefix}subtest {index + 1}/{len(grid)} {cfg} failed: "
-                       f"{type(exc).__name__}: {exc}")
+            message = f"{prefix}subtest {index + 1}/{len(grid)} {cfg} failed: {type(exc).__name__}: {exc}"
             raise SubtestFailure(message, dict(cfg), index) from exc
