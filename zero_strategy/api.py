@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.engine import ZeroEngine, get_engine, live_engines, swap_module_class
+from zero_strategy.engine import ZeroEngine, live_engines
+from zero_strategy.module import get_engine, swap_module_class
 from zero_strategy.optimizer import bind_optimizer, build_optimizer, check_optimizer
 from zero_strategy.partition import UnitPolicy
 

@@ -56,7 +56,8 @@ from zero_strategy.checkpoint_files import (
     verify_checksums,
     write_atomic,
 )
-from zero_strategy.engine import ZeroEngine, get_engine, persistent_buffers
+from zero_strategy.engine import ZeroEngine, persistent_buffers
+from zero_strategy.module import get_engine
 
 __all__ = [
     "begin_versioned_save",
@@ -116,11 +117,17 @@ def _piece(engine: ZeroEngine, mesh: DeviceMesh | None, local: torch.Tensor, num
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
-def _state(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, want_optim: set[str] | None) -> dict[str, Any]:
+def _state(
+    engine: ZeroEngine,
+    optimizer: torch.optim.Optimizer | None,
+    want_optim: set[str] | None,
+    swapped: dict[int, dict[str, torch.Tensor]],
+) -> dict[str, Any]:
     """The DCP state dict; its tensors alias the engine's own storage where possible.
 
     ``want_optim``: on load, the optimizer keys present in the checkpoint, created (zeros) where
-    the optimizer has no state yet, so DCP can load into them."""
+    the optimizer has no state yet, so DCP can load into them. ``swapped``: per master, its
+    state on disk (memory maps of the swap files, ``engine.swapped_state``)."""
     mesh = _mesh(engine)
     sd: dict[str, Any] = {}
     names = engine.param_names()
@@ -131,12 +138,15 @@ def _state(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, want_opt
             if optimizer is None:
                 continue
             state = optimizer.state[m]
-            if want_optim is not None:
+            on_disk = swapped.get(id(m), {})
+            if want_optim is not None:  # load: only what the checkpoint has (what is left counts as loaded)
+                for key in [k for k in on_disk if f"optim.{fqn}.{k}" not in want_optim]:
+                    del on_disk[key]
                 prefix = f"optim.{fqn}."
                 for key in [k[len(prefix) :] for k in want_optim if k.startswith(prefix)]:
-                    if key not in state:
+                    if key not in state and key not in on_disk:
                         state[key] = torch.zeros((), dtype=torch.float32) if key == "step" else torch.zeros_like(m.data)
-            for key, value in state.items():
+            for key, value in {**state, **on_disk}.items():
                 if not isinstance(value, torch.Tensor):
                     continue
                 per_element = value.shape == m.shape and key != "step"
@@ -268,7 +278,12 @@ def save_checkpoint(
     try:
         _fault("before_write", rank)
         writer, sums, write_errors = checksumming_writer(path)
-        dcp.save(_state(engine, optimizer, None), storage_writer=writer, process_group=C.bounded_group(engine.ctx))
+        with engine.swapped_state(writable=False) as swapped:
+            dcp.save(
+                _state(engine, optimizer, None, swapped),
+                storage_writer=writer,
+                process_group=C.bounded_group(engine.ctx),
+            )
         _fault("after_shards", rank)
         all_sums: dict[str, int] = {}
         for part in C.all_gather_objects(engine.ctx, sums, what="checkpoint checksums"):
@@ -609,10 +624,11 @@ def load_checkpoint(
         )
     engine.wait_for_reductions()
     want = {k for k in saved if k.startswith("optim.")} if optimizer is not None else None
-    sd = _state(engine, optimizer, want)
-    if int(meta.get("format", 1)) < 4:
-        del sd["engine.loss_scaler_counters"]  # an older checkpoint: the schedule restarts its window
-    dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))
+    with engine.swapped_state(writable=True) as swapped:
+        sd = _state(engine, optimizer, want, swapped)
+        if int(meta.get("format", 1)) < 4:
+            del sd["engine.loss_scaler_counters"]  # an older checkpoint: the schedule restarts its window
+        dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))
     engine.load_progress(sd)  # step, loss scale; the parameters follow the loaded masters
     if optimizer is not None and meta.get("param_groups") is not None:
         _restore_group_settings(optimizer, meta["param_groups"])

@@ -634,7 +634,7 @@ class _DeepSpeedReader:
                 self.put(name, value, where)
 
     def _legacy_offload(self, block: Mapping[str, Any]) -> None:
-        # DeepSpeed's legacy switches: offload to the CPU (refused at initialize until offload exists)
+        # DeepSpeed's legacy switches: offload to the CPU
         for key, name in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
             if self.leaf(block, key, _ZO, to_bool):
                 pin = self.leaf(block, "cpu_offload_use_pin_memory", _ZO, to_bool)
@@ -715,7 +715,7 @@ def unsupported_features(cfg: ZeroConfig) -> list[str]:
     found = []
     for name in ("offload_optimizer", "offload_param"):
         offload: OffloadConfig = getattr(cfg, name)
-        if offload.enabled:
+        if offload.device == "nvme" and name == "offload_param":  # the optimizer's disk tier exists (offload.py)
             found.append(f"{name} (device={offload.device!r})")
     return found
 

@@ -27,7 +27,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from zero_strategy import collectives as C
-from zero_strategy._swap import swap_class, unswap_class
+from zero_strategy._swap import unswap_class
 from zero_strategy.config import ZeroConfig, not_applied_settings, unsupported_features
 from zero_strategy.construction import materialize_full
 from zero_strategy.grads import (
@@ -47,15 +47,18 @@ from zero_strategy.grads import (
     ReduceInBackward,
 )
 from zero_strategy.group import GroupSpec, InPlaceMasters, SeparateMasters, ShardGroup, build_groups
+from zero_strategy.memory import model_state_bytes
+from zero_strategy.offload import OffloadPolicy, OnDisk, optimizer_offload, param_offload
 from zero_strategy.partition import UnitPolicy, find_units
 from zero_strategy.pieces import check_placeholder, forget_pieces, is_placeholder, sharded_init_piece
 from zero_strategy.precision import select_precision, select_scaler
 from zero_strategy.setup_checks import agree_on_setup, check_params, refuse_norm_layers_with_running_stats
 from zero_strategy.states import GRAD_TRANSITIONS, TRAINING_TRANSITIONS, GradState, TrainingState, check_transition
+from zero_strategy.swapped_state import SwappedOptimizerState, step_subset
 from zero_strategy.unit import ParamStorage, ReplicatedParams, ShardedParams, UnitStorage, refresh_masters
 from zero_strategy.zero3 import UnitScheduler, Zero3Settings
 
-__all__ = ["GradState", "TrainingState", "ZeroEngine", "ZeroModule", "get_engine", "live_engines", "persistent_buffers"]
+__all__ = ["GradState", "TrainingState", "ZeroEngine", "live_engines", "persistent_buffers"]
 
 _LIVE: weakref.WeakSet[ZeroEngine] = weakref.WeakSet()
 _WARNED: set[str] = set()
@@ -76,6 +79,9 @@ class ZeroEngine:
     params: ParamStorage
     groups: list[ShardGroup]  # the optimizer's shard groups (ZeRO-3: one per unit with trainable parameters)
     zero3: UnitScheduler | None  # ZeRO-3's unit lifecycle, None at ZeRO-1/2
+    offload_optimizer: OffloadPolicy  # where masters, their gradients and the optimizer state live
+    offload_params: OffloadPolicy  # where ZeRO-3's persistent rows live
+    swapped: SwappedOptimizerState | None  # the optimizer state on disk (offload_optimizer nvme), per optimizer
 
     def __init__(
         self, module: nn.Module, config: ZeroConfig, process_group: Any = None, policy: UnitPolicy = None
@@ -88,8 +94,11 @@ class ZeroEngine:
         if missing:
             raise NotImplementedError(
                 f"initialize(): {', '.join(missing)} is not yet supported by zero_strategy; "
-                "remove it from the config (offload is planned, see the project's issues)"
+                "use device 'cpu' (host memory), or remove it from the config (NVMe offload is planned, see the "
+                "project's issues)"
             )
+        # where the optimizer's side and ZeRO-3's rows live (bad offload settings fail here, before any change)
+        self.offload_optimizer, self.offload_params = optimizer_offload(config), param_offload(config)
         self.module = module
         self.config = config
         first = next(module.parameters(), None)
@@ -102,6 +111,8 @@ class ZeroEngine:
         self.precision = select_precision(config.precision)
         self.scaler = select_scaler(config.loss_scale, self.precision, explicit=config.explicitly_set("loss_scale"))
         self.optimizer = None
+        self.swapped = None
+        self.in_subgroup_step = False  # the engine is stepping the optimizer over one group (disk tier)
         self.training_state = TrainingState.IDLE
         self.grad_state = GradState.EMPTY
         self.step_count = 0
@@ -178,8 +189,9 @@ class ZeroEngine:
         if config.stage == 3:
             self._plan = find_units(module, policy)
             storage = ShardedParams(
-                module, self._plan.units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold
-            )
+                module, self._plan.units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold,
+                offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
+            )  # fmt: skip
             self.params, self.groups = storage, storage.groups
             forget_pieces(built_sharded)  # their pieces live in the unit rows now
             return
@@ -189,6 +201,8 @@ class ZeroEngine:
             master_dtype_for=self.precision.master_dtype_for,
             reduce_dtype_for=self.precision.grad_reduce_dtype,
             master_policy=SeparateMasters() if self.precision.low_params else InPlaceMasters(),
+            offload=self.offload_optimizer,
+            total_numel=sum(p.numel() for _, p in named if p.requires_grad),
         )
         trainable = [(n, p) for n, p in named if p.requires_grad]
         self.groups = build_groups(list(reversed(trainable)), spec, bucket_numel=config.reduce_bucket_size)
@@ -218,6 +232,30 @@ class ZeroEngine:
         self.optimizer = optimizer
         self.schedule = self._schedule_for(optimizer)
         self._schedule_hooks = self._install_schedule_hooks()
+        if self.swapped is not None:  # the files hold the previous optimizer's state
+            self.swapped.close()
+            self.swapped = None
+        policy = self.offload_optimizer
+        if optimizer is not None and isinstance(policy, OnDisk):
+            from zero_strategy.disk import SwapDir
+
+            self.swapped = SwappedOptimizerState(
+                [g for g in self.groups if g.tier != "device"],
+                SwapDir(policy.nvme_path, self.ctx.rank),
+                buffer_count=policy.buffer_count,
+                pinned=policy.pinned(self.ctx.device),
+                guard=self._subgroup_step,
+            )
+
+    @contextlib.contextmanager
+    def _subgroup_step(self) -> Iterator[None]:
+        """The engine itself steps the optimizer (one group of the disk tier, or a probe): the
+        step hooks stand aside."""
+        self.in_subgroup_step = True
+        try:
+            yield
+        finally:
+            self.in_subgroup_step = False
 
     # -- states ----------------------------------------------------------------------------
     def _set_training(self, new: TrainingState, what: str) -> None:
@@ -250,6 +288,10 @@ class ZeroEngine:
     def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
         return self._master.get(id(p))
 
+    def host_masters(self) -> set[int]:
+        """The ids of the master pieces the offload policy put in host memory."""
+        return {id(m) for g in self.groups if g.tier == "host" for m in g.masters}
+
     def shard_like(self, p: torch.Tensor, key: str, value: Any) -> Any:
         """This rank's piece of per-parameter optimizer state shaped like ``p`` (state that
         exists before ``initialize``, e.g. Adagrad's); ``step`` and other values are copied."""
@@ -259,7 +301,7 @@ class ZeroEngine:
             return value.clone()
         g, i = self.reducer.locate(p)
         lo, hi = g.layout.local_range(i)
-        return value.detach().reshape(-1)[lo:hi].clone()
+        return value.detach().reshape(-1)[lo:hi].to(g.master_device, copy=True)  # beside its master
 
     # -- hooks (all of them registered here) --------------------------------------------------
     def _install_hooks(self) -> None:
@@ -504,6 +546,16 @@ class ZeroEngine:
             self.clip_grad_norm_(self.config.gradient_clipping, _from_config=True)
         if self._skip_step:
             self.reducer.drop_master_grads()
+        elif self.swapped is not None and self.optimizer is not None:
+            self._step_swapped(self.optimizer, self.swapped)
+
+    def _step_swapped(self, optimizer: torch.optim.Optimizer, swapped: SwappedOptimizerState) -> None:
+        """The disk tier: step the optimizer group by group through the swap files, then leave
+        those masters without gradients, so the optimizer's own step skips them."""
+        swapped.step(optimizer, lambda masters: step_subset(optimizer, masters))
+        for g in swapped.groups:
+            for m in g.masters:
+                m.grad = None
 
     def after_optimizer_step(self) -> None:
         skipped = self._skip_step
@@ -594,6 +646,16 @@ class ZeroEngine:
         """Let every reduction in flight land in the gradient shards (before reading them)."""
         self.reducer.wait_all()
 
+    @contextlib.contextmanager
+    def swapped_state(self, *, writable: bool) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
+        """Per master (by id), the optimizer state that is on disk, as memory maps of the swap
+        files (empty without the disk tier): checkpoints stream it instead of loading it."""
+        if self.swapped is None or self.optimizer is None:
+            yield {}
+            return
+        with self.swapped.mapped_state(self.optimizer, writable=writable) as maps:
+            yield maps
+
     def flat_value(self, p: torch.Tensor) -> torch.Tensor:
         """What this rank holds of a parameter without a master (frozen), flattened."""
         return self.params.flat_value(p)
@@ -623,37 +685,19 @@ class ZeroEngine:
         ZeRO-3 parameter rows (the persistent shards), gradient shards, fp32 masters that are
         not views, optimizer state of the master pieces, any full gradients still in
         ``p.grad``; then the working communication buffers (now and at peak) and, at ZeRO-3,
-        the gathered parameters (the cache) now and at peak."""
-        seen: set[int] = set()
+        the gathered parameters (the cache) now and at peak.
 
-        def nbytes(t: torch.Tensor | None) -> int:
-            if t is None:
-                return 0
-            key = t.untyped_storage().data_ptr()
-            if key in seen:
-                return 0
-            seen.add(key)
-            return t.untyped_storage().nbytes()
-
-        out = {"params": 0, "param_shards": 0, "grad_shards": 0, "masters": 0, "optimizer_state": 0, "full_grads": 0}
-        for _, p in _unique_named_parameters(self.module):
-            out["params"] += nbytes(p)
-            out["full_grads"] += nbytes(p.grad)
+        The same model-state bytes are also counted by memory tier (``memory.py``); the disk
+        tier's buffers are ``swap_buffers``."""
         sharded = self.params if isinstance(self.params, ShardedParams) else None
-        if sharded is not None:
-            for u in sharded.units:
-                out["param_shards"] += nbytes(u.row) + nbytes(u.frozen_row)
-        for g in self.groups:
-            out["grad_shards"] += nbytes(g.grad_shard_if_allocated)
-            for m in g.masters:
-                out["masters"] += nbytes(m)
-        opt = self.optimizer
-        if opt is not None:
-            for st in opt.state.values():
-                for v in st.values():
-                    if isinstance(v, torch.Tensor):
-                        out["optimizer_state"] += nbytes(v)
-        out["model_state"] = sum(out.values())
+        out = model_state_bytes(
+            [p for _, p in _unique_named_parameters(self.module)],
+            sharded.units if sharded is not None else [],
+            self.groups,
+            self.optimizer,
+            self.swapped.disk_bytes() if self.swapped is not None else 0,
+        )
+        out["swap_buffers"] = self.swapped.buffer_bytes() if self.swapped is not None else 0
         out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps
         out["comm_scratch_peak"] = self.ctx.pool.peak
         if sharded is not None:
@@ -662,7 +706,11 @@ class ZeroEngine:
         return out
 
     def close(self) -> None:
-        """Remove the engine's hooks (the model keeps its current parameters)."""
+        """Remove the engine's hooks (the model keeps its current parameters) and the swap files
+        of the disk tier."""
+        if self.swapped is not None:
+            self.swapped.close()
+            self.swapped = None
         for h in self._hooks + self._schedule_hooks:
             h.remove()
         self._hooks.clear()
@@ -696,70 +744,6 @@ class ZeroEngine:
         """Run ``fn`` at the end of :meth:`destroy` (a front-end undoes what it added to the
         module, e.g. a forward wrapper)."""
         self._on_destroy.append(fn)
-
-
-if TYPE_CHECKING:
-    _ModuleBase = nn.Module  # what the mixin's methods extend once swapped in (see _swap)
-else:
-    _ModuleBase = object
-
-
-class ZeroModule(_ModuleBase):
-    """Mixin placed in front of the model's class by ``initialize`` (as FSDP2 does)."""
-
-    _zero_engine: ZeroEngine
-
-    @property
-    def zero_engine(self) -> ZeroEngine:
-        return self._zero_engine
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The nesting of root calls is counted here (not in the hooks), so a hook that raises
-        # or a KeyboardInterrupt cannot leave it wrong; the root hooks act at depth 1 only.
-        eng = self._zero_engine
-        depth = eng._root_depth
-        eng._root_depth = depth + 1
-        try:
-            out = super().__call__(*args, **kwargs)
-        except BaseException:
-            eng._root_depth = depth
-            if depth == 0:
-                eng.root_call_done(ok=False)
-            raise
-        eng._root_depth = depth
-        if depth == 0:
-            eng.root_call_done(ok=True)
-        return out
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        eng = self._zero_engine
-        with eng.precision.forward_context(eng.ctx.device.type):
-            return super().forward(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with self._zero_engine.no_sync():
-            yield
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zero_engine.zero_grad(set_to_none=set_to_none)
-
-    def memory_stats(self) -> dict[str, int]:
-        return self._zero_engine.memory_stats()
-
-
-def swap_module_class(module: nn.Module, engine: ZeroEngine) -> None:
-    swap_class(module, ZeroModule)
-    cast(ZeroModule, module)._zero_engine = engine  # the swapped class carries ZeroModule's attributes
-
-
-def get_engine(module: nn.Module) -> ZeroEngine:
-    eng = getattr(module, "_zero_engine", None)
-    if eng is None:
-        raise ValueError(
-            f"{type(module).__name__} is not managed by zero_strategy; call zero_strategy.initialize(model, optimizer) first"
-        )
-    return eng
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -199,10 +199,12 @@ class GradReducer:
         f.handle.wait()
         f.out.mul_(self._grad_factor())
         g = f.group
+        # offloaded (g.tier "host"): the reduced shard is copied down here, as each bucket finishes
+        out = f.out if g.master_device == f.out.device else f.out.to(g.master_device)
         if g.grad_valid:
-            g.grad_shard.add_(f.out)
+            g.grad_shard.add_(out)
         else:
-            g.grad_shard.copy_(f.out)
+            g.grad_shard.copy_(out)
             g.grad_valid = True
         self.ctx.pool.put(f.inp)
         self.ctx.pool.put(f.out)
@@ -272,15 +274,16 @@ class GradReducer:
         dev, what = self.ctx.device, f"gradient norm ({self._describe_step()})"
         if norm_type == float("inf"):
             local = max(
-                (g.abs().max().to(dtype) for g in grads if g.numel()), default=torch.zeros((), dtype=dtype, device=dev)
+                (g.abs().max().to(device=dev, dtype=dtype) for g in grads if g.numel()),
+                default=torch.zeros((), dtype=dtype, device=dev),
             )
             total = local.reshape(1).clone()
             C.all_reduce(self.ctx, total, op="max", what=what).wait()
             total = total[0]
         else:
             local = torch.zeros((), dtype=dtype, device=dev)
-            for g in grads:
-                local += torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type
+            for g in grads:  # offloaded gradients are on the host: each norm comes back to the device
+                local += (torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type).to(dev)
             total = local.reshape(1).clone()
             C.all_reduce(self.ctx, total, op="sum", what=what).wait()
             total = total[0] ** (1.0 / norm_type)

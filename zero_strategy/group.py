@@ -6,7 +6,10 @@ Where a master piece lives is a policy chosen by type:
 - :class:`InPlaceMasters`: the master piece *is* this rank's slice of the parameter's own
   storage (same dtype, no offload). The optimizer updates the model in place; no extra bytes.
 - :class:`SeparateMasters`: the master piece is its own tensor in the master dtype (fp32 with
-  16-bit parameters). Offload backends will be further policies of this shape.
+  16-bit parameters).
+- :class:`HostMasters`: the master piece is its own tensor in host memory (``offload_optimizer:
+  {device: cpu}``, see ``offload.py``); the group's gradient shard and the optimizer state
+  follow it there.
 
 ZeRO-3 builds its groups from its units instead (``unit.py``): there the master pieces are
 views of each unit's persistent row.
@@ -15,20 +18,33 @@ views of each unit's persistent row.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from zero_strategy.layout import ShardLayout
+from zero_strategy.offload import HOST, OffloadPolicy, OnDevice
 from zero_strategy.pieces import piece_of
 
-__all__ = ["GroupSpec", "InPlaceMasters", "MasterPolicy", "SeparateMasters", "ShardGroup", "build_groups"]
+__all__ = [
+    "GroupSpec",
+    "HostMasters",
+    "InPlaceMasters",
+    "MasterPolicy",
+    "SeparateMasters",
+    "ShardGroup",
+    "build_groups",
+]
 
 
 @dataclass(frozen=True)
 class MasterPolicy:
-    """Where a master piece lives: a small frozen policy, chosen by type."""
+    """Where a master piece lives: a small frozen policy, chosen by type. ``tier`` names the
+    memory it is in (``memory_stats()`` counts the group's optimizer side there)."""
+
+    tier: ClassVar[str] = "device"
 
     def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         """The master piece of elements ``lo:hi`` of flattened ``param``, in ``dtype``."""
@@ -55,6 +71,23 @@ class SeparateMasters(MasterPolicy):
         return nn.Parameter(piece)
 
 
+@dataclass(frozen=True)
+class HostMasters(MasterPolicy):
+    """The master piece in host memory, pinned when ``pinned`` (a GPU machine asked for it)."""
+
+    tier: ClassVar[str] = "host"
+    pinned: bool = False
+
+    def make(self, param: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        return nn.Parameter(self.copy_of(piece_of(param, lo, hi), dtype))
+
+    def copy_of(self, piece: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(piece.numel(), dtype=dtype, device=HOST, pin_memory=self.pinned)
+        with torch.no_grad():
+            out.copy_(piece.reshape(-1))
+        return out
+
+
 class ShardGroup:
     """Parameters of one dtype that travel in one collective (a bucket, later a ZeRO-3 unit)."""
 
@@ -67,6 +100,9 @@ class ShardGroup:
         masters: Sequence[torch.Tensor],
         reduce_dtype: torch.dtype,
         label: str | None = None,
+        *,
+        device: torch.device | None = None,
+        tier: str = "device",
     ) -> None:
         self.index = index
         self.label = label
@@ -76,7 +112,9 @@ class ShardGroup:
         self.masters = list(masters)
         self.reduce_dtype = reduce_dtype
         self.master_dtype = self.masters[0].dtype
-        self.device = self.masters[0].device
+        self.device = device if device is not None else self.params[0].device  # where it is reduced and gathered
+        self.master_device = self.masters[0].device  # where the optimizer works on it
+        self.tier = tier  # "device" or "host": where its masters, gradient shard and optimizer state live
         self._grad_shard: torch.Tensor | None = None
         self.grad_valid = False  # False: the next reduction overwrites instead of adding
 
@@ -86,7 +124,12 @@ class ShardGroup:
         (allocated on first use: a model set up without an optimizer never needs it)."""
         if self._grad_shard is None:
             with torch.inference_mode(False):
-                self._grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.master_dtype, device=self.device)
+                self._grad_shard = torch.zeros(
+                    self.layout.shard_numel,
+                    dtype=self.master_dtype,
+                    device=self.master_device,
+                    pin_memory=self.masters[0].is_pinned(),
+                )
         return self._grad_shard
 
     @property
@@ -125,19 +168,28 @@ class GroupSpec:
     rank: int
     master_dtype_for: Callable[[torch.Tensor], torch.dtype]
     reduce_dtype_for: Callable[[torch.Tensor], torch.dtype]
-    master_policy: MasterPolicy
+    master_policy: MasterPolicy  # for groups the offload policy leaves on the device
+    offload: OffloadPolicy = field(default_factory=OnDevice)
+    total_numel: int = 0  # trainable elements in all groups (the offload ratio's base)
+
+    def policy_for(self, done: int, device: torch.device) -> MasterPolicy:
+        """The master policy of the next group, when ``done`` elements were offloaded before it."""
+        if self.offload.offloads(done, self.total_numel):
+            return HostMasters(pinned=self.offload.pinned(device))
+        return self.master_policy
 
     def make_group(
-        self, index: int, pending: Sequence[tuple[str, nn.Parameter]], label: str | None = None
+        self, index: int, pending: Sequence[tuple[str, nn.Parameter]], policy: MasterPolicy, label: str | None = None
     ) -> ShardGroup:
-        """One group of ``pending`` (in that order), with its masters made by the policy."""
+        """One group of ``pending`` (in that order), with its masters made by ``policy``."""
         layout = ShardLayout(tuple(p.numel() for _, p in pending), self.world_size, self.rank)
         masters = []
         for i, (_, p) in enumerate(pending):
             lo, hi = layout.local_range(i)
-            masters.append(self.master_policy.make(p, lo, hi, self.master_dtype_for(p)))
+            masters.append(policy.make(p, lo, hi, self.master_dtype_for(p)))
         params, fqns = [p for _, p in pending], [n for n, _ in pending]
-        return ShardGroup(index, params, fqns, layout, masters, self.reduce_dtype_for(pending[0][1]), label)
+        reduce_dtype = self.reduce_dtype_for(pending[0][1])
+        return ShardGroup(index, params, fqns, layout, masters, reduce_dtype, label, tier=policy.tier)
 
 
 def build_groups(
@@ -148,10 +200,15 @@ def build_groups(
     starting a new group whenever the dtype changes."""
     groups: list[ShardGroup] = []
     pending: list[tuple[str, nn.Parameter]] = []
+    offloaded = 0
 
     def close() -> None:
+        nonlocal offloaded
         if pending:
-            groups.append(spec.make_group(len(groups), pending))
+            policy = spec.policy_for(offloaded, pending[0][1].device)
+            groups.append(spec.make_group(len(groups), pending, policy))
+            if policy.tier != "device":
+                offloaded += sum(p.numel() for _, p in pending)
             pending.clear()
 
     size = 0

@@ -27,7 +27,7 @@ from zero_strategy._swap import swap_class, swapped_by
 if TYPE_CHECKING:
     from zero_strategy.engine import ZeroEngine
 
-__all__ = ["ZeroOptimizer", "bind_optimizer", "build_optimizer", "check_optimizer", "engine_of"]
+__all__ = ["ZeroOptimizer", "bind_optimizer", "build_optimizer", "check_optimizer", "engine_of", "use_host_kernel"]
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -135,11 +135,37 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> torc
         group["params"] = new_params
     optimizer.state.clear()
     optimizer.state.update(new_state)
+    use_host_kernel(optimizer, engine.host_masters())
     swap_class(optimizer, ZeroOptimizer)
     cast(ZeroOptimizer, optimizer)._zero_engine = engine  # the swapped class carries ZeroOptimizer's attributes
     optimizer.register_step_pre_hook(_before_step)
     optimizer.register_step_post_hook(_after_step)
     return optimizer
+
+
+# Optimizers whose CPU step torch can run as one fused kernel per group (``fused=True``).
+_HOST_FUSED = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def use_host_kernel(optimizer: torch.optim.Optimizer, host: set[int]) -> list[int]:
+    """The host step's fast path: a torch Adam/AdamW param group whose masters are all
+    offloaded to the host, and whose ``fused`` and ``foreach`` the user left unset (None),
+    steps with torch's fused CPU kernel instead of the per-tensor loop torch picks for CPU
+    tensors. A flag the user set is never changed. Returns the indices of the groups changed."""
+    if type(optimizer) not in _HOST_FUSED or not host:
+        return []
+    changed = []
+    for gi, group in enumerate(optimizer.param_groups):
+        params = group["params"]
+        unset = group.get("fused") is None and group.get("foreach") is None
+        plain = not group.get("differentiable", False) and not group.get("capturable", False)
+        if unset and plain and params and all(id(p) in host and p.dtype in _FUSED_DTYPES for p in params):
+            group["fused"] = True
+            changed.append(gi)
+    return changed
+
+
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def engine_of(optimizer: torch.optim.Optimizer) -> ZeroEngine:
@@ -155,6 +181,8 @@ def engine_of(optimizer: torch.optim.Optimizer) -> ZeroEngine:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     engine = engine_of(optimizer)
+    if engine.in_subgroup_step:  # the engine steps one group of the disk tier: nothing to prepare
+        return
     if engine.destroyed:
         raise RuntimeError("optimizer.step(): its model's zero_strategy engine was destroyed; build a new optimizer")
     if engine.optimizer is not optimizer:
@@ -170,4 +198,6 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    engine_of(optimizer).after_optimizer_step()
+    engine = engine_of(optimizer)
+    if not engine.in_subgroup_step:
+        engine.after_optimizer_step()

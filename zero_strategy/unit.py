@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from zero_strategy import collectives as C
-from zero_strategy.group import ShardGroup
+from zero_strategy.group import HostMasters, ShardGroup
 from zero_strategy.layout import ShardLayout
+from zero_strategy.offload import OffloadPolicy, OnDevice, host_empty
 from zero_strategy.pieces import check_placeholder, piece_of, placeholder
 from zero_strategy.states import SHARDED_TRANSITIONS, ShardedState, check_transition
 
@@ -153,7 +154,13 @@ class UnitStorage:
     dtype: they are never updated, so they need no master). A gather sends both, cast to the
     compute dtype, plus a two-element tag, in one all-gather. ``group`` is the trainable part
     as a :class:`ShardGroup` (the reducer's view), or None for a unit without trainable
-    parameters."""
+    parameters.
+
+    Offload (``offload.py``): with ``row_policy`` on the host, both rows live in host memory and
+    a gather copies them up into its send buffer; the masters stay views of the host row. With
+    only ``host_masters`` (optimizer offload), the rows stay on the device in the compute
+    dtype and the masters are host copies of the trainable row, which :meth:`pull_masters`
+    copies back after each step and load."""
 
     def __init__(
         self,
@@ -166,6 +173,8 @@ class UnitStorage:
         meter: GatherMeter,
         persistence_threshold: int,
         group_index: int,
+        row_policy: OffloadPolicy | None = None,
+        host_masters: HostMasters | None = None,
     ) -> None:
         self.label, self.tag, self.ctx, self.meter = label, tag, ctx, meter
         named = list(trainable) + list(frozen)
@@ -183,18 +192,38 @@ class UnitStorage:
         lay = self.layout
         t_numel = sum(lay.chunks[: self.n_trainable])
         master_dtype = precision.master_dtype_for(self.params[0]) if trainable else self.dtype
+        row_policy = row_policy or OnDevice()
+        self.row_tier = row_policy.tier
+        separate = host_masters is not None and row_policy.tier == "device"
+        row_dtype = self.dtype if separate else master_dtype  # separate host masters: the row only feeds gathers
+
+        def make_row(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            if row_policy.tier == "device":
+                return torch.zeros(numel, dtype=dtype, device=ctx.device)
+            return host_empty(numel, dtype, row_policy, ctx.device)
+
         with torch.no_grad(), torch.inference_mode(False):  # padding stays zero
-            self.row = torch.zeros(t_numel, dtype=master_dtype, device=ctx.device)
-            self.frozen_row = torch.zeros(lay.shard_numel - t_numel, dtype=self.dtype, device=ctx.device)
+            self.row = make_row(t_numel, row_dtype)
+            self.frozen_row = make_row(lay.shard_numel - t_numel, self.dtype)
             for i, p in enumerate(self.params):
                 self.piece(i).copy_(piece_of(p, *lay.local_range(i)))
         self.group: ShardGroup | None = None
+        self.separate_masters = False
         if trainable:
             t_layout = ShardLayout(tuple(p.numel() for _, p in trainable), ctx.world_size, ctx.rank)
-            masters = [nn.Parameter(t_layout.local_view(self.row, i)) for i in range(len(trainable))]
+            if separate and host_masters is not None:  # the fp32 pieces on the host, the row on the device
+                with torch.no_grad():
+                    masters = [
+                        nn.Parameter(host_masters.copy_of(piece_of(p, *lay.local_range(i)), master_dtype))
+                        for i, (_, p) in enumerate(trainable)
+                    ]
+                self.separate_masters = True
+            else:
+                masters = [nn.Parameter(t_layout.local_view(self.row, i)) for i in range(len(trainable))]
+            tier = "host" if separate or row_policy.tier != "device" else "device"
             self.group = ShardGroup(
                 group_index, [p for _, p in trainable], [n for n, _ in trainable], t_layout, masters,
-                precision.grad_reduce_dtype(self.params[0]), label,
+                precision.grad_reduce_dtype(self.params[0]), label, device=ctx.device, tier=tier,
             )  # fmt: skip
         # a small unit stays gathered from its first use until the optimizer step changes it
         self.persistent = sum(lay.numels) <= persistence_threshold
@@ -311,10 +340,25 @@ class UnitStorage:
         self.meter.add(-self.full_bytes)
 
     def store_full(self, i: int, full: torch.Tensor) -> None:
-        """Write this rank's piece of the full value ``full`` of parameter ``i`` into its row;
-        a gathered copy is dropped, so the next use gathers the new values."""
+        """Write this rank's piece of the full value ``full`` of parameter ``i`` into its row
+        (and its separate master); a gathered copy is dropped, so the next use gathers the new
+        values."""
         self.piece(i).copy_(full.reshape(-1)[slice(*self.layout.local_range(i))])
+        self.push_to_master(i)
         self.reshard()
+
+    def push_to_master(self, i: int) -> None:
+        """The row's piece ``i`` was written: a separate master piece follows it."""
+        if self.separate_masters and self.group is not None and i < self.n_trainable:
+            with torch.no_grad():
+                self.group.masters[i].copy_(self.piece(i))
+
+    def pull_masters(self) -> None:
+        """The masters changed (a step, a load): separate masters are copied into the row."""
+        if self.separate_masters and self.group is not None:
+            with torch.no_grad():
+                for i, m in enumerate(self.group.masters):
+                    self.piece(i).copy_(m.detach(), non_blocking=m.is_pinned())
 
 
 def _divergence_message(unit: str, tag: int, tags: list[int], names: dict[int, str], step: str) -> str:
@@ -343,11 +387,15 @@ class ShardedParams(ParamStorage):
         ctx: C.CommContext,
         precision: Precision,
         persistence_threshold: int,
+        offload_optimizer: OffloadPolicy | None = None,
+        offload_params: OffloadPolicy | None = None,
     ) -> None:
         """One unit per module of ``units`` (in that order) plus the root unit (label
         ``<root>``, last) for the parameters outside every unit. A parameter reachable from two
         units, or from a unit and outside it (tied weights), belongs to the root unit, which
-        stays gathered for the whole forward and backward."""
+        stays gathered for the whole forward and backward. The offload policies say where each
+        unit's rows and masters live (``offload.py``)."""
+        offload_optimizer = offload_optimizer or OnDevice()
         self.ctx = ctx
         self.meter = GatherMeter()
         prefixes = [(f"{fqn}.", k) for k, (fqn, _) in enumerate(units)]
@@ -363,13 +411,20 @@ class ShardedParams(ParamStorage):
         labels = [fqn for fqn, _ in units] + ["<root>"]
         self.units: list[UnitStorage] = []
         self.groups: list[ShardGroup] = []
+        total = sum(p.numel() for _, p in named if p.requires_grad)
+        offloaded = 0
         for k, pending in enumerate(members):
             if not pending:
                 continue
             trainable = [(n, p) for n, p in pending if p.requires_grad]
             frozen = [(n, p) for n, p in pending if not p.requires_grad]
+            host = None
+            if trainable and offload_optimizer.offloads(offloaded, total):
+                host = HostMasters(pinned=offload_optimizer.pinned(ctx.device))
+                offloaded += sum(p.numel() for _, p in trainable)
             u = UnitStorage(labels[k], len(self.units) + 1, trainable, frozen, ctx, precision, self.meter,
-                            persistence_threshold, group_index=len(self.groups))  # fmt: skip
+                            persistence_threshold, group_index=len(self.groups), row_policy=offload_params,
+                            host_masters=host)  # fmt: skip
             self.units.append(u)
             if u.group is not None:
                 self.groups.append(u.group)
@@ -404,6 +459,7 @@ class ShardedParams(ParamStorage):
                     for u in units:
                         for i, p in enumerate(u.params):
                             u.piece(i).copy_(p.detach().reshape(-1)[slice(*u.layout.local_range(i))])
+                            u.push_to_master(i)
             for u, state in zip(units, was):
                 if state is ShardedState.SHARDED:
                     u.reshard()
@@ -413,9 +469,11 @@ class ShardedParams(ParamStorage):
         u.store_full(i, full)
 
     def after_step(self, step: str) -> None:
-        # The masters are views of the rows (already updated); gathered copies, persistent
-        # units' included, hold the old values: free them, so the next use gathers again.
+        # The masters are views of the rows (already updated) or, offloaded, copied into them
+        # now; gathered copies, persistent units' included, hold the old values: free them, so
+        # the next use gathers again.
         for u in self.units:
+            u.pull_masters()
             u.reshard()
 
     def flat_value(self, p: torch.Tensor) -> torch.Tensor:

@@ -51,8 +51,8 @@ from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from torch import nn
 
 import zero_strategy as zs
-from zero_strategy.engine import get_engine
 from zero_strategy.frontend import accumulation_to_adopt, frontend_engine_config
+from zero_strategy.module import get_engine
 from zero_strategy.optimizer import engine_of
 
 __all__ = ["CHECKPOINT_DIR", "OPTIMIZER_MARKER", "ZeroAcceleratedOptimizer", "check_accelerator", "prepare_with_zero"]

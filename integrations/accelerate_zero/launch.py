@@ -59,7 +59,7 @@ def launch(argv: list[str]) -> None:
     if missing:
         raise ValueError(
             f"zero-strategy launch: {env['ZERO_STRATEGY_CONFIG']} asks for {', '.join(missing)}, which zero_strategy does "
-            "not support yet; remove it from the config (offload is planned)"
+            "not support yet; use device 'cpu' (host memory) or remove it from the config (NVMe offload is planned)"
         )
     args = launch_command_parser().parse_args(rest)
     if args.cpu and (args.num_processes or 1) > 1:

@@ -6,7 +6,7 @@ Importing this package registers ``zero1``, ``zero2``, ``zero2_offload``, ``zero
 Those packages have separate base classes and registries, so one strategy class is built per
 namespace, on first need. ``lightning_zero.ZeroStrategy`` is the ``lightning.pytorch`` one
 (``PLZeroStrategy`` the ``pytorch_lightning`` one); ``ZeroFabricStrategy`` (``LFZeroFabricStrategy``)
-are Fabric's. The offload names raise "not yet supported" at setup until offload lands.
+are Fabric's. ``zero3_offload_nvme`` raises "not yet supported" at setup until the disk tier lands.
 """
 
 from __future__ import annotations

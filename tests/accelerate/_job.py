@@ -152,7 +152,10 @@ def job_resume(out: dict[str, Any]) -> None:
 def job_env(out: dict[str, Any]) -> None:
     acc, model, opt, sched, _ = build("env")
     out["env"] = train(acc, model, opt, sched, 0, None)
-    out["env"]["stage"] = model.zero_engine.config.stage
+    engine = model.zero_engine
+    out["env"]["stage"] = engine.config.stage
+    out["env"]["offload"] = [type(engine.offload_optimizer).__name__, type(engine.offload_params).__name__]
+    out["env"]["stats"] = engine.memory_stats()
 
 
 def job_precision(out: dict[str, Any]) -> None:

@@ -154,9 +154,20 @@ def _parity_worker(rank: int, world: int) -> dict:
 
     LitGPT = _lit_class()
     out: dict = {}
-    for name in ("ddp", "zero1", "zero2", "zero3", "zero3_sharded_init", "ddp_bf16", "zero2_bf16"):
+    names = (
+        "ddp",
+        "zero1",
+        "zero2",
+        "zero3",
+        "zero3_sharded_init",
+        "ddp_bf16",
+        "zero2_bf16",
+        "zero2_offload",
+        "zero3_offload",
+    )
+    for name in names:
         sharded = name.endswith("sharded_init")
-        stage_name = name.split("_")[0]
+        stage_name = name if name.endswith("offload") else name.split("_")[0]  # the registered offload names
         strategy = (
             lightning_zero.ZeroStrategy(stage=3)
             if sharded
@@ -186,6 +197,15 @@ def _parity_worker(rank: int, world: int) -> dict:
             engine = model.zero_engine
             assert engine.config.stage == int(name[4]) and trainer.strategy.zero_config.gradient_clipping == 0.3
             assert engine.config.gradient_clipping is None  # Lightning clips (global norm); the engine does not again
+            stats = engine.memory_stats()
+            host = stats["tier_host_pinned"] + stats["tier_host_pageable"]
+            if name.endswith("offload"):  # the optimizer side (and at zero3 the rows) in host memory
+                on_host = stats["masters"] + stats["grad_shards"] + stats["optimizer_state"]
+                assert stats["optimizer_state"] > 0 and host == on_host + stats["param_shards"] * (
+                    name == "zero3_offload"
+                )
+            else:
+                assert host == 0, stats
             if sharded:  # configure_model under sharded_init: no rank held the full parameters
                 assert model.built_bytes < sum(p.numel() * 4 for p in _gpt().parameters()) / 10, model.built_bytes
         val = trainer.validate(model, _data(8, 2, seed=2), verbose=False)[0]["val_loss"]
@@ -212,7 +232,7 @@ def test_ddp_parity_with_accumulation_clipping_and_scheduler(launch) -> None:
     for rank, res in enumerate(results):
         ref = res["ddp"]
         assert len(ref["losses"]) == 20  # 10 optimizer steps x 2 accumulated batches
-        for name in ("zero1", "zero2", "zero3", "zero3_sharded_init"):
+        for name in ("zero1", "zero2", "zero3", "zero3_sharded_init", "zero2_offload", "zero3_offload"):
             got = res[name]
             assert got["sampler"] == "DistributedSampler", got["sampler"]
             assert_close(got["losses"], ref["losses"], rtol=1e-6, what=f"rank {rank} {name} losses")

@@ -93,11 +93,17 @@ def test_user_errors_are_clear() -> None:
         zs.initialize(model, torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1))
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         zs.initialize(GPT(CFG), "adam")
-    with pytest.raises(NotImplementedError, match="offload_optimizer.*not yet supported"):
+    with pytest.raises(NotImplementedError, match="offload_param.*'nvme'.*not yet supported"):
         zs.initialize(
             GPT(CFG),
             lambda p: torch.optim.SGD(p, lr=0.1),
-            config={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            config={"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+        )
+    with pytest.raises(ValueError, match="offload_param needs stage 3"):
+        zs.initialize(
+            GPT(CFG),
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            config={"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
         )
     m, o = zs.initialize(GPT(CFG), lambda p: torch.optim.SGD(p, lr=0.1), gradient_clipping=1.0)
     with pytest.raises(RuntimeError, match="already managed"):

@@ -429,12 +429,14 @@ def test_warns_once_for_ignored_deepspeed_keys():
     assert cfg.stage == 2 and cfg.precision.param_dtype == torch.bfloat16 and not cfg.offload_optimizer.enabled
 
 
-def test_legacy_cpu_offload_means_optimizer_offload_and_is_refused():
+def test_legacy_cpu_offload_means_optimizer_offload():
     cfg = ZeroConfig.from_dict(
         {"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}}
     )
     assert cfg.offload_optimizer == OffloadConfig(device="cpu", pin_memory=True)
-    assert unsupported_features(cfg) == ["offload_optimizer (device='cpu')"]  # initialize refuses it, no silent run
+    assert unsupported_features(cfg) == []  # the host tier exists (tests/unit/test_offload_policy.py trains it)
+    nvme = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    assert unsupported_features(nvme) == ["offload_param (device='nvme')"]  # initialize refuses it, no silent run
 
 
 def test_settings_read_but_not_applied_are_reported_once_at_initialize():
@@ -481,7 +483,7 @@ def test_spec_yaml_loads_unchanged(tmp_path):
     assert cfg.offload_optimizer == OffloadConfig(device="cpu", pin_memory=True)
     assert cfg.offload_param == OffloadConfig(device="nvme", buffer_size=1_000_000_000)
     assert type(cfg.offload_param.buffer_size) is int
-    assert unsupported_features(cfg) == ["offload_optimizer (device='cpu')", "offload_param (device='nvme')"]
+    assert unsupported_features(cfg) == ["offload_param (device='nvme')"]  # the parameters' disk tier is still to come
     assert cfg.explicitly_set("offload_param") and not cfg.explicitly_set("reduce_bucket_size")
 
 
@@ -654,7 +656,8 @@ def test_resolve_overrides_errors():
 
 
 def test_unsupported_features():
-    assert unsupported_features(ZeroConfig(offload_optimizer="cpu")) == ["offload_optimizer (device='cpu')"]
+    assert unsupported_features(ZeroConfig(offload_optimizer="cpu")) == []
+    assert unsupported_features(ZeroConfig(offload_optimizer="nvme", offload_param="cpu")) == []
     assert unsupported_features(ZeroConfig(offload_param={"device": "nvme"})) == ["offload_param (device='nvme')"]
     with pytest.raises(TypeError, match=r"expected a ZeroConfig"):
         unsupported_features({"stage": 3})  # type: ignore[arg-type]

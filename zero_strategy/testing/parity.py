@@ -9,6 +9,7 @@ returns the per-step losses and final parameters/buffers of both.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -22,8 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 import zero_strategy as zs
 from zero_strategy.config import DTYPES, PrecisionConfig
-from zero_strategy.engine import ZeroModule
 from zero_strategy.models.gpt import Block, GPTConfig
+from zero_strategy.module import ZeroModule
 from zero_strategy.optimizer import ZeroOptimizer
 from zero_strategy.testing.compare import assert_close
 
@@ -59,6 +60,60 @@ class Cell:
     impl: str = "auto"
     overlap: bool = True
     reduce: str = "fp32"
+    # offload (offload.py): "cpu" optimizer state on the host, "cpu_half" half of it (ratio
+    # 0.5), "param" (ZeRO-3) parameter rows and optimizer state on the host
+    offload: str = "none"
+
+
+OFFLOADS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "cpu": {"offload_optimizer": {"device": "cpu"}},
+    "cpu_half": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+    "param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+    "nvme": {"offload_optimizer": {"device": "nvme"}},  # no nvme_path: a fresh directory under the temp dir
+}
+
+
+def check_tiers(c: Cell, stats: dict[str, int], swap_files: list[str] | None = None) -> None:
+    """Where the bytes are, from ``memory_stats()``: on a machine without a GPU parity alone
+    would pass even if nothing moved, so every offload cell also checks the tiers (and, for
+    the disk tier, the sizes of ``swap_files`` on disk)."""
+    host = stats["tier_host_pinned"] + stats["tier_host_pageable"]
+    kinds = ("params", "param_shards", "grad_shards", "masters", "optimizer_state", "full_grads")
+    if stats["tier_device"] + host + stats["tier_disk"] != sum(stats[k] for k in kinds):
+        raise AssertionError(f"memory_stats tiers do not add up to the model state: {stats}")
+    if c.offload == "none":
+        if host or stats["tier_disk"]:
+            raise AssertionError(f"nothing is offloaded, yet memory_stats counts host or disk bytes: {stats}")
+        return
+    if not stats["optimizer_state"] > 0:
+        raise AssertionError(f"offload cell without optimizer state: {stats}")
+    on_host = stats["grad_shards"] + stats["masters"] + stats["optimizer_state"]
+    if c.offload == "nvme":  # the state in files of that size; in memory only Adam's step scalars
+        on_disk = sum(os.path.getsize(f) for f in swap_files or [])
+        in_memory = stats["optimizer_state"] - stats["tier_disk"]
+        want_device = stats["params"] + stats["param_shards"] + stats["full_grads"]
+        if not 0 < stats["tier_disk"] == on_disk or not 0 <= in_memory <= 0.1 * stats["tier_disk"]:
+            raise AssertionError(f"offload nvme: tier_disk {stats['tier_disk']}, files {on_disk} bytes, "
+                                 f"state in memory {in_memory}: {stats}")  # fmt: skip
+        if stats["tier_device"] != want_device or host != on_host - stats["tier_disk"] or not stats["masters"] > 0:
+            raise AssertionError(f"offload nvme: device bytes {stats['tier_device']} (want {want_device}): {stats}")
+        return
+    if c.offload == "cpu":  # the whole optimizer side on the host, the parameters on the device
+        want_device = stats["params"] + stats["param_shards"] + stats["full_grads"]
+        if stats["tier_device"] != want_device or host != on_host:
+            raise AssertionError(f"offload cpu: device bytes {stats['tier_device']} (want {want_device}), "
+                                 f"host {host} (want {on_host}): {stats}")  # fmt: skip
+        if not stats["masters"] > 0:
+            raise AssertionError(f"offload cpu: the masters must be host copies, not views of the parameters: {stats}")
+    elif c.offload == "cpu_half":  # at least half of the optimizer side on the host, not all of it
+        # (the ratio counts elements; 0.45: a few scalar state entries such as Adam's step)
+        if not 0.45 * on_host <= host < on_host:
+            raise AssertionError(f"offload ratio 0.5: host bytes {host} of the optimizer side's {on_host}: {stats}")
+    elif c.offload == "param":  # rows too: only gathered parameters and full gradients on the device
+        want_device = stats["params"] + stats["full_grads"]
+        if stats["tier_device"] != want_device or host != on_host + stats["param_shards"]:
+            raise AssertionError(f"offload param: device bytes {stats['tier_device']} (want {want_device}): {stats}")
 
 
 class Net(nn.Module):
@@ -187,6 +242,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
         cfg = zs.ZeroConfig(
             stage=c.stage, reduce_bucket_size=c.bucket, prefetch=c.prefetch, stage3_param_persistence_threshold=c.persist,
             collective_impl=c.impl, overlap_comm=c.overlap, precision=PrecisionConfig(reduce_dtype=DTYPES[c.reduce]),
+            **OFFLOADS[c.offload],
         )  # fmt: skip
         zero_model, zero_opt = zs.initialize(model, opt, config=cfg, policy=policy)
         if zero_opt is None:
@@ -221,6 +277,10 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)))
         opt.step()
         opt.zero_grad(set_to_none=c.set_to_none)
+    if mode == "zero":
+        engine = cast(ZeroModule, wrapped).zero_engine
+        files = [f.path for f in engine.swapped.files.values()] if engine.swapped is not None else []
+        check_tiers(c, engine.memory_stats(), files)
     with zs.gathered_parameters(model) if mode == "zero" else contextlib.nullcontext():
         state = {k: v.detach().clone().to(torch.float64) for k, v in model.state_dict().items()}
     return losses, norms, state

@@ -1,0 +1,113 @@
+"""Offload against the DDP oracle: the optimizer side on the host at ZeRO-1/2/3 (all of it or
+half), and ZeRO-3's parameter rows on the host, with accumulation and clipping, at world sizes
+1 and 2. Every cell also checks where ``memory_stats()`` says the bytes are (``check_tiers``):
+on a machine without a GPU the host and the device are the same memory, so parity alone would
+pass even if nothing moved."""
+
+from __future__ import annotations
+
+import pytest
+
+from zero_strategy.testing import run_subtests
+
+
+def _cells(world: int) -> list[dict]:
+    cells = []
+    for stage in (1, 2, 3):
+        for off in ("cpu", "param") if stage == 3 else ("cpu",):
+            cells += [
+                {"stage": stage, "offload": off},
+                {"stage": stage, "offload": off, "accum": "no_sync", "clip": 0.05, "optim": "adam"},
+                {"stage": stage, "offload": off, "accum": "plain", "frozen": True, "optim": "sgd"},
+                {"stage": stage, "offload": off, "dtype": "float32", "clip": 0.05, "tied": True},
+            ]
+        cells.append({"stage": stage, "offload": "cpu_half", "accum": "no_sync", "clip": 0.05})
+        cells += [  # the disk tier: optimizer state in swap files
+            {"stage": stage, "offload": "nvme", "accum": "no_sync", "clip": 0.05},
+            {"stage": stage, "offload": "nvme", "dtype": "float32", "optim": "adam", "frozen": True},
+        ]
+    if world == 2:  # the native (NCCL) collective path and no overlap
+        cells += [{"stage": 2, "offload": "cpu", "impl": "native"}, {"stage": 3, "offload": "param", "overlap": False}]
+    return cells
+
+
+def _offload_worker(rank: int, world: int) -> int:
+    from zero_strategy.testing.parity import Cell, compare
+
+    cells = _cells(world)
+    run_subtests(lambda **kw: compare(Cell(**kw), rank, world), cells, label=f"offload parity, world {world}")
+    return len(cells)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_offload_matches_ddp(launch, world: int) -> None:
+    counts = launch(_offload_worker, world, timeout=600)
+    assert counts == [len(_cells(world))] * world
+
+
+# (saved world, stage, offload) -> (loaded world, stage, offload): offloaded state reshards to and
+# from runs without offload, across world sizes and stages
+CKPT_CELLS = [
+    ((2, 2, "cpu"), (1, 3, "none")),
+    ((2, 3, "param"), (2, 1, "cpu")),
+    ((1, 3, "none"), (2, 3, "param")),
+    ((2, 1, "cpu_half"), (2, 2, "cpu")),
+    ((2, 3, "cpu"), (2, 3, "none")),
+    ((2, 2, "nvme"), (1, 3, "none")),  # the disk tier saves from and loads into its swap files
+    ((1, 1, "none"), (2, 3, "nvme")),
+    ((2, 3, "nvme"), (2, 1, "nvme")),
+]
+
+
+def _offload_checkpoint_worker(rank: int, world: int, tmp: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import zero_strategy as zs
+    from tests.distributed.test_checkpoint import K, _run, _state
+    from zero_strategy.testing import assert_close, assert_state_close
+    from zero_strategy.testing.parity import OFFLOADS, Cell, Net, check_tiers
+
+    groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
+
+    def build(n: int, stage: int, offload: str):
+        torch.manual_seed(0)
+        model = Net(Cell()).double()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        cfg = zs.ZeroConfig(
+            stage=stage, reduce_bucket_size=700, stage3_param_persistence_threshold=0, **OFFLOADS[offload]
+        )
+        return zs.initialize(model, opt, config=cfg, process_group=groups[n])
+
+    checked = 0
+    for k, ((n, s, off), (m, s2, off2)) in enumerate(CKPT_CELLS):
+        path = f"{tmp}/cell{k}"
+        ref: list = [None]
+        if rank < n:
+            model, opt = build(n, s, off)
+            _run(model, opt, groups[n], rank, n, range(K))
+            zs.save_checkpoint(path, model, opt)
+            ref = [(_run(model, opt, groups[n], rank, n, range(K, 2 * K)), _state(model))]
+            model.zero_engine.close()
+        dist.barrier()
+        dist.broadcast_object_list(ref, src=0)
+        ref_losses, ref_state = ref[0]
+        if rank < m:
+            model, opt = build(m, s2, off2)
+            zs.load_checkpoint(path, model, opt)
+            engine = model.zero_engine
+            files = [f.path for f in engine.swapped.files.values()] if engine.swapped is not None else []
+            check_tiers(Cell(stage=s2, offload=off2), engine.memory_stats(), files)  # loaded where the policy says
+            losses = _run(model, opt, groups[m], rank, m, range(K, 2 * K))
+            where = f"saved n={n} stage {s} offload {off}, loaded m={m} stage {s2} offload {off2}"
+            assert_close(losses, ref_losses, rtol=1e-9, what=f"{where} losses")
+            assert_state_close(_state(model), ref_state, rtol=1e-6, atol=1e-12, what=where)
+            model.zero_engine.close()
+            checked += 1
+        dist.barrier()
+    return checked
+
+
+def test_offloaded_checkpoints_reshard_to_and_from_plain_runs(launch, tmp_path) -> None:
+    counts = launch(_offload_checkpoint_worker, 2, args=(str(tmp_path),), timeout=600)
+    assert counts == [len(CKPT_CELLS), sum(m == 2 for _, (m, _, _) in CKPT_CELLS)]

@@ -1,0 +1,141 @@
+"""The disk tier's files in one process: where they are, that they are removed (destroy, an
+exception, a killed run found at the next start), checked (size, owner, free space) and that
+``O_DIRECT`` is used where the filesystem allows it and tmpfs is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import zero_strategy as zs
+from zero_strategy.disk import OWNER, SWAP_ROOT, SwapDir, _is_tmpfs, clean_stale_runs
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _adamw(p):
+    return torch.optim.AdamW(p, lr=1e-2, foreach=False)  # the per-tensor loop in both runs: bit-equal
+
+
+def _setup(tmp_path, stage: int = 2, opt=_adamw, **extra):
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path), **extra}
+    cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "offload_optimizer": nvme}}
+    return zs.initialize(_model(), opt, config=cfg)
+
+
+def _train(model, opt, steps: int = 3) -> list[float]:
+    losses = []
+    for s in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_swap_files_hold_the_state_and_go_away_with_the_engine(tmp_path) -> None:
+    ref_model, ref_opt = zs.initialize(
+        _model(), _adamw, config={"zero_optimization": {"stage": 2, "reduce_bucket_size": 300}}
+    )
+    model, opt = _setup(tmp_path)
+    assert _train(model, opt) == _train(ref_model, ref_opt)  # bit-equal: the same kernel on the same numbers
+    swapped = model.zero_engine.swapped
+    files = [f.path for f in swapped.files.values()]
+    assert len(files) >= 2 and all(os.path.getsize(f) > 0 for f in files)
+    assert swapped.dir.path.startswith(str(tmp_path / SWAP_ROOT))
+    if not _is_tmpfs(str(tmp_path)):
+        assert swapped.dir.direct  # O_DIRECT where the filesystem allows it
+    # between steps the optimizer holds only the small entries; the moments are in the files
+    assert all(set(st) == {"step"} for st in opt.state.values()), [set(st) for st in opt.state.values()]
+    stats = model.zero_engine.memory_stats()
+    assert stats["tier_disk"] == sum(os.path.getsize(f) for f in files) > 0 and stats["swap_buffers"] > 0
+    zs.destroy(model)
+    assert not os.path.exists(swapped.dir.path)
+
+
+def test_files_are_checked_before_they_are_read(tmp_path) -> None:
+    model, opt = _setup(tmp_path)
+    _train(model, opt, 1)
+    f = next(iter(model.zero_engine.swapped.files.values()))
+    os.truncate(f.path, 4096)
+    with pytest.raises(RuntimeError, match=r"swap file .* has 4096 bytes, expected \d+; it was changed or truncated"):
+        _train(model, opt, 1)
+    model2, opt2 = _setup(tmp_path)
+    _train(model2, opt2, 1)
+    marker = os.path.join(model2.zero_engine.swapped.dir.path, OWNER)
+    with open(marker) as fh:
+        owner = json.load(fh)
+    with open(marker, "w") as fh:
+        json.dump({**owner, "run": "someone-else"}, fh)
+    with pytest.raises(RuntimeError, match="belongs to run 'someone-else'.*Use a separate nvme_path per job"):
+        _train(model2, opt2, 1)
+
+
+def test_too_small_a_disk_fails_before_the_first_step(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    model, opt = _setup(tmp_path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 100, 100))
+    with pytest.raises(
+        RuntimeError, match=r"swap files need .* GiB in .* but only .* GiB are free \(\d+ bytes needed, 100 free\)"
+    ):
+        _train(model, opt, 1)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was stepped
+
+
+def test_a_killed_runs_files_are_removed_at_the_next_start_and_an_exception_removes_ours(tmp_path) -> None:
+    # a run killed by SIGKILL: its directory stays, with an owner marker naming a dead process
+    script = textwrap.dedent(f"""
+        import os, signal, torch, zero_strategy as zs
+        from torch import nn
+        m, o = zs.initialize(nn.Linear(4, 4), lambda p: torch.optim.Adam(p),
+                             config={{"zero_optimization": {{"stage": 1, "offload_optimizer": {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}}}}}})
+        m(torch.randn(2, 4)).sum().backward(); o.step()
+        print(m.zero_engine.swapped.dir.path, flush=True)
+        if os.environ["HOW"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("the training loop failed")
+    """)
+    killed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, "HOW": "kill"}
+    )
+    left = killed.stdout.strip()
+    assert killed.returncode == -9 and os.path.isdir(left), (killed.returncode, killed.stderr[-2000:])
+    alive = tmp_path / SWAP_ROOT / "alive-run"
+    alive.mkdir()
+    (alive / OWNER).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename,
+                                           "start": open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19]}))  # fmt: skip
+    assert clean_stale_runs(str(tmp_path)) == [left]  # the dead owner's directory goes, the live one stays
+    assert not os.path.exists(left) and alive.exists()
+    raised = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, "HOW": "raise"}
+    )
+    assert raised.returncode == 1 and "the training loop failed" in raised.stderr
+    assert not os.path.exists(raised.stdout.strip())  # removed at exit after the exception
+
+
+def test_tmpfs_is_named_and_the_default_path_is_logged(tmp_path) -> None:
+    from zero_strategy import disk
+
+    disk._LOGGED.clear()  # logged once per process and root
+    if os.path.isdir("/dev/shm") and _is_tmpfs("/dev/shm"):
+        with pytest.warns(UserWarning, match="is on tmpfs: the 'disk' is RAM and O_DIRECT fails there"):
+            d = SwapDir("/dev/shm", rank=0)
+        d.remove()
+        assert not os.path.exists(d.path)
+    with pytest.warns(UserWarning, match="nvme_path is not set: swap files go to"):
+        d = SwapDir(None, rank=0)
+    d.remove()

@@ -1,0 +1,107 @@
+"""Offload policies in one process: which masters go to the host, the host step's fused fast
+path (only where the user left the flags unset), DeepSpeed's legacy switch, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zero_strategy as zs
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _cfg(**offload) -> dict:
+    return {"zero_optimization": {"stage": 2, "reduce_bucket_size": 300, **offload}}
+
+
+def _host_bytes(model) -> int:
+    s = model.zero_engine.memory_stats()
+    return s["tier_host_pinned"] + s["tier_host_pageable"]
+
+
+def test_fused_fast_path_only_where_the_flags_are_unset() -> None:
+    off = {"offload_optimizer": {"device": "cpu"}}
+    _, opt = zs.initialize(_model(), lambda p: torch.optim.AdamW(p, lr=1e-3), config=_cfg(**off))
+    assert [g["fused"] for g in opt.param_groups] == [True]
+    for kw in ({"foreach": False}, {"fused": False}, {"foreach": True}):
+        _, opt = zs.initialize(_model(), lambda p, kw=kw: torch.optim.AdamW(p, lr=1e-3, **kw), config=_cfg(**off))
+        g = opt.param_groups[0]
+        assert g["fused"] in (None, False) and all(g[k] == v for k, v in kw.items()), (kw, g)
+    _, opt = zs.initialize(_model(), lambda p: torch.optim.SGD(p, lr=0.1), config=_cfg(**off))
+    assert "fused" not in opt.param_groups[0] or opt.param_groups[0]["fused"] is None
+    _, opt = zs.initialize(_model(), lambda p: torch.optim.AdamW(p, lr=1e-3), config=_cfg())  # no offload
+    assert opt.param_groups[0]["fused"] is None
+
+
+def test_ratio_offloads_the_first_groups_and_the_fast_path_skips_mixed_groups() -> None:
+    model, opt = zs.initialize(
+        _model(),
+        lambda p: torch.optim.AdamW(p, lr=1e-3),
+        config=_cfg(offload_optimizer={"device": "cpu", "ratio": 0.5}),
+    )
+    groups = model.zero_engine.groups
+    tiers = [g.tier for g in groups]
+    assert "host" in tiers and "device" in tiers, tiers
+    host = sum(sum(p.numel() for p in g.params) for g in groups if g.tier == "host")
+    total = sum(p.numel() for p in model.parameters())
+    assert 0.5 * total <= host < total
+    assert opt.param_groups[0]["fused"] is None  # one param group over host and device masters: left alone
+
+
+def test_legacy_cpu_offload_and_pin_memory_without_a_gpu() -> None:
+    cfg = {"zero_optimization": {"stage": 1, "cpu_offload": True, "cpu_offload_use_pin_memory": True}}
+    model, opt = zs.initialize(_model(), lambda p: torch.optim.AdamW(p, lr=1e-3), config=cfg)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    opt.step()
+    stats = model.zero_engine.memory_stats()
+    assert stats["tier_host_pageable"] > 0 and stats["tier_host_pinned"] == 0  # no GPU: nothing to pin for
+    assert _host_bytes(model) == stats["masters"] + stats["grad_shards"] + stats["optimizer_state"]
+
+
+def test_offload_errors_name_the_field_and_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"offload_param needs stage 3.*Use stage 3"):
+        zs.initialize(_model(), lambda p: torch.optim.SGD(p, lr=0.1), config=_cfg(offload_param={"device": "cpu"}))
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}}
+    with pytest.raises(ValueError, match=r"offload_param.ratio.*offload_optimizer.ratio"):
+        zs.initialize(_model(), lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NotImplementedError, match=r"offload_param \(device='nvme'\).*not yet supported"):
+        zs.initialize(model, None, config={"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was changed
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_16bit_parameters_offloaded_train_exactly_as_on_the_device(stage: int, precision: str) -> None:
+    """16-bit parameters with fp32 masters on the host (at ZeRO-3 a 16-bit device row): the same
+    bits as the masters on the device, fp16's loss scaling and overflow check included."""
+    from zero_strategy.models import GPT, GPTConfig
+
+    def run(offload: dict) -> tuple[list[float], dict]:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layer=2, n_head=2))
+        cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, **offload}, "gradient_clipping": 0.5,
+               precision: {"enabled": True}}  # fmt: skip
+        model, opt = zs.initialize(model, lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False), config=cfg)
+        losses = []
+        for step in range(4):
+            x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(step))
+            loss = model.loss(x[:, :-1], x[:, 1:])
+            zs.backward(loss, model=model)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, model.zero_engine.memory_stats()
+
+    ref, ref_stats = run({})
+    got, stats = run({"offload_optimizer": {"device": "cpu"}})
+    assert got == ref and all(v == v for v in got), (got, ref)  # bit-equal, and no NaN
+    assert ref_stats["tier_host_pageable"] == 0
+    assert stats["tier_host_pageable"] == stats["masters"] + stats["grad_shards"] + stats["optimizer_state"] > 0

@@ -1,0 +1,74 @@
+"""Counting the bytes a rank holds, by kind and by memory tier (``memory_stats()``).
+
+Kinds: full parameters (at ZeRO-3 only while gathered), ZeRO-3 parameter rows (the persistent
+shards), gradient shards, master pieces that are not views, optimizer state, full gradients
+still in ``p.grad``. Each storage is counted once, however many views of it there are.
+
+Tiers: the same bytes by where the offload policy placed them (``offload.py``):
+``tier_device``, ``tier_host_pinned``, ``tier_host_pageable``, ``tier_disk``. On a machine
+without a GPU, where host and device are the same RAM, the split still shows what moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from zero_strategy.group import ShardGroup
+from zero_strategy.unit import UnitStorage
+
+__all__ = ["KINDS", "TIERS", "model_state_bytes"]
+
+KINDS = ("params", "param_shards", "grad_shards", "masters", "optimizer_state", "full_grads")
+TIERS = ("tier_device", "tier_host_pinned", "tier_host_pageable", "tier_disk")
+
+
+def model_state_bytes(
+    params: Iterable[torch.Tensor],
+    units: Sequence[UnitStorage],
+    groups: Sequence[ShardGroup],
+    optimizer: torch.optim.Optimizer | None,
+    disk_bytes: int = 0,
+) -> dict[str, int]:
+    """Bytes per kind, ``model_state`` (their sum) and the same per tier. ``disk_bytes``: the
+    optimizer state in swap files (counted as optimizer state on disk)."""
+    seen: set[int] = set()
+    tiers = dict.fromkeys(TIERS, 0)
+
+    def nbytes(t: torch.Tensor | None, tier: str = "device") -> int:
+        if t is None:
+            return 0
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        n = t.untyped_storage().nbytes()
+        if tier == "host":
+            tiers["tier_host_pinned" if t.is_pinned() else "tier_host_pageable"] += n
+        else:
+            tiers["tier_device"] += n
+        return n
+
+    out = dict.fromkeys(KINDS, 0)
+    for u in units:  # rows first: an offloaded row's masters are views of it
+        out["param_shards"] += nbytes(u.row, u.row_tier) + nbytes(u.frozen_row, u.row_tier)
+    for p in params:
+        out["params"] += nbytes(p)
+        out["full_grads"] += nbytes(p.grad)
+    tier_of: dict[int, str] = {}
+    for g in groups:
+        out["grad_shards"] += nbytes(g.grad_shard_if_allocated, g.tier)
+        for m in g.masters:
+            out["masters"] += nbytes(m, g.tier)
+            tier_of[id(m)] = g.tier
+    if optimizer is not None:
+        for master, st in optimizer.state.items():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    out["optimizer_state"] += nbytes(v, tier_of.get(id(master), "device"))
+    out["optimizer_state"] += disk_bytes
+    tiers["tier_disk"] += disk_bytes
+    out["model_state"] = sum(out.values())
+    out.update(tiers)
+    return out

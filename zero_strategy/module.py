@@ -1,0 +1,83 @@
+"""The model side of the class swap: ``initialize`` places :class:`ZeroModule` in front of the
+model's own class (as FSDP2's ``fully_shard`` does, see ``_swap.py``), so calling the model runs
+the engine's root work around the model's own ``__call__``, ``forward`` runs under the
+precision policy's autocast, and ``no_sync``/``zero_grad``/``memory_stats`` are the engine's."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+from torch import nn
+
+from zero_strategy._swap import swap_class
+
+if TYPE_CHECKING:
+    from zero_strategy.engine import ZeroEngine
+
+__all__ = ["ZeroModule", "get_engine", "swap_module_class"]
+
+
+if TYPE_CHECKING:
+    _ModuleBase = nn.Module  # what the mixin's methods extend once swapped in (see _swap)
+else:
+    _ModuleBase = object
+
+
+class ZeroModule(_ModuleBase):
+    """Mixin placed in front of the model's class by ``initialize`` (as FSDP2 does)."""
+
+    _zero_engine: ZeroEngine
+
+    @property
+    def zero_engine(self) -> ZeroEngine:
+        return self._zero_engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The nesting of root calls is counted here (not in the hooks), so a hook that raises
+        # or a KeyboardInterrupt cannot leave it wrong; the root hooks act at depth 1 only.
+        eng = self._zero_engine
+        depth = eng._root_depth
+        eng._root_depth = depth + 1
+        try:
+            out = super().__call__(*args, **kwargs)
+        except BaseException:
+            eng._root_depth = depth
+            if depth == 0:
+                eng.root_call_done(ok=False)
+            raise
+        eng._root_depth = depth
+        if depth == 0:
+            eng.root_call_done(ok=True)
+        return out
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        eng = self._zero_engine
+        with eng.precision.forward_context(eng.ctx.device.type):
+            return super().forward(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self._zero_engine.no_sync():
+            yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._zero_engine.zero_grad(set_to_none=set_to_none)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self._zero_engine.memory_stats()
+
+
+def swap_module_class(module: nn.Module, engine: ZeroEngine) -> None:
+    swap_class(module, ZeroModule)
+    cast(ZeroModule, module)._zero_engine = engine  # the swapped class carries ZeroModule's attributes
+
+
+def get_engine(module: nn.Module) -> ZeroEngine:
+    eng = getattr(module, "_zero_engine", None)
+    if eng is None:
+        raise ValueError(
+            f"{type(module).__name__} is not managed by zero_strategy; call zero_strategy.initialize(model, optimizer) first"
+        )
+    return eng

@@ -1,0 +1,131 @@
+"""Offload: which memory tier holds the optimizer's side of training and, at ZeRO-3, the
+parameters' persistent shards.
+
+Three tiers, as DeepSpeed's ZeRO-Offload and ZeRO-Infinity have them: the *device* (the
+accelerator the model computes on), the *host* (CPU memory, pinned when a GPU is present so
+that copies run without the CPU in the way) and *disk* (NVMe, for the optimizer state).
+
+Each placement is a small frozen policy chosen by type, built once from the config
+(:func:`optimizer_offload` and :func:`param_offload`):
+
+- :class:`OnDevice`: nothing moves (the default).
+- :class:`OnHost`: ``offload_optimizer: {device: cpu}``. Each group's fp32 master pieces, their
+  reduced gradients and the optimizer state live in host memory; the optimizer steps there,
+  on the user's optimizer as given. Gradient shards are copied down as each reduction
+  finishes; the updated pieces are copied up when the parameters follow the step. ``ratio``
+  offloads the first groups (in the order their gradients arrive) until at least that
+  fraction of the trainable elements is on the host; the rest stays on the device
+  (ZeRO-Offload++'s partial offload).
+- :class:`OnDisk`: ``offload_optimizer: {device: nvme}``. As :class:`OnHost`, and the optimizer
+  state itself lives in swap files, in memory only while its group steps (``swapped_state.py``).
+- At ZeRO-3, ``offload_param: {device: cpu}`` puts each unit's persistent row on the host; a
+  gather copies the row up into its send buffer. The masters are then views of that host row
+  (no second copy), so the optimizer state is on the host too.
+
+On a machine without a GPU, "device" and "host" are the same memory; the engine still keeps
+the offloaded tensors apart (their own storages, counted under ``host_*`` by
+``memory_stats()``), so a test can see where every byte was placed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from zero_strategy.config import ZeroConfig
+
+__all__ = ["HOST", "OffloadPolicy", "OnDevice", "OnDisk", "OnHost", "host_empty", "optimizer_offload", "param_offload"]
+
+HOST = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where one kind of state lives between uses: a small frozen policy, chosen by type."""
+
+    tier: ClassVar[str] = "device"
+
+    def offloads(self, done: int, total: int) -> bool:
+        """Whether the next group goes to this policy's tier, when ``done`` of ``total``
+        trainable elements were already placed there."""
+        return False
+
+    def pinned(self, compute: torch.device) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class OnDevice(OffloadPolicy):
+    """No offload: the state stays on the compute device."""
+
+
+@dataclass(frozen=True)
+class OnHost(OffloadPolicy):
+    """CPU memory; pinned when the compute device is a GPU and ``pin_memory`` is set."""
+
+    tier: ClassVar[str] = "host"
+    pin_memory: bool = True
+    ratio: float = 1.0
+
+    def offloads(self, done: int, total: int) -> bool:
+        return done < self.ratio * total
+
+    def pinned(self, compute: torch.device) -> bool:
+        return self.pin_memory and compute.type == "cuda"
+
+
+@dataclass(frozen=True)
+class OnDisk(OnHost):
+    """NVMe: the optimizer state in swap files under ``nvme_path`` (a fresh directory under the
+    temp dir when None), read and written through at most ``buffer_count`` aligned host buffers
+    (``disk.py``, ``swapped_state.py``). The master pieces and their gradients stay on the host."""
+
+    tier: ClassVar[str] = "disk"
+    nvme_path: str | None = None
+    buffer_count: int = 4
+
+
+def _from_block(block: object, what: str, stage: int) -> OffloadPolicy:
+    device = getattr(block, "device", "none")
+    if device == "none":
+        return OnDevice()
+    pin, ratio = bool(getattr(block, "pin_memory", False)), float(getattr(block, "ratio", 1.0))
+    if device == "cpu":
+        return OnHost(pin_memory=pin, ratio=ratio)
+    if device == "nvme" and what == "offload_optimizer":
+        path, count = getattr(block, "nvme_path", None), int(getattr(block, "buffer_count", 4))
+        return OnDisk(pin_memory=pin, ratio=ratio, nvme_path=path, buffer_count=count)
+    raise NotImplementedError(
+        f"initialize(): zero_optimization.{what}.device={device!r} is not yet supported by zero_strategy; use "
+        f"device 'cpu' (host memory) for now, or remove {what} from the config"
+    )
+
+
+def optimizer_offload(config: ZeroConfig) -> OffloadPolicy:
+    """The placement of the optimizer's side (masters, their gradients, optimizer state)."""
+    return _from_block(config.offload_optimizer, "offload_optimizer", config.stage)
+
+
+def param_offload(config: ZeroConfig) -> OffloadPolicy:
+    """The placement of ZeRO-3's persistent parameter rows (refused at ZeRO-1/2, as in
+    DeepSpeed: there every rank holds the full parameters on the device anyway)."""
+    policy = _from_block(config.offload_param, "offload_param", config.stage)
+    if not isinstance(policy, OnDevice) and config.stage != 3:
+        raise ValueError(
+            f"initialize(): zero_optimization.offload_param needs stage 3 (got stage {config.stage}): at stages 1 "
+            "and 2 every rank keeps the full parameters on the device. Use stage 3, or offload_optimizer only."
+        )
+    if not isinstance(policy, OnDevice) and config.offload_param.ratio != 1.0:
+        raise ValueError(
+            "initialize(): zero_optimization.offload_param.ratio applies to the optimizer only; remove it "
+            "(use offload_optimizer.ratio)"
+        )
+    return policy
+
+
+def host_empty(numel: int, dtype: torch.dtype, policy: OffloadPolicy, compute: torch.device) -> torch.Tensor:
+    """A zeroed host tensor for ``policy`` (pinned when it asks for that on a GPU machine)."""
+    return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=policy.pinned(compute))

@@ -1,0 +1,282 @@
+"""Optimizer state on disk, stepped group by group (``offload_optimizer: {device: nvme}``).
+
+The user's optimizer stays the one they built. At each step the engine hands it one shard
+group at a time: the group's state is read from its swap file into an aligned buffer, installed
+in ``optimizer.state`` as views of that buffer, the optimizer steps only that group's master
+pieces (its ``param_groups`` are narrowed for the call; hyperparameters and LR schedules are
+the group's own), and the buffer is written back while the next group steps. Between steps
+``optimizer.state`` keeps only the small entries (Adam's ``step``); the per-element tensors are
+on disk. Element-wise optimizers give the same numbers stepped in pieces as whole, so the
+result is DDP's.
+
+Which state entries are per-element, and their dtypes, is learnt once, before the first step,
+by stepping a tiny probe parameter through the same optimizer and param group; the files are
+sized from that and the free disk space checked before anything is written.
+
+Checkpoints read and write the state through memory maps of the files (:meth:`mapped_state`),
+so saving or loading offloaded state never holds it all in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from zero_strategy.disk import ALIGN, DiskFile, Region, SwapDir, SwapPool, views
+from zero_strategy.group import ShardGroup
+
+__all__ = ["SwappedOptimizerState", "step_subset"]
+
+
+def step_subset(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+    """``optimizer.step()`` over ``params`` only: each param group narrowed to its members of
+    ``params`` (same hyperparameters), the full groups put back afterwards."""
+    ids = {id(p) for p in params}
+    saved = optimizer.param_groups
+    narrowed = []
+    for pg in saved:
+        mine = [p for p in pg["params"] if id(p) in ids]
+        if mine:
+            narrowed.append({**pg, "params": mine})
+    optimizer.param_groups = narrowed
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = saved
+
+
+class SwappedOptimizerState:
+    """The swap files, buffers and step pipeline of the groups whose state is on disk."""
+
+    def __init__(
+        self,
+        groups: Sequence[ShardGroup],
+        swap_dir: SwapDir,
+        buffer_count: int,
+        pinned: bool,
+        guard: Callable[[], contextlib.AbstractContextManager[None]],
+        threads: int = 4,
+    ) -> None:
+        self.groups = list(groups)
+        self.guard = guard  # around every optimizer.step() made here: the engine's step hooks stand aside
+        self.dir = swap_dir
+        self.buffer_count = buffer_count
+        self.pinned = pinned
+        self.threads = threads
+        self.files: dict[int, DiskFile] = {}  # group index -> its file (after planning)
+        self.keys: dict[int, list[tuple[str, torch.dtype]]] = {}  # param group index -> per-element keys
+        self.layout: dict[int, list[tuple[int, list[Region]]]] = {}  # group index -> (master index, its regions)
+        self.has_state: set[int] = set()  # masters whose state is in their file (they were stepped or loaded)
+        self.pool: SwapPool | None = None
+        self._finalizer = weakref.finalize(self, _close, self.files, swap_dir, [None])
+
+    # -- planning (once, before the first step) ----------------------------------------------
+    def _param_group_of(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+        return {id(p): gi for gi, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
+
+    def _probe(self, optimizer: torch.optim.Optimizer, gi: int, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
+        """The per-element state entries ``optimizer`` makes for param group ``gi``: one step of a
+        tiny parameter through the same group (hyperparameters included), then forgotten."""
+        probe = torch.nn.Parameter(torch.zeros(8, dtype=dtype))
+        probe.grad = torch.full((8,), 1e-3, dtype=dtype)
+        saved = optimizer.param_groups
+        optimizer.param_groups = [{**saved[gi], "params": [probe]}]
+        try:
+            with self.guard():
+                optimizer.step()
+        finally:
+            optimizer.param_groups = saved
+        state = optimizer.state.pop(probe, {})
+        return [(k, v.dtype) for k, v in state.items() if _per_element(k, v, probe)]
+
+    def plan(self, optimizer: torch.optim.Optimizer) -> None:
+        """Size every group's file from the probed state entries, check the free space, create
+        the files and the buffer pool. Idempotent."""
+        if self.pool is not None:
+            return
+        where = self._param_group_of(optimizer)
+        layouts: list[tuple[ShardGroup, list[tuple[int, list[Region]]]]] = []
+        for g in self.groups:
+            per_master: list[tuple[int, list[Region]]] = []
+            offset = 0
+            for i, m in enumerate(g.masters):
+                gi = where.get(id(m))
+                if gi is None:
+                    continue  # not given to the optimizer: no state
+                if gi not in self.keys:
+                    self.keys[gi] = self._probe(optimizer, gi, m.dtype)
+                regions = []
+                for key, dtype in self.keys[gi]:
+                    r = Region(key, offset, m.numel(), dtype)
+                    regions.append(r)
+                    offset += _align(r.nbytes)
+                per_master.append((i, regions))
+            layouts.append((g, per_master))
+        need = sum(_file_bytes(pm) for _, pm in layouts)
+        self.dir.check_space(need)
+        biggest = 0
+        for g, per_master in layouts:
+            regions = [r for _, rs in per_master for r in rs]
+            f = DiskFile(os.path.join(self.dir.path, f"group{g.index}.swap"), regions, self.dir.direct)
+            os.ftruncate(f.fd, f.nbytes)  # sized now: a read checks the size
+            self.files[g.index] = f
+            self.layout[g.index] = per_master
+            biggest = max(biggest, f.nbytes)
+        count = max(min(self.buffer_count, 3), 2)
+        self.pool = SwapPool(count, biggest, self.pinned, self.threads)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _close, self.files, self.dir, [self.pool])
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, inner: Callable[[Sequence[torch.Tensor]], None]) -> None:
+        """Step every disk group through ``inner(masters)`` (the optimizer over those masters),
+        pipelined: read the next group while this one steps, write it back while the next
+        steps. A group without any gradient is neither read nor stepped."""
+        self.plan(optimizer)
+        if self.pool is None:
+            raise AssertionError("SwappedOptimizerState.plan left no pool")
+        pool = self.pool
+        self.dir.check_owner()
+        todo = [g for g in self.groups if any(m.grad is not None for m in g.masters) and g.index in self.files]
+        reads: dict[int, tuple[torch.Tensor, Future[None] | None]] = {}
+        writes: list[tuple[Future[None], torch.Tensor]] = []
+
+        def start_read(g: ShardGroup) -> None:
+            f = self.files[g.index]
+            buf = pool.get()
+            reads[g.index] = (buf, pool.read(f, buf) if f.written else None)
+
+        def drain_writes(keep: int) -> None:
+            while len(writes) > keep:
+                fut, buf = writes.pop(0)
+                fut.result()
+                pool.put(buf)
+
+        try:
+            if todo:
+                start_read(todo[0])
+            for k, g in enumerate(todo):
+                drain_writes(max(pool.count - 2, 0))  # a buffer for the next read
+                if k + 1 < len(todo):
+                    start_read(todo[k + 1])
+                buf, fut = reads.pop(g.index)
+                if fut is not None:
+                    fut.result()
+                f = self.files[g.index]
+                self._install(optimizer, g, f, buf, fresh=not f.written)
+                with self.guard():
+                    inner(g.masters)
+                self._take_back(optimizer, g, f, buf)
+                writes.append((pool.write(f, buf), buf))
+            drain_writes(0)
+        finally:
+            for buf, fut in reads.values():  # an error mid-way: let reads finish before the buffers go back
+                if fut is not None:
+                    with contextlib.suppress(Exception):
+                        fut.result()
+                pool.put(buf)
+            for fut, buf in writes:
+                with contextlib.suppress(Exception):
+                    fut.result()
+                pool.put(buf)
+
+    def _install(
+        self, optimizer: torch.optim.Optimizer, g: ShardGroup, f: DiskFile, buf: torch.Tensor, *, fresh: bool
+    ) -> None:
+        if fresh:
+            return  # no state yet: the optimizer makes it in this step; _take_back copies it in
+        for m, regions in self._regions(g):
+            if id(m) not in self.has_state:
+                continue  # never stepped (no gradient yet): the optimizer starts its state afresh
+            st = optimizer.state[m]
+            for r, view in views(buf, regions):
+                st[r.key] = view.view(m.shape)
+
+    def _take_back(self, optimizer: torch.optim.Optimizer, g: ShardGroup, f: DiskFile, buf: torch.Tensor) -> None:
+        """Copy state the optimizer made (first step) into the buffer and drop the per-element
+        entries from ``optimizer.state``: until the next step they are only on disk."""
+        for m, regions in self._regions(g):
+            st = optimizer.state.get(m)
+            if st is None or not any(r.key in st for r in regions):
+                continue  # not stepped (no gradient): its region stays as it was
+            for r, view in views(buf, regions):
+                t = st.pop(r.key, None)
+                if t is None:
+                    view.zero_()
+                elif t.data_ptr() != view.data_ptr():
+                    view.copy_(t.reshape(-1))
+            self.has_state.add(id(m))
+
+    def _regions(self, g: ShardGroup) -> list[tuple[torch.Tensor, list[Region]]]:
+        return [(g.masters[i], regions) for i, regions in self.layout.get(g.index, [])]
+
+    # -- checkpoints and stats -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def mapped_state(
+        self, optimizer: torch.optim.Optimizer, *, writable: bool
+    ) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
+        """Per master (by id), its per-element state as memory maps of the files: a checkpoint
+        reads (or, ``writable``, loads into) them without holding the state in memory. Reading
+        gives the masters that have state; loading offers every master, and the masters whose
+        entries the caller leaves in the dict count as loaded when the block ends."""
+        self.plan(optimizer)
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        maps = []
+        for g in self.groups:
+            f = self.files.get(g.index)
+            if f is None or f.nbytes == 0:
+                continue
+            masters = [(m, rs) for m, rs in self._regions(g) if writable or id(m) in self.has_state]
+            if not masters:
+                continue  # no state yet (no step ran): nothing to save, as for an unstepped optimizer
+            whole = torch.from_file(f.path, shared=writable, size=f.nbytes, dtype=torch.uint8)
+            maps.append(whole)
+            for m, regions in masters:
+                out[id(m)] = {r.key: v.view(m.shape) for r, v in views(whole, regions)}
+            if writable:
+                f.written = True
+        try:
+            yield out
+            if writable:
+                self.has_state.update(k for k, entries in out.items() if entries)
+        finally:
+            out.clear()
+            maps.clear()
+
+    def disk_bytes(self) -> int:
+        return sum(f.nbytes for f in self.files.values())
+
+    def buffer_bytes(self) -> int:
+        return self.pool.allocated if self.pool is not None else 0
+
+    def close(self) -> None:
+        """Close the files, stop the I/O threads and remove the swap directory."""
+        self._finalizer()
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _per_element(key: str, value: Any, probe: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and key != "step" and value.shape == probe.shape
+
+
+def _file_bytes(per_master: Sequence[tuple[int, list[Region]]]) -> int:
+    regions = [r for _, rs in per_master for r in rs]
+    return _align(regions[-1].offset + regions[-1].nbytes) if regions else 0
+
+
+def _close(files: dict[int, DiskFile], swap_dir: SwapDir, pools: list[SwapPool | None]) -> None:
+    for pool in pools:
+        if pool is not None:
+            pool.shutdown()
+    for f in files.values():
+        f.close()
+    swap_dir.remove()
