@@ -5,8 +5,10 @@ through aligned host buffers and a thread pool calling ``os.pwritev``/``os.pread
 ``O_DIRECT`` where the filesystem allows it). This script moves ``--gib`` GiB as ``--files``
 group files of equal size, the way a step does (write all, then read all), and times
 
-- ``dd if=/dev/zero of=F bs=64M count=N oflag=direct`` and ``dd if=F of=/dev/null bs=64M iflag=direct``;
-- our ``SwapPool.write``/``SwapPool.read`` over the same bytes, all files in flight at once.
+- ``dd if=/dev/zero of=F bs=64M count=N oflag=direct conv=notrunc,fsync`` (over a file written
+  once before, as swap files are rewritten every step) and ``dd if=F of=/dev/null bs=64M iflag=direct``;
+- our ``SwapPool.write``/``SwapPool.read`` over the same bytes, all files in flight at once
+  (``fsync`` after the writes).
 
 Each figure is the median of ``--repeats``. Reads after ``O_DIRECT`` writes do not come from
 the page cache (the kernel drops cached pages of a file written with ``O_DIRECT``); ``dd``'s
@@ -31,16 +33,17 @@ from zero_strategy.disk import DiskFile, Region, SwapPool, direct_io_works
 def _dd(path: str, gib: float, repeats: int) -> tuple[float, float]:
     count = max(int(gib * 16), 1)  # 64 MiB blocks
     nbytes = count * (64 << 20)
+    write = ["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "oflag=direct", "conv=notrunc,fsync"]
+    subprocess.run(write, check=True, capture_output=True)  # the file exists, as a swap file does after its first step
     w, r = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "oflag=direct", "conv=fsync"],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(write, check=True, capture_output=True)
         w.append(nbytes / (time.perf_counter() - t0) / 1e9)
         t0 = time.perf_counter()
         subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=64M", "iflag=direct"], check=True, capture_output=True)
         r.append(nbytes / (time.perf_counter() - t0) / 1e9)
-        os.unlink(path)
+    os.unlink(path)
     return statistics.median(w), statistics.median(r)
 
 

@@ -85,16 +85,29 @@ def _fault(point: str, rank: int) -> None:
         FAULT_HOOK(point, rank)
 
 
-def _mesh(engine: ZeroEngine) -> DeviceMesh | None:
-    if not dist.is_initialized():
-        return None
-    group = engine.ctx.group if engine.ctx.group is not None else dist.group.WORLD
-    if group is None:
-        raise RuntimeError(
-            "zero_strategy checkpoints: torch.distributed is initialized but has no default process group; "
-            "call torch.distributed.init_process_group() before saving or loading"
-        )
-    return DeviceMesh.from_group(group, engine.ctx.device.type)
+class _Meshes:
+    """One DeviceMesh per device type over the engine's group, made on first need: a piece's
+    DTensor must name the device the piece is on (``DTensor.from_local`` copies a tensor to
+    its mesh's device, so an offloaded host piece on a "cuda" mesh would be saved from, and
+    loaded into, a temporary GPU copy)."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        self.group = None
+        if dist.is_initialized():
+            self.group = engine.ctx.group if engine.ctx.group is not None else dist.group.WORLD
+            if self.group is None:
+                raise RuntimeError(
+                    "zero_strategy checkpoints: torch.distributed is initialized but has no default process group; "
+                    "call torch.distributed.init_process_group() before saving or loading"
+                )
+        self._by_type: dict[str, DeviceMesh] = {}
+
+    def __call__(self, device_type: str) -> DeviceMesh | None:
+        if self.group is None:
+            return None
+        if device_type not in self._by_type:
+            self._by_type[device_type] = DeviceMesh.from_group(self.group, device_type)
+        return self._by_type[device_type]
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -110,8 +123,9 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
         return t
 
 
-def _piece(engine: ZeroEngine, mesh: DeviceMesh | None, local: torch.Tensor, numel: int) -> torch.Tensor:
+def _piece(engine: ZeroEngine, meshes: _Meshes, local: torch.Tensor, numel: int) -> torch.Tensor:
     local = _compact(local)
+    mesh = meshes(local.device.type)
     if mesh is None:  # one process without a group: the piece is the whole flattened tensor
         return local
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
@@ -128,7 +142,7 @@ def _state(
     ``want_optim``: on load, the optimizer keys present in the checkpoint, created (zeros) where
     the optimizer has no state yet, so DCP can load into them. ``swapped``: per master, its
     state on disk (memory maps of the swap files, ``engine.swapped_state``)."""
-    mesh = _mesh(engine)
+    mesh = _Meshes(engine)
     sd: dict[str, Any] = {}
     names = engine.param_names()
     for g in engine.groups:
@@ -459,9 +473,15 @@ def _group_settings(optimizer: torch.optim.Optimizer | None) -> list[dict[str, A
     return out
 
 
+# how the optimizer runs, not what it computes: the loading run's own choice stands
+_IMPLEMENTATION_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
+
 def _restore_group_settings(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
     for group, values in zip(optimizer.param_groups, saved):
         for key, value in values.items():
+            if key in _IMPLEMENTATION_KEYS:
+                continue
             current = group.get(key)
             if isinstance(current, torch.Tensor):
                 if value is not None:

@@ -8,14 +8,16 @@ Each offloaded group keeps its per-element optimizer state (Adam's two moments, 
 through a small pool of aligned host buffers (pinned on a GPU machine) and a thread pool that
 calls ``os.preadv``/``os.pwritev``, with ``O_DIRECT`` where the filesystem allows it (no page
 cache: the bytes really leave RAM). No compiled op. The pool is sized from what the largest
-group needs, at most ``buffer_count`` buffers, never ``buffer_size`` x ``buffer_count`` blindly.
+group needs: 3 buffers (2 if ``buffer_count`` is smaller), never ``buffer_size`` x
+``buffer_count`` blindly.
 
 The fp32 master pieces stay in host memory (``HostMasters``): the parameters follow them after
 every step without a read. On disk: 8 of Adam's 12 optimizer bytes per parameter.
 
-Files live in a fresh directory per process, ``<nvme_path>/zero_strategy_swap/<host>-<pid>-rank<r>-<id>``
-(``nvme_path`` unset: under the temp dir, logged once). An owner marker (pid, host, process start
-time) lets the next start remove what a killed run left; a normal exit, an exception or
+Files live in a fresh directory per process, ``<nvme_path>/zero_strategy_swap-<uid>/<host>-<pid>-rank<r>-<id>``
+(``nvme_path`` unset: under the temp dir, logged once; the per-user directory is 0700 and must be
+a real directory of this user). An owner marker (pid, process start time, host, boot, pid
+namespace) lets the next start remove what a killed run left; a normal exit, an exception or
 ``destroy()`` removes the directory. Reads check each file's size, and a directory whose
 marker names another run is refused.
 """
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
 import mmap
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 import uuid
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGN", "DiskFile", "SwapDir", "SwapPool", "clean_stale_runs", "direct_io_works"]
+__all__ = ["ALIGN", "DiskFile", "SwapDir", "SwapPool", "clean_stale_runs", "direct_io_works", "swap_root_name"]
 
 ALIGN = 4096  # O_DIRECT: buffer address, offset and length in multiples of the block size
 SWAP_ROOT = "zero_strategy_swap"
@@ -61,19 +65,37 @@ def _proc_start(pid: int) -> str | None:
         return None
 
 
+def _machine() -> dict[str, str]:
+    """What makes a pid meaningful: the host name, this boot, and the pid namespace (two
+    containers sharing a host name have different namespaces)."""
+    out = {"host": socket.gethostname()}
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        out["boot"] = f.read().strip()
+    with contextlib.suppress(OSError):
+        out["pidns"] = os.readlink("/proc/self/ns/pid")
+    return out
+
+
 def _owner_alive(owner: dict) -> bool:
-    if owner.get("host") != socket.gethostname():
-        return True  # another machine's run (a shared filesystem): never ours to judge
+    """Whether the run that wrote ``owner`` may still be running. Only an owner from this very
+    machine, boot and pid namespace can be judged gone; any other is left alone."""
+    if any(owner.get(k) != v for k, v in _machine().items()):
+        return True
     pid = int(owner.get("pid", -1))
     return pid > 0 and _proc_start(pid) == owner.get("start")
 
 
+def swap_root_name() -> str:
+    """One directory per user under ``nvme_path``: another user's runs are never in it."""
+    return f"{SWAP_ROOT}-{os.getuid()}"
+
+
 def clean_stale_runs(root: str) -> list[str]:
-    """Remove the run directories under ``root/zero_strategy_swap`` whose owner on this host is
-    gone (a run killed by SIGKILL leaves no exit hook). Returns what was removed."""
-    base = os.path.join(root, SWAP_ROOT)
+    """Remove this user's run directories under ``root`` whose owner is gone (a run killed by
+    SIGKILL leaves no exit hook). Returns what was removed."""
+    base = os.path.join(root, swap_root_name())
     removed = []
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for name in os.listdir(base):
             run = os.path.join(base, name)
             try:
@@ -87,13 +109,29 @@ def clean_stale_runs(root: str) -> list[str]:
     return removed
 
 
+def _private_dir(path: str, what: str) -> None:
+    """Create ``path`` (mode 0700) or accept it only if it is a real directory of this user."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(
+            f"{what}: {path} is not a directory of this user (a symlink, a file or another user's); remove it or "
+            "choose another offload_optimizer.nvme_path"
+        )
+
+
 def _is_tmpfs(path: str) -> bool:
     best, fstype = "", ""
     with contextlib.suppress(OSError), open("/proc/mounts") as f:
         for line in f:
             parts = line.split()
-            if len(parts) > 2 and path.startswith(parts[1]) and len(parts[1]) > len(best):
-                best, fstype = parts[1], parts[2]
+            if len(parts) < 3:
+                continue
+            mount = parts[1]
+            inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) > len(best):
+                best, fstype = mount, parts[2]
     return fstype in ("tmpfs", "ramfs")
 
 
@@ -121,16 +159,27 @@ class SwapDir:
     exit (``atexit``), on :meth:`remove` and when the engine is destroyed."""
 
     def __init__(self, nvme_path: str | None, rank: int) -> None:
+        what = "initialize(): zero_optimization.offload_optimizer.nvme_path"
         root = nvme_path or tempfile.gettempdir()
-        os.makedirs(root, exist_ok=True)
-        for stale in clean_stale_runs(root):
-            warnings.warn(f"offload: removed swap files left by a run that is gone: {stale}", UserWarning, stacklevel=4)
-        self.run = f"{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
-        self.path = self.run_dir = os.path.join(root, SWAP_ROOT, self.run)
-        os.makedirs(self.path, exist_ok=False)  # fresh: never another run's files
-        owner = {"pid": os.getpid(), "host": socket.gethostname(), "start": _proc_start(os.getpid()), "run": self.run}
-        with open(os.path.join(self.path, OWNER), "x") as f:
-            json.dump(owner, f)
+        try:
+            os.makedirs(root, exist_ok=True)
+            base = os.path.join(root, swap_root_name())
+            _private_dir(base, what)
+            for stale in clean_stale_runs(root):
+                warnings.warn(
+                    f"offload: removed swap files left by a run that is gone: {stale}", UserWarning, stacklevel=4
+                )
+            self.run = f"{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
+            self.path = self.run_dir = os.path.join(base, self.run)
+            os.mkdir(self.path, 0o700)  # fresh: never another run's files
+            owner = {**_machine(), "pid": os.getpid(), "start": _proc_start(os.getpid()), "run": self.run}
+            with open(os.path.join(self.path, OWNER), "x") as f:
+                json.dump(owner, f)
+        except OSError as e:
+            raise RuntimeError(
+                f"{what}={root!r}: cannot create the swap directory there ({type(e).__name__}: {e}); point nvme_path "
+                "at a writable directory on a local disk"
+            ) from e
         if nvme_path is None and root not in _LOGGED:
             _LOGGED.add(root)
             warnings.warn(f"offload_optimizer.nvme_path is not set: swap files go to {self.run_dir} "
@@ -145,6 +194,24 @@ class SwapDir:
         self.direct = direct_io_works(self.path)
         self._removed = False
         atexit.register(self.remove)
+
+    def reserve(self, f: DiskFile) -> None:
+        """Take the file's space now (``posix_fallocate``), so that a disk that fills up fails
+        before the first step, not in the middle of one (a plain size where the filesystem
+        cannot allocate ahead)."""
+        try:
+            os.posix_fallocate(f.fd, 0, max(f.nbytes, 1))
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                free = shutil.disk_usage(self.path).free
+                raise RuntimeError(
+                    f"offload: no space for the swap file {f.path} ({f.nbytes} bytes; {free} bytes free in "
+                    f"{self.path}); free space there, point offload_optimizer.nvme_path at a larger disk, or offload "
+                    "a smaller share (ratio)"
+                ) from e
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+        os.ftruncate(f.fd, f.nbytes)
 
     def check_owner(self) -> None:
         """Refuse a directory that another run marked (files must be this run's)."""
@@ -181,6 +248,10 @@ def aligned_empty(nbytes: int, pinned: bool) -> torch.Tensor:
     """A uint8 host tensor of ``nbytes`` (rounded up to the block size) whose address is
     block-aligned, as ``O_DIRECT`` needs."""
     size = _round_up(max(nbytes, 1))
+    if pinned:  # page-aligned already; one block more would double it in torch's power-of-two host allocator
+        out = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        if out.data_ptr() % ALIGN == 0:
+            return out
     raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pinned)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip : skip + size]
@@ -225,7 +296,7 @@ class DiskFile:
             os.close(self.fd)
 
 
-_CHUNK = 64 << 20  # one preadv/pwritev call per 64 MiB: several threads share a large file
+_CHUNK = 64 << 20  # one preadv/pwritev call per 64 MiB (a file is one task: the pool runs several files at once)
 
 
 def _io(fn: Callable[..., int], fd: int, buf: torch.Tensor, offset: int, what: str) -> None:
@@ -239,8 +310,9 @@ def _io(fn: Callable[..., int], fd: int, buf: torch.Tensor, offset: int, what: s
 
 
 class SwapPool:
-    """Aligned host buffers (at most ``count``, each as large as the largest file) and a thread
-    pool for the reads and writes. Buffers are made on first need, so the pool holds only what
+    """Aligned host buffers (at most ``count``: the pipeline needs 2 or 3, whatever
+    ``buffer_count`` says; each as large as the largest file) and a thread pool for the reads
+    and writes. Buffers are made on first need, so the pool holds only what
     the pipeline uses (``allocated`` bytes, reported by ``memory_stats``)."""
 
     def __init__(self, count: int, buffer_bytes: int, pinned: bool, threads: int = 4) -> None:

@@ -38,6 +38,7 @@ from zero_strategy import collectives as C
 from zero_strategy._swap import unswap_class
 from zero_strategy.config import ZeroConfig, not_applied_settings, unsupported_features
 from zero_strategy.construction import materialize_full
+from zero_strategy.disk import SwapDir
 from zero_strategy.grads import (
     AllReduceAtEnd,
     GradReducer,
@@ -94,8 +95,8 @@ class ZeroEngine:
         if missing:
             raise NotImplementedError(
                 f"initialize(): {', '.join(missing)} is not yet supported by zero_strategy; "
-                "use device 'cpu' (host memory), or remove it from the config (NVMe offload is planned, see the "
-                "project's issues)"
+                "use device 'cpu' (host memory), or remove it from the config (the parameters' NVMe tier is planned, "
+                "see the project's issues)"
             )
         # where the optimizer's side and ZeRO-3's rows live (bad offload settings fail here, before any change)
         self.offload_optimizer, self.offload_params = optimizer_offload(config), param_offload(config)
@@ -108,11 +109,17 @@ class ZeroEngine:
             config.collective_impl,
             device=first.device if first is not None else None,
         )
+        self._swap_dir: SwapDir | None = None
+        if isinstance(self.offload_optimizer, OnDisk):  # an unusable nvme_path fails here, before any change
+            self._swap_dir = SwapDir(self.offload_optimizer.nvme_path, self.ctx.rank)
+            weakref.finalize(self, self._swap_dir.remove)  # a dropped engine takes its files along
         self.precision = select_precision(config.precision)
         self.scaler = select_scaler(config.loss_scale, self.precision, explicit=config.explicitly_set("loss_scale"))
         self.optimizer = None
         self.swapped = None
-        self.in_subgroup_step = False  # the engine is stepping the optimizer over one group (disk tier)
+        self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.stepping = False  # inside optimizer.step(), between the engine's pre- and post-step work
+        self.preparing = False  # inside the engine's pre-step work (the disk tier steps groups there)
         self.training_state = TrainingState.IDLE
         self.grad_state = GradState.EMPTY
         self.step_count = 0
@@ -236,26 +243,13 @@ class ZeroEngine:
             self.swapped.close()
             self.swapped = None
         policy = self.offload_optimizer
-        if optimizer is not None and isinstance(policy, OnDisk):
-            from zero_strategy.disk import SwapDir
-
+        if optimizer is not None and isinstance(policy, OnDisk) and self._swap_dir is not None:
             self.swapped = SwappedOptimizerState(
                 [g for g in self.groups if g.tier != "device"],
-                SwapDir(policy.nvme_path, self.ctx.rank),
+                self._swap_dir,
                 buffer_count=policy.buffer_count,
                 pinned=policy.pinned(self.ctx.device),
-                guard=self._subgroup_step,
             )
-
-    @contextlib.contextmanager
-    def _subgroup_step(self) -> Iterator[None]:
-        """The engine itself steps the optimizer (one group of the disk tier, or a probe): the
-        step hooks stand aside."""
-        self.in_subgroup_step = True
-        try:
-            yield
-        finally:
-            self.in_subgroup_step = False
 
     # -- states ----------------------------------------------------------------------------
     def _set_training(self, new: TrainingState, what: str) -> None:
@@ -550,14 +544,37 @@ class ZeroEngine:
             self._step_swapped(self.optimizer, self.swapped)
 
     def _step_swapped(self, optimizer: torch.optim.Optimizer, swapped: SwappedOptimizerState) -> None:
-        """The disk tier: step the optimizer group by group through the swap files, then leave
-        those masters without gradients, so the optimizer's own step skips them."""
-        swapped.step(optimizer, lambda masters: step_subset(optimizer, masters))
-        for g in swapped.groups:
-            for m in g.masters:
-                m.grad = None
+        """The disk tier: step the optimizer group by group through the swap files, then agree
+        on the outcome (one rank's full disk or damaged file raises on every rank, instead of
+        leaving the others in the next collective). Those masters' gradients are put aside
+        until the step returns, so the optimizer's own step skips them."""
+        error = None
+        try:
+            swapped.step(optimizer, lambda masters: step_subset(optimizer, masters))
+        except Exception as e:
+            error = e
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.ctx.device)
+        what = f"disk tier step agreement ({self._step_label()})"
+        C.all_reduce(self.ctx, flag, op="max", what=what).wait()
+        if int(flag.item()):
+            text = None if error is None else f"{type(error).__name__}: {error}"
+            texts = C.all_gather_objects(self.ctx, text, what=what)
+            if error is not None:
+                raise error
+            rank, first = next((r, t) for r, t in enumerate(texts) if t is not None)
+            raise RuntimeError(f"optimizer.step(): rank {rank} failed in the disk tier: {first}")
+        self._stashed_grads = [(m, m.grad) for g in swapped.groups for m in g.masters]
+        for m, _ in self._stashed_grads:
+            m.grad = None
+
+    def end_of_step_call(self) -> None:
+        """``optimizer.step()`` returned or raised: no step is in progress any more."""
+        self.stepping = self.preparing = False
 
     def after_optimizer_step(self) -> None:
+        for m, grad in self._stashed_grads:  # the disk tier's gradients are back, as the optimizer left the rest
+            m.grad = grad
+        self._stashed_grads = []
         skipped = self._skip_step
         self.last_step_skipped = skipped
         self.scaler.update(skipped)
@@ -696,6 +713,7 @@ class ZeroEngine:
             self.groups,
             self.optimizer,
             self.swapped.disk_bytes() if self.swapped is not None else 0,
+            self.ctx.device,
         )
         out["swap_buffers"] = self.swapped.buffer_bytes() if self.swapped is not None else 0
         out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps
@@ -711,6 +729,8 @@ class ZeroEngine:
         if self.swapped is not None:
             self.swapped.close()
             self.swapped = None
+        if self._swap_dir is not None:
+            self._swap_dir.remove()
         for h in self._hooks + self._schedule_hooks:
             h.remove()
         self._hooks.clear()

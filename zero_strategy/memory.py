@@ -30,9 +30,13 @@ def model_state_bytes(
     groups: Sequence[ShardGroup],
     optimizer: torch.optim.Optimizer | None,
     disk_bytes: int = 0,
+    compute: torch.device | None = None,
 ) -> dict[str, int]:
     """Bytes per kind, ``model_state`` (their sum) and the same per tier. ``disk_bytes``: the
-    optimizer state in swap files (counted as optimizer state on disk)."""
+    optimizer state in swap files (counted as optimizer state on disk). With an accelerator as
+    ``compute`` device a tensor's tier is where it actually is (a misplaced one shows); on a
+    CPU-only machine, where both tiers are the same memory, it is where the policy put it."""
+    on_cpu_only = compute is None or compute.type == "cpu"
     seen: set[int] = set()
     tiers = dict.fromkeys(TIERS, 0)
 
@@ -44,6 +48,8 @@ def model_state_bytes(
             return 0
         seen.add(key)
         n = t.untyped_storage().nbytes()
+        if not on_cpu_only:
+            tier = "host" if t.device.type == "cpu" else "device"
         if tier == "host":
             tiers["tier_host_pinned" if t.is_pinned() else "tier_host_pageable"] += n
         else:

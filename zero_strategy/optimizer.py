@@ -5,7 +5,8 @@ working, and ``isinstance`` checks still hold). Its ``param_groups`` keep their 
 hyperparameters; only each trainable parameter in them is replaced by this rank's 1-D master
 piece of it. The instance's class is swapped for a subclass that adds ``clip_grad_norm_``
 and ``scale_loss`` and routes ``zero_grad`` through the engine, and two step hooks run the
-engine's work around the unchanged ``step()``:
+engine's work around the unchanged ``step()`` (once per call: an optimizer subclass whose
+``step`` calls ``super().step()`` fires torch's hooks twice, the engine acts on the outer pair):
 
 - before: finish gradient reduction, unscale and check for overflow (fp16), apply
   ``gradient_clipping`` from the config unless the user clipped explicitly;
@@ -66,6 +67,14 @@ class ZeroOptimizer(_OptimizerBase):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_engine.zero_grad(set_to_none=set_to_none)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """The class's own ``step`` (its hooks run the engine's work); whatever happens inside,
+        the engine's per-step flags are cleared when it returns or raises."""
+        try:
+            return super().step(*args, **kwargs)
+        finally:
+            self._zero_engine.end_of_step_call()
 
 
 def build_optimizer(
@@ -181,7 +190,7 @@ def engine_of(optimizer: torch.optim.Optimizer) -> ZeroEngine:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     engine = engine_of(optimizer)
-    if engine.in_subgroup_step:  # the engine steps one group of the disk tier: nothing to prepare
+    if engine.stepping:  # a subclass's super().step() re-enters the hooks: the engine's work runs once
         return
     if engine.destroyed:
         raise RuntimeError("optimizer.step(): its model's zero_strategy engine was destroyed; build a new optimizer")
@@ -194,10 +203,16 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             "optimizer.step(closure) is not supported by zero_strategy: the closure's backward would run after "
             "the gradients were reduced. Run forward and backward before step() and call step() without a closure."
         )
-    engine.before_optimizer_step()
+    engine.stepping = engine.preparing = True
+    try:
+        engine.before_optimizer_step()
+    finally:
+        engine.preparing = False
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     engine = engine_of(optimizer)
-    if not engine.in_subgroup_step:
-        engine.after_optimizer_step()
+    if not engine.stepping or engine.preparing:  # an inner (re-entered) step, or the disk tier's
+        return
+    engine.stepping = False
+    engine.after_optimizer_step()

@@ -20,6 +20,7 @@ so saving or loading offloaded state never holds it all in memory.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -28,27 +29,47 @@ from typing import Any
 
 import torch
 
+from zero_strategy._swap import original_class
 from zero_strategy.disk import ALIGN, DiskFile, Region, SwapDir, SwapPool, views
 from zero_strategy.group import ShardGroup
 
 __all__ = ["SwappedOptimizerState", "step_subset"]
 
 
-def step_subset(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
-    """``optimizer.step()`` over ``params`` only: each param group narrowed to its members of
-    ``params`` (same hyperparameters), the full groups put back afterwards."""
+def unhooked_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` without the step hooks (the engine's, the user's, the global ones):
+    torch wraps every optimizer class's ``step`` once in a function that runs the hooks; the
+    engine steps a group of the disk tier through the function it wraps, so a user's hook (an
+    EMA update, a logger) runs once per step, around the whole step, as without offload."""
+    step = getattr(original_class(optimizer), "step", None)  # the class's own (hooked) step, not the mixin's
+    inner = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    if inner is None:
+        raise TypeError(
+            f"offload_optimizer nvme: {type(optimizer).__name__}.step is not the hooked step torch.optim.Optimizer "
+            "installs, so it cannot be stepped group by group; use offload_optimizer device 'cpu'"
+        )
+    inner(optimizer)
+
+
+@contextlib.contextmanager
+def narrowed(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Inside the block every param group of ``optimizer`` holds only its members of ``params``
+    (the same group dicts: hyperparameters, LR schedules); the full lists come back after."""
     ids = {id(p) for p in params}
-    saved = optimizer.param_groups
-    narrowed = []
-    for pg in saved:
-        mine = [p for p in pg["params"] if id(p) in ids]
-        if mine:
-            narrowed.append({**pg, "params": mine})
-    optimizer.param_groups = narrowed
+    saved = [pg["params"] for pg in optimizer.param_groups]
     try:
-        optimizer.step()
+        for pg, full in zip(optimizer.param_groups, saved):
+            pg["params"] = [p for p in full if id(p) in ids]
+        yield
     finally:
-        optimizer.param_groups = saved
+        for pg, full in zip(optimizer.param_groups, saved):
+            pg["params"] = full
+
+
+def step_subset(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+    """One step of ``optimizer`` over ``params`` only (see :func:`narrowed`), without hooks."""
+    with narrowed(optimizer, params):
+        unhooked_step(optimizer)
 
 
 class SwappedOptimizerState:
@@ -60,39 +81,54 @@ class SwappedOptimizerState:
         swap_dir: SwapDir,
         buffer_count: int,
         pinned: bool,
-        guard: Callable[[], contextlib.AbstractContextManager[None]],
         threads: int = 4,
     ) -> None:
         self.groups = list(groups)
-        self.guard = guard  # around every optimizer.step() made here: the engine's step hooks stand aside
         self.dir = swap_dir
         self.buffer_count = buffer_count
         self.pinned = pinned
         self.threads = threads
         self.files: dict[int, DiskFile] = {}  # group index -> its file (after planning)
-        self.keys: dict[int, list[tuple[str, torch.dtype]]] = {}  # param group index -> per-element keys
+        self.keys: dict[tuple[int, torch.dtype], list[tuple[str, torch.dtype]]] = {}  # (param group, dtype) -> keys
         self.layout: dict[int, list[tuple[int, list[Region]]]] = {}  # group index -> (master index, its regions)
         self.has_state: set[int] = set()  # masters whose state is in their file (they were stepped or loaded)
         self.pool: SwapPool | None = None
-        self._finalizer = weakref.finalize(self, _close, self.files, swap_dir, [None])
+        self._finalizer = weakref.finalize(self, _close, self.files, [None])
 
     # -- planning (once, before the first step) ----------------------------------------------
     def _param_group_of(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
         return {id(p): gi for gi, pg in enumerate(optimizer.param_groups) for p in pg["params"]}
 
     def _probe(self, optimizer: torch.optim.Optimizer, gi: int, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
-        """The per-element state entries ``optimizer`` makes for param group ``gi``: one step of a
-        tiny parameter through the same group (hyperparameters included), then forgotten."""
+        """The per-element state entries ``optimizer`` makes for param group ``gi`` and masters of
+        ``dtype``: one step of a tiny parameter through that group (its hyperparameters), then
+        forgotten. An optimizer whose step changes its param group (schedule-free AdamW's
+        ``k``, D-Adaptation's ``d``) keeps state per group, which stepping in pieces would
+        advance once per piece: refused."""
         probe = torch.nn.Parameter(torch.zeros(8, dtype=dtype))
         probe.grad = torch.full((8,), 1e-3, dtype=dtype)
-        saved = optimizer.param_groups
-        optimizer.param_groups = [{**saved[gi], "params": [probe]}]
+        group = optimizer.param_groups[gi]
+        before = {k: _snapshot(v) for k, v in group.items() if k != "params"}
+        saved = [pg["params"] for pg in optimizer.param_groups]
         try:
-            with self.guard():
-                optimizer.step()
+            for pg in optimizer.param_groups:
+                pg["params"] = []
+            group["params"] = [probe]
+            unhooked_step(optimizer)
+            changed = [k for k in group if k != "params" and (k not in before or not _same(before[k], group[k]))]
         finally:
-            optimizer.param_groups = saved
-        state = optimizer.state.pop(probe, {})
+            for pg, full in zip(optimizer.param_groups, saved):
+                pg["params"] = full
+            for k in [k for k in group if k != "params" and k not in before]:  # the probe leaves no trace
+                del group[k]
+            group.update(before)
+            state = optimizer.state.pop(probe, {})
+        if changed:
+            raise ValueError(
+                f"offload_optimizer nvme: {type(optimizer).__name__}.step() changes its param group's {changed} "
+                "(state kept per group), but the disk tier steps each group of parameters separately, which would "
+                "advance it once per piece; use offload_optimizer device 'cpu' with this optimizer"
+            )
         return [(k, v.dtype) for k, v in state.items() if _per_element(k, v, probe)]
 
     def plan(self, optimizer: torch.optim.Optimizer) -> None:
@@ -109,10 +145,10 @@ class SwappedOptimizerState:
                 gi = where.get(id(m))
                 if gi is None:
                     continue  # not given to the optimizer: no state
-                if gi not in self.keys:
-                    self.keys[gi] = self._probe(optimizer, gi, m.dtype)
+                if (gi, m.dtype) not in self.keys:
+                    self.keys[(gi, m.dtype)] = self._probe(optimizer, gi, m.dtype)
                 regions = []
-                for key, dtype in self.keys[gi]:
+                for key, dtype in self.keys[(gi, m.dtype)]:
                     r = Region(key, offset, m.numel(), dtype)
                     regions.append(r)
                     offset += _align(r.nbytes)
@@ -124,14 +160,14 @@ class SwappedOptimizerState:
         for g, per_master in layouts:
             regions = [r for _, rs in per_master for r in rs]
             f = DiskFile(os.path.join(self.dir.path, f"group{g.index}.swap"), regions, self.dir.direct)
-            os.ftruncate(f.fd, f.nbytes)  # sized now: a read checks the size
             self.files[g.index] = f
+            self.dir.reserve(f)  # the space is taken now: a full disk fails here, not mid-step
             self.layout[g.index] = per_master
             biggest = max(biggest, f.nbytes)
         count = max(min(self.buffer_count, 3), 2)
         self.pool = SwapPool(count, biggest, self.pinned, self.threads)
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _close, self.files, self.dir, [self.pool])
+        self._finalizer = weakref.finalize(self, _close, self.files, [self.pool])
 
     # -- the step --------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, inner: Callable[[Sequence[torch.Tensor]], None]) -> None:
@@ -146,49 +182,59 @@ class SwappedOptimizerState:
         todo = [g for g in self.groups if any(m.grad is not None for m in g.masters) and g.index in self.files]
         reads: dict[int, tuple[torch.Tensor, Future[None] | None]] = {}
         writes: list[tuple[Future[None], torch.Tensor]] = []
+        current: ShardGroup | None = None
 
         def start_read(g: ShardGroup) -> None:
             f = self.files[g.index]
             buf = pool.get()
-            reads[g.index] = (buf, pool.read(f, buf) if f.written else None)
-
-        def drain_writes(keep: int) -> None:
-            while len(writes) > keep:
-                fut, buf = writes.pop(0)
-                fut.result()
-                pool.put(buf)
+            fut = None
+            try:
+                fut = pool.read(f, buf) if f.written else None
+            finally:
+                reads[g.index] = (buf, fut)  # owned from here, whatever happens
 
         try:
             if todo:
                 start_read(todo[0])
             for k, g in enumerate(todo):
-                drain_writes(max(pool.count - 2, 0))  # a buffer for the next read
+                while len(writes) > max(pool.count - 2, 0):  # a buffer for the next read
+                    wfut, wbuf = writes[0]
+                    wfut.result()
+                    writes.pop(0)
+                    pool.put(wbuf)
                 if k + 1 < len(todo):
                     start_read(todo[k + 1])
-                buf, fut = reads.pop(g.index)
-                if fut is not None:
-                    fut.result()
+                buf, rfut = reads[g.index]
+                if rfut is not None:
+                    rfut.result()
                 f = self.files[g.index]
-                self._install(optimizer, g, f, buf, fresh=not f.written)
-                with self.guard():
-                    inner(g.masters)
-                self._take_back(optimizer, g, f, buf)
-                writes.append((pool.write(f, buf), buf))
-            drain_writes(0)
+                current = g
+                self._install(optimizer, g, buf, fresh=not f.written)
+                inner(g.masters)
+                self._take_back(optimizer, g, buf)
+                current = None
+                wfut = pool.write(f, buf)
+                del reads[g.index]
+                writes.append((wfut, buf))
+            while writes:
+                wfut, wbuf = writes[0]
+                wfut.result()
+                writes.pop(0)
+                pool.put(wbuf)
         finally:
-            for buf, fut in reads.values():  # an error mid-way: let reads finish before the buffers go back
-                if fut is not None:
+            if current is not None:  # an error while it stepped: no view of a returned buffer stays behind
+                self._drop_views(optimizer, current)
+            for buf, rfut in reads.values():  # let every read and write finish before its buffer goes back
+                if rfut is not None:
                     with contextlib.suppress(Exception):
-                        fut.result()
+                        rfut.result()
                 pool.put(buf)
-            for fut, buf in writes:
+            for wfut, wbuf in writes:
                 with contextlib.suppress(Exception):
-                    fut.result()
-                pool.put(buf)
+                    wfut.result()
+                pool.put(wbuf)
 
-    def _install(
-        self, optimizer: torch.optim.Optimizer, g: ShardGroup, f: DiskFile, buf: torch.Tensor, *, fresh: bool
-    ) -> None:
+    def _install(self, optimizer: torch.optim.Optimizer, g: ShardGroup, buf: torch.Tensor, *, fresh: bool) -> None:
         if fresh:
             return  # no state yet: the optimizer makes it in this step; _take_back copies it in
         for m, regions in self._regions(g):
@@ -198,7 +244,14 @@ class SwappedOptimizerState:
             for r, view in views(buf, regions):
                 st[r.key] = view.view(m.shape)
 
-    def _take_back(self, optimizer: torch.optim.Optimizer, g: ShardGroup, f: DiskFile, buf: torch.Tensor) -> None:
+    def _drop_views(self, optimizer: torch.optim.Optimizer, g: ShardGroup) -> None:
+        for m, regions in self._regions(g):
+            st = optimizer.state.get(m)
+            if st is not None:
+                for r in regions:
+                    st.pop(r.key, None)
+
+    def _take_back(self, optimizer: torch.optim.Optimizer, g: ShardGroup, buf: torch.Tensor) -> None:
         """Copy state the optimizer made (first step) into the buffer and drop the per-element
         entries from ``optimizer.state``: until the next step they are only on disk."""
         for m, regions in self._regions(g):
@@ -226,12 +279,14 @@ class SwappedOptimizerState:
         gives the masters that have state; loading offers every master, and the masters whose
         entries the caller leaves in the dict count as loaded when the block ends."""
         self.plan(optimizer)
+        self.dir.check_owner()
         out: dict[int, dict[str, torch.Tensor]] = {}
         maps = []
         for g in self.groups:
             f = self.files.get(g.index)
             if f is None or f.nbytes == 0:
                 continue
+            f.check_size()
             masters = [(m, rs) for m, rs in self._regions(g) if writable or id(m) in self.has_state]
             if not masters:
                 continue  # no state yet (no step ran): nothing to save, as for an unstepped optimizer
@@ -256,7 +311,7 @@ class SwappedOptimizerState:
         return self.pool.allocated if self.pool is not None else 0
 
     def close(self) -> None:
-        """Close the files, stop the I/O threads and remove the swap directory."""
+        """Stop the I/O threads, close and delete the files (the engine removes the directory)."""
         self._finalizer()
 
 
@@ -273,10 +328,26 @@ def _file_bytes(per_master: Sequence[tuple[int, list[Region]]]) -> int:
     return _align(regions[-1].offset + regions[-1].nbytes) if regions else 0
 
 
-def _close(files: dict[int, DiskFile], swap_dir: SwapDir, pools: list[SwapPool | None]) -> None:
+def _close(files: dict[int, DiskFile], pools: list[SwapPool | None]) -> None:
     for pool in pools:
         if pool is not None:
             pool.shutdown()
     for f in files.values():
         f.close()
-    swap_dir.remove()
+        with contextlib.suppress(OSError):
+            os.unlink(f.path)
+
+
+def _snapshot(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return copy.deepcopy(v)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    try:
+        return bool(a == b)
+    except Exception:  # values without a plain equality: treat as unchanged only if the same object
+        return a is b

@@ -343,8 +343,11 @@ class UnitStorage:
         """Write this rank's piece of the full value ``full`` of parameter ``i`` into its row
         (and its separate master); a gathered copy is dropped, so the next use gathers the new
         values."""
-        self.piece(i).copy_(full.reshape(-1)[slice(*self.layout.local_range(i))])
-        self.push_to_master(i)
+        mine = full.reshape(-1)[slice(*self.layout.local_range(i))]
+        self.piece(i).copy_(mine)
+        if self.separate_masters and self.group is not None and i < self.n_trainable:
+            with torch.no_grad():  # from the full value: a 16-bit row would round the fp32 master
+                self.group.masters[i].copy_(mine)
         self.reshard()
 
     def push_to_master(self, i: int) -> None:

@@ -111,3 +111,41 @@ def _offload_checkpoint_worker(rank: int, world: int, tmp: str) -> int:
 def test_offloaded_checkpoints_reshard_to_and_from_plain_runs(launch, tmp_path) -> None:
     counts = launch(_offload_checkpoint_worker, 2, args=(str(tmp_path),), timeout=600)
     assert counts == [len(CKPT_CELLS), sum(m == 2 for _, (m, _, _) in CKPT_CELLS)]
+
+
+def _disk_failure_worker(rank: int, world: int, tmp: str) -> dict:
+    """Rank 1's swap file is damaged between steps: every rank raises at the next step, at once,
+    instead of rank 0 waiting in the next collective until the timeout."""
+    import os
+    import time
+
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.testing.parity import Cell, Net, batch
+
+    torch.manual_seed(0)
+    model = Net(Cell())
+    cfg = zs.ZeroConfig(stage=2, reduce_bucket_size=700, comm_timeout=120,
+                        offload_optimizer={"device": "nvme", "nvme_path": tmp})  # fmt: skip
+    model, opt = zs.initialize(model, lambda p: torch.optim.AdamW(p, lr=1e-3), config=cfg)
+    x, _ = batch(0, 0, rank)
+    for step in range(2):
+        model(x).sum().backward()
+        if step == 1 and rank == 1:
+            f = next(iter(model.zero_engine.swapped.files.values()))
+            os.truncate(f.path, 0)
+        t0 = time.perf_counter()
+        try:
+            opt.step()
+        except RuntimeError as e:
+            return {"step": step, "error": str(e), "seconds": time.perf_counter() - t0}
+        opt.zero_grad()
+    return {"step": None}
+
+
+def test_a_damaged_swap_file_on_one_rank_stops_every_rank_at_once(launch, tmp_path) -> None:
+    r0, r1 = launch(_disk_failure_worker, 2, args=(str(tmp_path),), timeout=120)
+    assert r1["step"] == 1 and "swap file" in r1["error"] and "truncated" in r1["error"], r1
+    assert r0["step"] == 1 and r0["error"].startswith("optimizer.step(): rank 1 failed in the disk tier"), r0
+    assert "swap file" in r0["error"] and r0["seconds"] < 30, r0

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import zero_strategy as zs
-from zero_strategy.disk import OWNER, SWAP_ROOT, SwapDir, _is_tmpfs, clean_stale_runs
+from zero_strategy.disk import OWNER, SwapDir, _is_tmpfs, _machine, _proc_start, clean_stale_runs, swap_root_name
 
 
 def _model() -> nn.Module:
@@ -54,7 +54,7 @@ def test_swap_files_hold_the_state_and_go_away_with_the_engine(tmp_path) -> None
     swapped = model.zero_engine.swapped
     files = [f.path for f in swapped.files.values()]
     assert len(files) >= 2 and all(os.path.getsize(f) > 0 for f in files)
-    assert swapped.dir.path.startswith(str(tmp_path / SWAP_ROOT))
+    assert swapped.dir.path.startswith(str(tmp_path / swap_root_name()))
     if not _is_tmpfs(str(tmp_path)):
         assert swapped.dir.direct  # O_DIRECT where the filesystem allows it
     # between steps the optimizer holds only the small entries; the moments are in the files
@@ -114,12 +114,14 @@ def test_a_killed_runs_files_are_removed_at_the_next_start_and_an_exception_remo
     )
     left = killed.stdout.strip()
     assert killed.returncode == -9 and os.path.isdir(left), (killed.returncode, killed.stderr[-2000:])
-    alive = tmp_path / SWAP_ROOT / "alive-run"
+    alive = tmp_path / swap_root_name() / "alive-run"
     alive.mkdir()
-    (alive / OWNER).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename,
-                                           "start": open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19]}))  # fmt: skip
+    (alive / OWNER).write_text(json.dumps({**_machine(), "pid": os.getpid(), "start": _proc_start(os.getpid())}))
+    elsewhere = tmp_path / swap_root_name() / "other-namespace"  # a dead pid, but in another pid namespace
+    elsewhere.mkdir()
+    (elsewhere / OWNER).write_text(json.dumps({**_machine(), "pidns": "pid:[1]", "pid": 999999999, "start": "0"}))
     assert clean_stale_runs(str(tmp_path)) == [left]  # the dead owner's directory goes, the live one stays
-    assert not os.path.exists(left) and alive.exists()
+    assert not os.path.exists(left) and alive.exists() and elsewhere.exists()
     raised = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env={**os.environ, "HOW": "raise"}
     )
@@ -139,3 +141,57 @@ def test_tmpfs_is_named_and_the_default_path_is_logged(tmp_path) -> None:
     with pytest.warns(UserWarning, match="nvme_path is not set: swap files go to"):
         d = SwapDir(None, rank=0)
     d.remove()
+
+
+def test_one_step_per_step_for_user_hooks_and_gradients_kept_until_zero_grad(tmp_path) -> None:
+    """The groups are stepped through torch's unhooked step: a user's step hook (an EMA, a
+    logger) runs once per step; and the disk groups' gradients are still there after step()."""
+    model, opt = _setup(tmp_path)
+    ref_model, ref_opt = zs.initialize(
+        _model(), _adamw, config={"zero_optimization": {"stage": 2, "reduce_bucket_size": 300}}
+    )
+    calls = []
+    opt.register_step_post_hook(lambda o, a, k: calls.append(1))
+    opt.register_step_pre_hook(lambda o, a, k: calls.append(0))
+    for m, o in ((model, opt), (ref_model, ref_opt)):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+        m(x).pow(2).mean().backward()
+        o.step()
+    assert calls == [0, 1]
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        got, want = zs.full_grad(model, p), zs.full_grad(ref_model, q)
+        assert got is not None and torch.equal(got, want), n
+
+
+def test_an_optimizer_with_per_group_state_is_refused(tmp_path) -> None:
+    class CountingSGD(torch.optim.SGD):
+        """Keeps a counter in its param group, as schedule-free AdamW keeps ``k``."""
+
+        def step(self, closure=None):
+            for g in self.param_groups:
+                g["k"] = g.get("k", 0) + 1
+            return super().step(closure)
+
+    model, opt = _setup(tmp_path, opt=lambda p: CountingSGD(p, lr=0.1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(ValueError, match=r"changes its param group's \['k'\].*use offload_optimizer device 'cpu'"):
+        opt.step()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert "k" not in opt.param_groups[0]  # the probe left no trace
+
+
+def test_an_unusable_nvme_path_is_named_before_anything_changes(tmp_path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(blocker)}}}
+    with pytest.raises(RuntimeError, match=r"offload_optimizer.nvme_path=.*a-file.*cannot create the swap directory"):
+        zs.initialize(model, _adamw, config=cfg)
+    assert type(model) is nn.Sequential and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    (tmp_path / "target").mkdir()
+    os.symlink(tmp_path / "target", tmp_path / swap_root_name())  # someone else's link where our directory goes
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path)
+    with pytest.raises(RuntimeError, match="is not a directory of this user"):
+        zs.initialize(_model(), _adamw, config=cfg)

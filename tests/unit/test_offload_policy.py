@@ -84,12 +84,16 @@ def test_16bit_parameters_offloaded_train_exactly_as_on_the_device(stage: int, p
     bits as the masters on the device, fp16's loss scaling and overflow check included."""
     from zero_strategy.models import GPT, GPTConfig
 
+    torch.manual_seed(1)
+    pretrained = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layer=2, n_head=2)).state_dict()  # fp32
+
     def run(offload: dict) -> tuple[list[float], dict]:
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layer=2, n_head=2))
         cfg = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, **offload}, "gradient_clipping": 0.5,
                precision: {"enabled": True}}  # fmt: skip
         model, opt = zs.initialize(model, lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False), config=cfg)
+        zs.load_full_state_dict(model, pretrained)  # fp32 weights into the fp32 masters, not through a 16-bit row
         losses = []
         for step in range(4):
             x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(step))
@@ -105,3 +109,43 @@ def test_16bit_parameters_offloaded_train_exactly_as_on_the_device(stage: int, p
     assert got == ref and all(v == v for v in got), (got, ref)  # bit-equal, and no NaN
     assert ref_stats["tier_host_pageable"] == 0
     assert stats["tier_host_pageable"] == stats["masters"] + stats["grad_shards"] + stats["optimizer_state"] > 0
+
+
+def test_a_checkpoint_does_not_carry_the_fused_choice_into_another_run(tmp_path) -> None:
+    off = {"offload_optimizer": {"device": "cpu"}}
+    model, opt = zs.initialize(_model(), lambda p: torch.optim.AdamW(p, lr=1e-3), config=_cfg(**off))
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    assert opt.param_groups[0]["fused"] is True
+    zs.save_checkpoint(str(tmp_path), model, opt)
+    model2, opt2 = zs.initialize(_model(), lambda p: torch.optim.AdamW(p, lr=2e-3, foreach=False), config=_cfg())
+    zs.load_checkpoint(str(tmp_path), model2, opt2)
+    g = opt2.param_groups[0]
+    assert g["fused"] is None and g["foreach"] is False and g["lr"] == 1e-3  # hyperparameters do come back
+
+
+@pytest.mark.parametrize(
+    "offload", [{}, {"offload_optimizer": {"device": "cpu"}}, {"offload_optimizer": {"device": "nvme"}}]
+)
+def test_an_optimizer_subclass_calling_super_step_steps_once(offload: dict, tmp_path) -> None:
+    """torch fires the step hooks again when a subclass's ``step`` calls ``super().step()`` on a
+    class that was hooked already; the engine's work still runs once per step."""
+
+    class MyAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # AdamW's own step is hooked now
+    if "offload_optimizer" in offload and offload["offload_optimizer"]["device"] == "nvme":
+        offload = {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    runs = []
+    for cls in (torch.optim.AdamW, MyAdamW):
+        model, opt = zs.initialize(_model(), lambda p, cls=cls: cls(p, lr=1e-2, foreach=False), config=_cfg(**offload))
+        for s in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert model.zero_engine.step_count == 3 and not model.zero_engine.stepping
+        runs.append({k: v.clone() for k, v in zs.full_state_dict(model).items()})
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
