@@ -42,7 +42,7 @@ OFFLOAD = {
 D_MODEL, N_HEAD, VOCAB, SEQ = 1024, 16, 4096, 64
 
 
-def _worker(rank: int, world: int, config: str, layers: int, budget: float, nvme: str) -> dict:
+def _worker(rank: int, world: int, config: str, layers: int, budget: float, nvme: str, out_dir: str) -> dict:
     import resource
 
     import torch
@@ -84,11 +84,12 @@ def _worker(rank: int, world: int, config: str, layers: int, budget: float, nvme
         stats = model.zero_engine.memory_stats()
         out["stats"] = {k: stats[k] for k in ("model_state", "tier_device", "tier_host_pageable", "tier_disk")}
         out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        zs.destroy(model)
+        model.zero_engine.close()  # the swap files go; no destroy(): it would gather the whole model
     except (MemoryError, RuntimeError) as e:
         out["ok"], out["error"] = False, f"{type(e).__name__}: {str(e)[:200]}"
     out["seconds"] = time.perf_counter() - t0
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # gloo's teardown may allocate
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))  # kept even if the exit goes wrong
     return out
 
 
@@ -109,14 +110,21 @@ def main(argv: list[str] | None = None) -> None:
         best = None
         layers = args.start
         while layers <= args.max_layers:
+            out_dir = tempfile.mkdtemp(prefix="zero-capacity-")
+            exit_note = ""
             try:
-                res = launch(_worker, 2, args=(config, layers, args.budget_gib, args.nvme_path), timeout=900,
+                res = launch(_worker, 2, args=(config, layers, args.budget_gib, args.nvme_path, out_dir), timeout=900,
                              env={"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"})  # fmt: skip
-                ok = all(r["ok"] for r in res)
-            except RankFailure as e:
-                res, ok = [{"error": str(e).splitlines()[0][:200]}], False
+            except RankFailure as e:  # a rank that trained and then failed at exit still trained
+                files = [Path(out_dir, f"rank{r}.json") for r in range(2)]
+                res = [json.loads(f.read_text()) for f in files if f.exists()]
+                exit_note = f" (exit failed: {str(e).splitlines()[0][:120]})"
+                if len(res) < 2:
+                    res = [{"error": str(e).splitlines()[0][:200]}]
+            ok = len(res) == 2 and all(r.get("ok") for r in res)
+            res[0]["exit_note"] = exit_note
             print(f"{config}: {layers} layers -> {'ok' if ok else 'failed'} {res[0].get('params', '')} "
-                  f"{res[0].get('seconds', 0):.0f}s {res[0].get('error', '')}", flush=True)  # fmt: skip
+                  f"{res[0].get('seconds', 0):.0f}s {res[0].get('error', '')}{exit_note}", flush=True)  # fmt: skip
             if not ok:
                 break
             best = res[0]

@@ -118,8 +118,10 @@ class ZeroEngine:
         self.optimizer = None
         self.swapped = None
         self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self.stepping = False  # inside optimizer.step(), between the engine's pre- and post-step work
-        self.preparing = False  # inside the engine's pre-step work (the disk tier steps groups there)
+        # optimizer.step() calls in progress: torch fires the step hooks again when a subclass's step
+        # calls super().step(); the engine acts when the depth goes 0 -> 1 and 1 -> 0 only
+        self.step_depth = 0
+        self.internal_step = False  # the engine itself steps the optimizer (the disk tier): hooks stand aside
         self.training_state = TrainingState.IDLE
         self.grad_state = GradState.EMPTY
         self.step_count = 0
@@ -236,6 +238,7 @@ class ZeroEngine:
         self.zero_grad(set_to_none=True)
         for h in self._schedule_hooks:
             h.remove()
+        self.reset_step_calls()
         self.optimizer = optimizer
         self.schedule = self._schedule_for(optimizer)
         self._schedule_hooks = self._install_schedule_hooks()
@@ -249,6 +252,7 @@ class ZeroEngine:
                 self._swap_dir,
                 buffer_count=policy.buffer_count,
                 pinned=policy.pinned(self.ctx.device),
+                guard=self._internal_step,
             )
 
     # -- states ----------------------------------------------------------------------------
@@ -371,6 +375,8 @@ class ZeroEngine:
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if self._root_depth > 1:  # the root called inside its own forward (Lightning's training_step
             return  # calling self(x)): the outermost call gathers and records (depth: ZeroModule.__call__)
+        if self.step_depth and not self.internal_step:
+            self.reset_step_calls()  # a step that raised left its count behind: no step spans a forward
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 "torch.compile of a model wrapped by zero_strategy.initialize is not supported yet (the engine's "
@@ -542,19 +548,21 @@ class ZeroEngine:
             self.reducer.drop_master_grads()
         elif self.swapped is not None and self.optimizer is not None:
             self._step_swapped(self.optimizer, self.swapped)
+            # the optimizer's own step skips the disk groups (stepped already); their gradients come back after
+            self._stashed_grads = [(m, m.grad) for g in self.swapped.groups for m in g.masters]
+            for m, _ in self._stashed_grads:
+                m.grad = None
 
-    def _step_swapped(self, optimizer: torch.optim.Optimizer, swapped: SwappedOptimizerState) -> None:
-        """The disk tier: step the optimizer group by group through the swap files, then agree
-        on the outcome (one rank's full disk or damaged file raises on every rank, instead of
-        leaving the others in the next collective). Those masters' gradients are put aside
-        until the step returns, so the optimizer's own step skips them."""
-        error = None
-        try:
-            swapped.step(optimizer, lambda masters: step_subset(optimizer, masters))
-        except Exception as e:
-            error = e
+    def _restore_stashed_grads(self) -> None:
+        for m, grad in self._stashed_grads:
+            m.grad = grad
+        self._stashed_grads = []
+
+    def agree(self, error: BaseException | None, what: str, call: str) -> None:
+        """Every rank learns whether any failed (one small all-reduce; the messages only then):
+        a rank's local failure raises on every rank instead of leaving the others in the next
+        collective until the timeout."""
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.ctx.device)
-        what = f"disk tier step agreement ({self._step_label()})"
         C.all_reduce(self.ctx, flag, op="max", what=what).wait()
         if int(flag.item()):
             text = None if error is None else f"{type(error).__name__}: {error}"
@@ -562,19 +570,37 @@ class ZeroEngine:
             if error is not None:
                 raise error
             rank, first = next((r, t) for r, t in enumerate(texts) if t is not None)
-            raise RuntimeError(f"optimizer.step(): rank {rank} failed in the disk tier: {first}")
-        self._stashed_grads = [(m, m.grad) for g in swapped.groups for m in g.masters]
-        for m, _ in self._stashed_grads:
-            m.grad = None
+            raise RuntimeError(f"{call}: rank {rank} failed in the disk tier: {first}")
 
-    def end_of_step_call(self) -> None:
-        """``optimizer.step()`` returned or raised: no step is in progress any more."""
-        self.stepping = self.preparing = False
+    @contextlib.contextmanager
+    def _internal_step(self) -> Iterator[None]:
+        self.internal_step = True
+        try:
+            yield
+        finally:
+            self.internal_step = False
+
+    def _step_swapped(self, optimizer: torch.optim.Optimizer, swapped: SwappedOptimizerState) -> None:
+        """The disk tier, before the optimizer's own step (so that what an optimizer subclass does
+        after ``super().step()`` sees every group stepped): step the optimizer group by group
+        through the swap files, then agree on the outcome across ranks. A user's pre-step hook
+        registered after ``initialize`` runs after this."""
+        error = None
+        try:
+            swapped.step(optimizer, lambda masters: step_subset(optimizer, masters))
+        except Exception as e:
+            error = e
+        self.agree(error, f"disk tier step agreement ({self._step_label()})", "optimizer.step()")
+
+    def reset_step_calls(self) -> None:
+        """No ``optimizer.step()`` is in progress (it returned or raised, or a forward starts):
+        the depth count starts over and the disk tier's gradients are back."""
+        self.step_depth = 0
+        self.internal_step = False
+        self._restore_stashed_grads()
 
     def after_optimizer_step(self) -> None:
-        for m, grad in self._stashed_grads:  # the disk tier's gradients are back, as the optimizer left the rest
-            m.grad = grad
-        self._stashed_grads = []
+        self._restore_stashed_grads()
         skipped = self._skip_step
         self.last_step_skipped = skipped
         self.scaler.update(skipped)
@@ -670,7 +696,13 @@ class ZeroEngine:
         if self.swapped is None or self.optimizer is None:
             yield {}
             return
-        with self.swapped.mapped_state(self.optimizer, writable=writable) as maps:
+        with contextlib.ExitStack() as stack:
+            error, maps = None, {}
+            try:  # a rank's missing space or damaged file: every rank stops here, before DCP's collectives
+                maps = stack.enter_context(self.swapped.mapped_state(self.optimizer, writable=writable))
+            except Exception as e:
+                error = e
+            self.agree(error, "disk tier checkpoint agreement", "save_checkpoint/load_checkpoint")
             yield maps
 
     def flat_value(self, p: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ hyperparameters; only each trainable parameter in them is replaced by this rank'
 piece of it. The instance's class is swapped for a subclass that adds ``clip_grad_norm_``
 and ``scale_loss`` and routes ``zero_grad`` through the engine, and two step hooks run the
 engine's work around the unchanged ``step()`` (once per call: an optimizer subclass whose
-``step`` calls ``super().step()`` fires torch's hooks twice, the engine acts on the outer pair):
+``step`` calls ``super().step()`` fires torch's hooks twice; a depth count makes the engine act
+on the outermost pair):
 
 - before: finish gradient reduction, unscale and check for overflow (fp16), apply
   ``gradient_clipping`` from the config unless the user clipped explicitly;
@@ -74,7 +75,7 @@ class ZeroOptimizer(_OptimizerBase):
         try:
             return super().step(*args, **kwargs)
         finally:
-            self._zero_engine.end_of_step_call()
+            self._zero_engine.reset_step_calls()
 
 
 def build_optimizer(
@@ -190,8 +191,20 @@ def engine_of(optimizer: torch.optim.Optimizer) -> ZeroEngine:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     engine = engine_of(optimizer)
-    if engine.stepping:  # a subclass's super().step() re-enters the hooks: the engine's work runs once
+    if engine.internal_step:  # the engine steps the optimizer itself (the disk tier)
         return
+    engine.step_depth += 1
+    if engine.step_depth > 1:  # a subclass's super().step() re-enters the hooks: the engine acts once
+        return
+    try:
+        _check_step_call(optimizer, engine, args, kwargs)
+        engine.before_optimizer_step()
+    except BaseException:
+        engine.reset_step_calls()  # nothing is in progress after a refused or failed start
+        raise
+
+
+def _check_step_call(optimizer: torch.optim.Optimizer, engine: ZeroEngine, args: Any, kwargs: Any) -> None:
     if engine.destroyed:
         raise RuntimeError("optimizer.step(): its model's zero_strategy engine was destroyed; build a new optimizer")
     if engine.optimizer is not optimizer:
@@ -203,16 +216,12 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             "optimizer.step(closure) is not supported by zero_strategy: the closure's backward would run after "
             "the gradients were reduced. Run forward and backward before step() and call step() without a closure."
         )
-    engine.stepping = engine.preparing = True
-    try:
-        engine.before_optimizer_step()
-    finally:
-        engine.preparing = False
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     engine = engine_of(optimizer)
-    if not engine.stepping or engine.preparing:  # an inner (re-entered) step, or the disk tier's
+    if engine.internal_step or engine.step_depth == 0:  # the engine's own step, or a count that was reset
         return
-    engine.stepping = False
-    engine.after_optimizer_step()
+    engine.step_depth -= 1
+    if engine.step_depth == 0:  # the outermost step call: everything the subclass did is in the masters
+        engine.after_optimizer_step()

@@ -81,9 +81,11 @@ class SwappedOptimizerState:
         swap_dir: SwapDir,
         buffer_count: int,
         pinned: bool,
+        guard: Callable[[], contextlib.AbstractContextManager[None]],
         threads: int = 4,
     ) -> None:
         self.groups = list(groups)
+        self.guard = guard  # around every step made here: the engine's step hooks stand aside
         self.dir = swap_dir
         self.buffer_count = buffer_count
         self.pinned = pinned
@@ -114,14 +116,17 @@ class SwappedOptimizerState:
             for pg in optimizer.param_groups:
                 pg["params"] = []
             group["params"] = [probe]
-            unhooked_step(optimizer)
+            with self.guard():
+                unhooked_step(optimizer)
             changed = [k for k in group if k != "params" and (k not in before or not _same(before[k], group[k]))]
         finally:
             for pg, full in zip(optimizer.param_groups, saved):
                 pg["params"] = full
             for k in [k for k in group if k != "params" and k not in before]:  # the probe leaves no trace
                 del group[k]
-            group.update(before)
+            for k, v in before.items():
+                if not _same(v, group.get(k)):
+                    group[k] = v
             state = optimizer.state.pop(probe, {})
         if changed:
             raise ValueError(
@@ -157,13 +162,19 @@ class SwappedOptimizerState:
         need = sum(_file_bytes(pm) for _, pm in layouts)
         self.dir.check_space(need)
         biggest = 0
-        for g, per_master in layouts:
-            regions = [r for _, rs in per_master for r in rs]
-            f = DiskFile(os.path.join(self.dir.path, f"group{g.index}.swap"), regions, self.dir.direct)
-            self.files[g.index] = f
-            self.dir.reserve(f)  # the space is taken now: a full disk fails here, not mid-step
-            self.layout[g.index] = per_master
-            biggest = max(biggest, f.nbytes)
+        try:
+            for g, per_master in layouts:
+                regions = [r for _, rs in per_master for r in rs]
+                f = DiskFile(os.path.join(self.dir.path, f"group{g.index}.swap"), regions, self.dir.direct)
+                self.files[g.index] = f
+                self.layout[g.index] = per_master
+                biggest = max(biggest, f.nbytes)
+                self.dir.reserve(f)  # the space is taken now: a full disk fails here, not mid-step
+        except BaseException:
+            _close(self.files, [None])
+            self.files.clear()
+            self.layout.clear()
+            raise
         count = max(min(self.buffer_count, 3), 2)
         self.pool = SwapPool(count, biggest, self.pinned, self.threads)
         self._finalizer.detach()
@@ -210,7 +221,8 @@ class SwappedOptimizerState:
                 f = self.files[g.index]
                 current = g
                 self._install(optimizer, g, buf, fresh=not f.written)
-                inner(g.masters)
+                with self.guard():
+                    inner(g.masters)
                 self._take_back(optimizer, g, buf)
                 current = None
                 wfut = pool.write(f, buf)
@@ -347,6 +359,10 @@ def _snapshot(v: Any) -> Any:
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     try:
         return bool(a == b)
     except Exception:  # values without a plain equality: treat as unchanged only if the same object

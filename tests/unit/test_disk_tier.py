@@ -178,7 +178,7 @@ def test_an_optimizer_with_per_group_state_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"changes its param group's \['k'\].*use offload_optimizer device 'cpu'"):
         opt.step()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert "k" not in opt.param_groups[0]  # the probe left no trace
+    assert "k" not in opt.param_groups[0]  # refused before the optimizer's own step; the probe left no trace
 
 
 def test_an_unusable_nvme_path_is_named_before_anything_changes(tmp_path) -> None:

@@ -146,6 +146,61 @@ def test_an_optimizer_subclass_calling_super_step_steps_once(offload: dict, tmp_
             model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-        assert model.zero_engine.step_count == 3 and not model.zero_engine.stepping
+        assert model.zero_engine.step_count == 3 and model.zero_engine.step_depth == 0
         runs.append({k: v.clone() for k, v in zs.full_state_dict(model).items()})
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+@pytest.mark.parametrize(
+    "offload", [{}, {"offload_optimizer": {"device": "cpu"}}, {"offload_optimizer": {"device": "nvme"}}]
+)
+def test_what_a_subclass_does_after_super_step_reaches_the_model(offload: dict, tmp_path) -> None:
+    """A subclass that changes the parameters after ``super().step()`` (here: clamps them) must
+    see its change in the model, as without ZeRO: the engine's after-step work runs on the
+    outermost step call only."""
+
+    class ClampAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            out = super().step(closure)
+            with torch.no_grad():
+                for g in self.param_groups:
+                    for p in g["params"]:
+                        p.clamp_(-0.05, 0.05)
+            return out
+
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # AdamW's own step is hooked now
+    if offload.get("offload_optimizer", {}).get("device") == "nvme":
+        offload = {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    ref = _model()
+    ref_opt = ClampAdamW(ref.parameters(), lr=1e-2, foreach=False)
+    model, opt = zs.initialize(_model(), lambda p: ClampAdamW(p, lr=1e-2, foreach=False), config=_cfg(**offload))
+    for s in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+    got = zs.full_state_dict(model)
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=0, atol=1e-7), k
+        assert float(got[k].abs().max()) <= 0.05 + 1e-7, k  # the clamp reached the model
+
+
+def test_a_refused_or_failed_step_leaves_no_step_open() -> None:
+    """A step that raises (here a closure, refused), through a scheduler built before
+    initialize (torch's scheduler then calls the class's step, not the engine's mixin): the
+    next step works fully."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    model, opt = zs.initialize(model, opt, config=_cfg())
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: 0.0)
+    assert model.zero_engine.step_depth == 0
+    before = {k: v.clone() for k, v in zs.full_state_dict(model).items()}
+    opt.step()  # the same gradients, now stepped
+    sched.step()
+    assert model.zero_engine.step_count == 1
+    after = zs.full_state_dict(model)
+    assert all(not torch.equal(before[k], after[k]) for k in before)
