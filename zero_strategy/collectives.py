@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 __all__ = [
     "CollectiveError",
+    "agree_on_failure",
     "all_gather_objects",
     "CommContext",
     "Handle",
@@ -431,3 +432,18 @@ def broadcast_coalesced(ctx: CommContext, tensors: Sequence[torch.Tensor], *, sr
             for t in ts:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def agree_on_failure(ctx: CommContext, error: BaseException | None, *, what: str, call: str) -> None:
+    """Every rank learns whether any rank failed at ``what`` (one small all-reduce; the messages
+    only then): a rank's local failure raises on every rank, naming the rank, instead of leaving
+    the others in the next collective until the timeout. Collective."""
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=ctx.device)
+    all_reduce(ctx, flag, op="max", what=f"{what} agreement").wait()
+    if int(flag.item()):
+        text = None if error is None else f"{type(error).__name__}: {error}"
+        texts = all_gather_objects(ctx, text, what=f"{what} agreement")
+        if error is not None:
+            raise error
+        rank, first = next((r, t) for r, t in enumerate(texts) if t is not None)
+        raise RuntimeError(f"{call}: rank {rank} failed ({what}): {first}")

@@ -558,20 +558,6 @@ class ZeroEngine:
             m.grad = grad
         self._stashed_grads = []
 
-    def agree(self, error: BaseException | None, what: str, call: str) -> None:
-        """Every rank learns whether any failed (one small all-reduce; the messages only then):
-        a rank's local failure raises on every rank instead of leaving the others in the next
-        collective until the timeout."""
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.ctx.device)
-        C.all_reduce(self.ctx, flag, op="max", what=what).wait()
-        if int(flag.item()):
-            text = None if error is None else f"{type(error).__name__}: {error}"
-            texts = C.all_gather_objects(self.ctx, text, what=what)
-            if error is not None:
-                raise error
-            rank, first = next((r, t) for r, t in enumerate(texts) if t is not None)
-            raise RuntimeError(f"{call}: rank {rank} failed in the disk tier: {first}")
-
     @contextlib.contextmanager
     def _internal_step(self) -> Iterator[None]:
         self.internal_step = True
@@ -590,7 +576,7 @@ class ZeroEngine:
             swapped.step(optimizer, lambda masters: step_subset(optimizer, masters))
         except Exception as e:
             error = e
-        self.agree(error, f"disk tier step agreement ({self._step_label()})", "optimizer.step()")
+        C.agree_on_failure(self.ctx, error, what=f"disk tier step ({self._step_label()})", call="optimizer.step()")
 
     def reset_step_calls(self) -> None:
         """No ``optimizer.step()`` is in progress (it returned or raised, or a forward starts):
@@ -702,7 +688,9 @@ class ZeroEngine:
                 maps = stack.enter_context(self.swapped.mapped_state(self.optimizer, writable=writable))
             except Exception as e:
                 error = e
-            self.agree(error, "disk tier checkpoint agreement", "save_checkpoint/load_checkpoint")
+            C.agree_on_failure(
+                self.ctx, error, what="disk tier checkpoint files", call="save_checkpoint/load_checkpoint"
+            )
             yield maps
 
     def flat_value(self, p: torch.Tensor) -> torch.Tensor:

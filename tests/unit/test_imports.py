@@ -153,3 +153,15 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_no_source_file_is_over_800_lines() -> None:
+    """Small files that each hold one concept (the counter-example: 4,000-line classes)."""
+    roots = [ROOT / "zero_strategy", ROOT / "integrations"]
+    long = {
+        str(p.relative_to(ROOT)): n
+        for r in roots
+        for p in r.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 800
+    }
+    assert not long, f"split these files: {long}"
