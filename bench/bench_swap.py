@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 import time
 
-from zero_strategy.disk import DiskFile, Region, SwapPool, direct_io_works
+from zero_strategy.disk import DiskFile, SwapPool, direct_io_works
 
 
 def _dd(path: str, gib: float, repeats: int) -> tuple[float, float]:
@@ -48,13 +48,12 @@ def _dd(path: str, gib: float, repeats: int) -> tuple[float, float]:
 
 
 def _ours(directory: str, gib: float, files: int, repeats: int, threads: int) -> tuple[float, float, bool]:
-    import torch
 
     direct = direct_io_works(directory)
     per_file = int(gib * (1 << 30)) // files // 4096 * 4096
     fs = []
     for k in range(files):
-        f = DiskFile(os.path.join(directory, f"g{k}.swap"), [Region("x", 0, per_file // 4, torch.float32)], direct)
+        f = DiskFile(os.path.join(directory, f"g{k}.swap"), per_file, direct)
         os.ftruncate(f.fd, f.nbytes)
         fs.append(f)
     pool = SwapPool(files, per_file, pinned=False, threads=threads)

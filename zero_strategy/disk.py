@@ -272,13 +272,12 @@ class Region:
 
 
 class DiskFile:
-    """One group's swap file: its regions (one per state tensor of each master), written and
-    read whole through a buffer."""
+    """One group's swap file of ``nbytes`` (rounded up to the block size), written and read
+    whole through a buffer."""
 
-    def __init__(self, path: str, regions: Sequence[Region], direct: bool) -> None:
+    def __init__(self, path: str, nbytes: int, direct: bool) -> None:
         self.path = path
-        self.regions = list(regions)
-        self.nbytes = _round_up(max((r.offset + r.nbytes for r in regions), default=0))
+        self.nbytes = _round_up(nbytes) if nbytes else 0
         flags = os.O_CREAT | os.O_RDWR | (getattr(os, "O_DIRECT", 0) if direct else 0)
         self.fd = os.open(path, flags, 0o600)
         self.written = False

@@ -199,8 +199,7 @@ class GradReducer:
         f.handle.wait()
         f.out.mul_(self._grad_factor())
         g = f.group
-        # offloaded (g.tier "host"): the reduced shard is copied down here, as each bucket finishes
-        out = f.out if g.master_device == f.out.device else f.out.to(g.master_device)
+        out = f.out.to(g.master_device)  # offloaded (g.tier "host"): copied down as each bucket finishes
         if g.grad_valid:
             g.grad_shard.add_(out)
         else:

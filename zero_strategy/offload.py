@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from zero_strategy.config import ZeroConfig
+    from zero_strategy.config import OffloadConfig, ZeroConfig
 
 __all__ = ["HOST", "OffloadPolicy", "OnDevice", "OnDisk", "OnHost", "host_empty", "optimizer_offload", "param_offload"]
 
@@ -88,31 +88,29 @@ class OnDisk(OnHost):
     buffer_count: int = 4
 
 
-def _from_block(block: object, what: str, stage: int) -> OffloadPolicy:
-    device = getattr(block, "device", "none")
-    if device == "none":
+def _from_block(block: OffloadConfig, what: str) -> OffloadPolicy:
+    if block.device == "none":
         return OnDevice()
-    pin, ratio = bool(getattr(block, "pin_memory", False)), float(getattr(block, "ratio", 1.0))
-    if device == "cpu":
-        return OnHost(pin_memory=pin, ratio=ratio)
-    if device == "nvme" and what == "offload_optimizer":
-        path, count = getattr(block, "nvme_path", None), int(getattr(block, "buffer_count", 4))
-        return OnDisk(pin_memory=pin, ratio=ratio, nvme_path=path, buffer_count=count)
+    if block.device == "cpu":
+        return OnHost(pin_memory=block.pin_memory, ratio=block.ratio)
+    if block.device == "nvme" and what == "offload_optimizer":
+        return OnDisk(pin_memory=block.pin_memory, ratio=block.ratio, nvme_path=block.nvme_path,
+                      buffer_count=block.buffer_count)  # fmt: skip
     raise NotImplementedError(
-        f"initialize(): zero_optimization.{what}.device={device!r} is not yet supported by zero_strategy; use "
+        f"initialize(): zero_optimization.{what}.device={block.device!r} is not yet supported by zero_strategy; use "
         f"device 'cpu' (host memory) for now, or remove {what} from the config"
     )
 
 
 def optimizer_offload(config: ZeroConfig) -> OffloadPolicy:
     """The placement of the optimizer's side (masters, their gradients, optimizer state)."""
-    return _from_block(config.offload_optimizer, "offload_optimizer", config.stage)
+    return _from_block(config.offload_optimizer, "offload_optimizer")
 
 
 def param_offload(config: ZeroConfig) -> OffloadPolicy:
     """The placement of ZeRO-3's persistent parameter rows (refused at ZeRO-1/2, as in
     DeepSpeed: there every rank holds the full parameters on the device anyway)."""
-    policy = _from_block(config.offload_param, "offload_param", config.stage)
+    policy = _from_block(config.offload_param, "offload_param")
     if not isinstance(policy, OnDevice) and config.stage != 3:
         raise ValueError(
             f"initialize(): zero_optimization.offload_param needs stage 3 (got stage {config.stage}): at stages 1 "

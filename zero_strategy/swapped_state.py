@@ -164,8 +164,9 @@ class SwappedOptimizerState:
         biggest = 0
         try:
             for g, per_master in layouts:
-                regions = [r for _, rs in per_master for r in rs]
-                f = DiskFile(os.path.join(self.dir.path, f"group{g.index}.swap"), regions, self.dir.direct)
+                f = DiskFile(
+                    os.path.join(self.dir.path, f"group{g.index}.swap"), _file_bytes(per_master), self.dir.direct
+                )
                 self.files[g.index] = f
                 self.layout[g.index] = per_master
                 biggest = max(biggest, f.nbytes)
