@@ -12,7 +12,9 @@ Configurations (``--configs``):
   master, gradient shard, Adam's two moments);
 - ``opt_nvme``: ``offload_optimizer: {device: nvme}`` (the moments in swap files);
 - ``param_cpu_opt_nvme``: plus ``offload_param: {device: cpu}`` (on this CPU-only machine
-  the host row *is* the master: no second fp32 copy).
+  the host row *is* the master: no second fp32 copy);
+- ``all_nvme``: ``offload_param: {device: nvme}`` too (ZeRO-Infinity): the rows, which are
+  the masters, in swap files as well; between steps only the gradient shards stay.
 
 On a machine without a GPU, "device" and "host" are the same RAM, so offloading to the CPU
 saves nothing here; only the disk tier moves bytes out of the cap. The design notes' "ZeRO-3 +
@@ -38,6 +40,7 @@ OFFLOAD = {
     "none": {},
     "opt_nvme": {"offload_optimizer": {"device": "nvme"}},
     "param_cpu_opt_nvme": {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "cpu"}},
+    "all_nvme": {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}},
 }
 D_MODEL, N_HEAD, VOCAB, SEQ = 1024, 16, 4096, 64
 
@@ -55,8 +58,9 @@ def _worker(rank: int, world: int, config: str, layers: int, budget: float, nvme
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 
     offload = {k: dict(v) for k, v in OFFLOAD[config].items()}
-    if "offload_optimizer" in offload:
-        offload["offload_optimizer"]["nvme_path"] = nvme
+    for block in offload.values():
+        if block["device"] == "nvme":
+            block["nvme_path"] = nvme
     cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=D_MODEL, n_layer=layers, n_head=N_HEAD, tie_embeddings=False)
     torch.manual_seed(0)
     # the I/O threads and the allocator's arenas exist before the cap
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-gib", type=float, default=2.0)
-    ap.add_argument("--configs", default="none,opt_nvme,param_cpu_opt_nvme")
+    ap.add_argument("--configs", default="none,opt_nvme,param_cpu_opt_nvme,all_nvme")
     ap.add_argument("--start", type=int, default=8, help="layers of the first model tried")
     ap.add_argument("--step", type=int, default=4, help="layers added per try")
     ap.add_argument("--max-layers", type=int, default=64)

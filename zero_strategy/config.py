@@ -57,7 +57,6 @@ __all__ = [
     "frontend_precision",
     "not_applied_settings",
     "resolve_overrides",
-    "unsupported_features",
 ]
 
 # --------------------------------------------------------------------------- dtypes
@@ -706,18 +705,6 @@ def not_applied_settings(cfg: ZeroConfig) -> list[str]:
             continue
         out.append(f"{name}={getattr(cfg, name)!r} is read but not applied by zero_strategy; in DeepSpeed it {what}")
     return out
-
-
-def unsupported_features(cfg: ZeroConfig) -> list[str]:
-    """Human-readable names of requested features the engine does not implement yet."""
-    if not isinstance(cfg, ZeroConfig):
-        raise TypeError(f"unsupported_features: expected a ZeroConfig, got {type(cfg).__name__}")
-    found = []
-    for name in ("offload_optimizer", "offload_param"):
-        offload: OffloadConfig = getattr(cfg, name)
-        if offload.device == "nvme" and name == "offload_param":  # the optimizer's disk tier exists (offload.py)
-            found.append(f"{name} (device={offload.device!r})")
-    return found
 
 
 def _show(name: str, value: Any) -> str:

@@ -1,4 +1,5 @@
-"""The disk tier (``offload_optimizer: {device: nvme}``): optimizer state in swap files.
+"""The disk tier (``device: nvme``): swap files for the optimizer state (here and in
+``swapped_state.py``) and for ZeRO-3's parameter rows (``disk_rows.py``).
 
 Each offloaded group keeps its per-element optimizer state (Adam's two moments, SGD's momentum,
 ...) in one file per rank. The state exists in memory only while its group steps:
@@ -43,12 +44,22 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGN", "DiskFile", "SwapDir", "SwapPool", "clean_stale_runs", "direct_io_works", "swap_root_name"]
+__all__ = [
+    "ALIGN",
+    "DiskFile",
+    "SwapDir",
+    "SwapPool",
+    "aligned_empty",
+    "clean_stale_runs",
+    "direct_io_works",
+    "io_at",
+    "swap_root_name",
+]
 
 ALIGN = 4096  # O_DIRECT: buffer address, offset and length in multiples of the block size
 SWAP_ROOT = "zero_strategy_swap"
 OWNER = "owner.json"
-_LOGGED: set[str] = set()
+_LOGGED: set[tuple[str, str]] = set()
 
 
 def _round_up(n: int, to: int = ALIGN) -> int:
@@ -117,7 +128,7 @@ def _private_dir(path: str, what: str) -> None:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         raise RuntimeError(
             f"{what}: {path} is not a directory of this user (a symlink, a file or another user's); remove it or "
-            "choose another offload_optimizer.nvme_path"
+            "choose another nvme_path"
         )
 
 
@@ -158,8 +169,12 @@ class SwapDir:
     """This run's swap directory on one rank: created fresh, marked with its owner, removed at
     exit (``atexit``), on :meth:`remove` and when the engine is destroyed."""
 
-    def __init__(self, nvme_path: str | None, rank: int) -> None:
-        what = "initialize(): zero_optimization.offload_optimizer.nvme_path"
+    def __init__(self, nvme_path: str | None, rank: int, field: str = "offload_optimizer") -> None:
+        self.field = field  # the config block this directory serves (named in every error)
+        self._fix = f"point {field}.nvme_path at a larger disk" + (
+            ", or offload a smaller share (ratio)" if field == "offload_optimizer" else ""
+        )
+        what = f"initialize(): zero_optimization.{field}.nvme_path"
         root = nvme_path or tempfile.gettempdir()
         try:
             os.makedirs(root, exist_ok=True)
@@ -180,9 +195,9 @@ class SwapDir:
                 f"{what}={root!r}: cannot create the swap directory there ({type(e).__name__}: {e}); point nvme_path "
                 "at a writable directory on a local disk"
             ) from e
-        if nvme_path is None and root not in _LOGGED:
-            _LOGGED.add(root)
-            warnings.warn(f"offload_optimizer.nvme_path is not set: swap files go to {self.run_dir} "
+        if nvme_path is None and (root, field) not in _LOGGED:
+            _LOGGED.add((root, field))
+            warnings.warn(f"{field}.nvme_path is not set: swap files go to {self.run_dir} "
                           "(removed at exit)", UserWarning, stacklevel=4)  # fmt: skip
         if _is_tmpfs(os.path.realpath(root)):
             warnings.warn(
@@ -206,8 +221,7 @@ class SwapDir:
                 free = shutil.disk_usage(self.path).free
                 raise RuntimeError(
                     f"offload: no space for the swap file {f.path} ({f.nbytes} bytes; {free} bytes free in "
-                    f"{self.path}); free space there, point offload_optimizer.nvme_path at a larger disk, or offload "
-                    "a smaller share (ratio)"
+                    f"{self.path}); free space there, or {self._fix}"
                 ) from e
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 raise
@@ -232,8 +246,8 @@ class SwapDir:
         if nbytes > free:
             raise RuntimeError(
                 f"offload: the swap files need {nbytes / 2**30:.2f} GiB in {self.path} but only "
-                f"{free / 2**30:.2f} GiB are free ({nbytes} bytes needed, {free} free); free space there, point "
-                "offload_optimizer.nvme_path at a larger disk, or offload a smaller share (ratio)"
+                f"{free / 2**30:.2f} GiB are free ({nbytes} bytes needed, {free} free); free space there, or "
+                f"{self._fix}"
             )
 
     def remove(self) -> None:
@@ -298,7 +312,7 @@ class DiskFile:
 _CHUNK = 64 << 20  # one preadv/pwritev call per 64 MiB (a file is one task: the pool runs several files at once)
 
 
-def _io(fn: Callable[..., int], fd: int, buf: torch.Tensor, offset: int, what: str) -> None:
+def io_at(fn: Callable[..., int], fd: int, buf: torch.Tensor, offset: int, what: str) -> None:
     view = buf.numpy().data  # a memoryview over the tensor's bytes
     pos = 0
     while pos < len(view):
@@ -344,11 +358,11 @@ class SwapPool:
 
     def read(self, f: DiskFile, buf: torch.Tensor) -> Future[None]:
         f.check_size()
-        return self._io.submit(_io, os.preadv, f.fd, buf[: f.nbytes], 0, f"read of {f.path}")
+        return self._io.submit(io_at, os.preadv, f.fd, buf[: f.nbytes], 0, f"read of {f.path}")
 
     def write(self, f: DiskFile, buf: torch.Tensor) -> Future[None]:
         def run() -> None:
-            _io(os.pwritev, f.fd, buf[: f.nbytes], 0, f"write of {f.path}")
+            io_at(os.pwritev, f.fd, buf[: f.nbytes], 0, f"write of {f.path}")
             f.written = True
 
         return self._io.submit(run)

@@ -36,9 +36,9 @@ from torch.utils._pytree import tree_flatten
 
 from zero_strategy import collectives as C
 from zero_strategy._swap import unswap_class
-from zero_strategy.config import ZeroConfig, not_applied_settings, unsupported_features
+from zero_strategy.config import ZeroConfig, not_applied_settings
 from zero_strategy.construction import materialize_full
-from zero_strategy.disk import SwapDir
+from zero_strategy.disk_tier import DiskTier
 from zero_strategy.grads import (
     AllReduceAtEnd,
     GradReducer,
@@ -49,13 +49,13 @@ from zero_strategy.grads import (
 )
 from zero_strategy.group import GroupSpec, InPlaceMasters, SeparateMasters, ShardGroup, build_groups
 from zero_strategy.memory import model_state_bytes
-from zero_strategy.offload import OffloadPolicy, OnDisk, optimizer_offload, param_offload
+from zero_strategy.offload import OffloadPolicy, optimizer_offload, param_offload
 from zero_strategy.partition import UnitPolicy, find_units
 from zero_strategy.pieces import check_placeholder, forget_pieces, is_placeholder, sharded_init_piece
 from zero_strategy.precision import select_precision, select_scaler
 from zero_strategy.setup_checks import agree_on_setup, check_params, refuse_norm_layers_with_running_stats
 from zero_strategy.states import GRAD_TRANSITIONS, TRAINING_TRANSITIONS, GradState, TrainingState, check_transition
-from zero_strategy.swapped_state import SwappedOptimizerState, step_subset
+from zero_strategy.swapped_state import SwappedOptimizerState
 from zero_strategy.unit import ParamStorage, ReplicatedParams, ShardedParams, UnitStorage, refresh_masters
 from zero_strategy.zero3 import UnitScheduler, Zero3Settings
 
@@ -82,7 +82,6 @@ class ZeroEngine:
     zero3: UnitScheduler | None  # ZeRO-3's unit lifecycle, None at ZeRO-1/2
     offload_optimizer: OffloadPolicy  # where masters, their gradients and the optimizer state live
     offload_params: OffloadPolicy  # where ZeRO-3's persistent rows live
-    swapped: SwappedOptimizerState | None  # the optimizer state on disk (offload_optimizer nvme), per optimizer
 
     def __init__(
         self, module: nn.Module, config: ZeroConfig, process_group: Any = None, policy: UnitPolicy = None
@@ -91,13 +90,6 @@ class ZeroEngine:
             if message not in _WARNED:  # once per setting and process
                 _WARNED.add(message)
                 warnings.warn(message, UserWarning, stacklevel=3)
-        missing = unsupported_features(config)
-        if missing:
-            raise NotImplementedError(
-                f"initialize(): {', '.join(missing)} is not yet supported by zero_strategy; "
-                "use device 'cpu' (host memory), or remove it from the config (the parameters' NVMe tier is planned, "
-                "see the project's issues)"
-            )
         # where the optimizer's side and ZeRO-3's rows live (bad offload settings fail here, before any change)
         self.offload_optimizer, self.offload_params = optimizer_offload(config), param_offload(config)
         self.module = module
@@ -109,14 +101,12 @@ class ZeroEngine:
             config.collective_impl,
             device=first.device if first is not None else None,
         )
-        self._swap_dir: SwapDir | None = None
-        if isinstance(self.offload_optimizer, OnDisk):  # an unusable nvme_path fails here, before any change
-            self._swap_dir = SwapDir(self.offload_optimizer.nvme_path, self.ctx.rank)
-            weakref.finalize(self, self._swap_dir.remove)  # a dropped engine takes its files along
+        # swap directories: an unusable nvme_path fails here, before any change
+        self.disk = DiskTier(self.offload_optimizer, self.offload_params, self.ctx)
+        weakref.finalize(self, self.disk.remove)  # a dropped engine takes its files along
         self.precision = select_precision(config.precision)
         self.scaler = select_scaler(config.loss_scale, self.precision, explicit=config.explicitly_set("loss_scale"))
         self.optimizer = None
-        self.swapped = None
         self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         # optimizer.step() calls in progress: torch fires the step hooks again when a subclass's step
         # calls super().step(); the engine acts when the depth goes 0 -> 1 and 1 -> 0 only
@@ -200,6 +190,7 @@ class ZeroEngine:
             storage = ShardedParams(
                 module, self._plan.units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
+                row_swap=self.disk.row_swap,
             )  # fmt: skip
             self.params, self.groups = storage, storage.groups
             forget_pieces(built_sharded)  # their pieces live in the unit rows now
@@ -242,18 +233,12 @@ class ZeroEngine:
         self.optimizer = optimizer
         self.schedule = self._schedule_for(optimizer)
         self._schedule_hooks = self._install_schedule_hooks()
-        if self.swapped is not None:  # the files hold the previous optimizer's state
-            self.swapped.close()
-            self.swapped = None
-        policy = self.offload_optimizer
-        if optimizer is not None and isinstance(policy, OnDisk) and self._swap_dir is not None:
-            self.swapped = SwappedOptimizerState(
-                [g for g in self.groups if g.tier != "device"],
-                self._swap_dir,
-                buffer_count=policy.buffer_count,
-                pinned=policy.pinned(self.ctx.device),
-                guard=self._internal_step,
-            )
+        self.disk.bind(optimizer, [g for g in self.groups if g.tier != "device"], guard=self._internal_step)
+
+    @property
+    def swapped(self) -> SwappedOptimizerState | None:
+        """The optimizer state on disk (``offload_optimizer: {device: nvme}``), per optimizer."""
+        return self.disk.swapped
 
     # -- states ----------------------------------------------------------------------------
     def _set_training(self, new: TrainingState, what: str) -> None:
@@ -547,7 +532,8 @@ class ZeroEngine:
         if self._skip_step:
             self.reducer.drop_master_grads()
         elif self.swapped is not None and self.optimizer is not None:
-            self._step_swapped(self.optimizer, self.swapped)
+            self.disk.check_owner()
+            self.disk.step(self.optimizer, self.params.masters_resident, self._step_label())
             # the optimizer's own step skips the disk groups (stepped already); their gradients come back after
             self._stashed_grads = [(m, m.grad) for g in self.swapped.groups for m in g.masters]
             for m, _ in self._stashed_grads:
@@ -565,18 +551,6 @@ class ZeroEngine:
             yield
         finally:
             self.internal_step = False
-
-    def _step_swapped(self, optimizer: torch.optim.Optimizer, swapped: SwappedOptimizerState) -> None:
-        """The disk tier, before the optimizer's own step (so that what an optimizer subclass does
-        after ``super().step()`` sees every group stepped): step the optimizer group by group
-        through the swap files, then agree on the outcome across ranks. A user's pre-step hook
-        registered after ``initialize`` runs after this."""
-        error = None
-        try:
-            swapped.step(optimizer, lambda masters: step_subset(optimizer, masters))
-        except Exception as e:
-            error = e
-        C.agree_on_failure(self.ctx, error, what=f"disk tier step ({self._step_label()})", call="optimizer.step()")
 
     def reset_step_calls(self) -> None:
         """No ``optimizer.step()`` is in progress (it returned or raised, or a forward starts):
@@ -678,20 +652,10 @@ class ZeroEngine:
     @contextlib.contextmanager
     def swapped_state(self, *, writable: bool) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
         """Per master (by id), the optimizer state that is on disk, as memory maps of the swap
-        files (empty without the disk tier): checkpoints stream it instead of loading it."""
-        if self.swapped is None or self.optimizer is None:
-            yield {}
-            return
-        with contextlib.ExitStack() as stack:
-            error, maps = None, {}
-            try:  # a rank's missing space or damaged file: every rank stops here, before DCP's collectives
-                maps = stack.enter_context(self.swapped.mapped_state(self.optimizer, writable=writable))
-            except Exception as e:
-                error = e
-            C.agree_on_failure(
-                self.ctx, error, what="disk tier checkpoint files", call="save_checkpoint/load_checkpoint"
-            )
-            yield maps
+        files (empty without the disk tier); ZeRO-3 rows on disk are memory maps inside the
+        block too: checkpoints stream them instead of loading them."""
+        with self.disk.mapped(self.optimizer, lambda: self.params.mapped(writable=writable), writable=writable) as m:
+            yield m
 
     def flat_value(self, p: torch.Tensor) -> torch.Tensor:
         """What this rank holds of a parameter without a master (frozen), flattened."""
@@ -732,10 +696,10 @@ class ZeroEngine:
             sharded.units if sharded is not None else [],
             self.groups,
             self.optimizer,
-            self.swapped.disk_bytes() if self.swapped is not None else 0,
+            self.disk.disk_bytes(),
             self.ctx.device,
         )
-        out["swap_buffers"] = self.swapped.buffer_bytes() if self.swapped is not None else 0
+        out["swap_buffers"] = self.disk.buffer_bytes()
         out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps
         out["comm_scratch_peak"] = self.ctx.pool.peak
         if sharded is not None:
@@ -746,11 +710,7 @@ class ZeroEngine:
     def close(self) -> None:
         """Remove the engine's hooks (the model keeps its current parameters) and the swap files
         of the disk tier."""
-        if self.swapped is not None:
-            self.swapped.close()
-            self.swapped = None
-        if self._swap_dir is not None:
-            self._swap_dir.remove()
+        self.disk.close()
         for h in self._hooks + self._schedule_hooks:
             h.remove()
         self._hooks.clear()

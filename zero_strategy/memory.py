@@ -11,11 +11,12 @@ without a GPU, where host and device are the same RAM, the split still shows wha
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from zero_strategy.group import ShardGroup
+from zero_strategy.pieces import is_placeholder
 from zero_strategy.unit import UnitStorage
 
 __all__ = ["KINDS", "TIERS", "model_state_bytes"]
@@ -29,11 +30,11 @@ def model_state_bytes(
     units: Sequence[UnitStorage],
     groups: Sequence[ShardGroup],
     optimizer: torch.optim.Optimizer | None,
-    disk_bytes: int = 0,
+    disk_bytes: Mapping[str, int] | None = None,
     compute: torch.device | None = None,
 ) -> dict[str, int]:
-    """Bytes per kind, ``model_state`` (their sum) and the same per tier. ``disk_bytes``: the
-    optimizer state in swap files (counted as optimizer state on disk). With an accelerator as
+    """Bytes per kind, ``model_state`` (their sum) and the same per tier. ``disk_bytes``: bytes
+    in swap files by kind (optimizer state, ZeRO-3 parameter rows), counted on disk. With an accelerator as
     ``compute`` device a tensor's tier is where it actually is (a misplaced one shows); on a
     CPU-only machine, where both tiers are the same memory, it is where the policy put it."""
     on_cpu_only = compute is None or compute.type == "cpu"
@@ -41,7 +42,7 @@ def model_state_bytes(
     tiers = dict.fromkeys(TIERS, 0)
 
     def nbytes(t: torch.Tensor | None, tier: str = "device") -> int:
-        if t is None:
+        if t is None or is_placeholder(t):  # a row or master on disk: nothing in memory
             return 0
         key = t.untyped_storage().data_ptr()
         if key in seen:
@@ -50,7 +51,7 @@ def model_state_bytes(
         n = t.untyped_storage().nbytes()
         if not on_cpu_only:
             tier = "host" if t.device.type == "cpu" else "device"
-        if tier == "host":
+        if tier != "device":  # host, or disk-tier tensors while they are read back
             tiers["tier_host_pinned" if t.is_pinned() else "tier_host_pageable"] += n
         else:
             tiers["tier_device"] += n
@@ -73,8 +74,9 @@ def model_state_bytes(
             for v in st.values():
                 if isinstance(v, torch.Tensor):
                     out["optimizer_state"] += nbytes(v, tier_of.get(id(master), "device"))
-    out["optimizer_state"] += disk_bytes
-    tiers["tier_disk"] += disk_bytes
+    for kind, n in (disk_bytes or {}).items():
+        out[kind] += n
+        tiers["tier_disk"] += n
     out["model_state"] = sum(out.values())
     out.update(tiers)
     return out

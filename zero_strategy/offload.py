@@ -21,6 +21,12 @@ Each placement is a small frozen policy chosen by type, built once from the conf
 - At ZeRO-3, ``offload_param: {device: cpu}`` puts each unit's persistent row on the host; a
   gather copies the row up into its send buffer. The masters are then views of that host row
   (no second copy), so the optimizer state is on the host too.
+- At ZeRO-3, ``offload_param: {device: nvme}`` (:class:`OnDisk` for the parameters) keeps each
+  unit's rows in a swap file, in memory only while a gather, a load or a step uses them
+  (``disk_rows.py``). With the optimizer on the host (or the device) the fp32 masters and the
+  optimizer state are host tensors and the rows on disk are in the compute dtype, as in
+  DeepSpeed; with ``offload_optimizer: {device: nvme}`` too, the masters are views of the row
+  on disk and only the gradient shards stay in memory between steps.
 
 On a machine without a GPU, "device" and "host" are the same memory; the engine still keeps
 the offloaded tensors apart (their own storages, counted under ``host_*`` by
@@ -86,6 +92,7 @@ class OnDisk(OnHost):
     tier: ClassVar[str] = "disk"
     nvme_path: str | None = None
     buffer_count: int = 4
+    buffer_size: int = 100_000_000  # elements per read or write of ZeRO-3 rows (offload_param)
 
 
 def _from_block(block: OffloadConfig, what: str) -> OffloadPolicy:
@@ -93,13 +100,10 @@ def _from_block(block: OffloadConfig, what: str) -> OffloadPolicy:
         return OnDevice()
     if block.device == "cpu":
         return OnHost(pin_memory=block.pin_memory, ratio=block.ratio)
-    if block.device == "nvme" and what == "offload_optimizer":
+    if block.device == "nvme":
         return OnDisk(pin_memory=block.pin_memory, ratio=block.ratio, nvme_path=block.nvme_path,
-                      buffer_count=block.buffer_count)  # fmt: skip
-    raise NotImplementedError(
-        f"initialize(): zero_optimization.{what}.device={block.device!r} is not yet supported by zero_strategy; use "
-        f"device 'cpu' (host memory) for now, or remove {what} from the config"
-    )
+                      buffer_count=block.buffer_count, buffer_size=block.buffer_size)  # fmt: skip
+    raise ValueError(f"initialize(): zero_optimization.{what}.device={block.device!r}: use 'none', 'cpu' or 'nvme'")
 
 
 def optimizer_offload(config: ZeroConfig) -> OffloadPolicy:
@@ -120,6 +124,13 @@ def param_offload(config: ZeroConfig) -> OffloadPolicy:
         raise ValueError(
             "initialize(): zero_optimization.offload_param.ratio applies to the optimizer only; remove it "
             "(use offload_optimizer.ratio)"
+        )
+    opt = config.offload_optimizer
+    if isinstance(policy, OnDisk) and opt.device == "nvme" and opt.ratio != 1.0:
+        raise ValueError(
+            f"initialize(): zero_optimization.offload_optimizer.ratio={opt.ratio} with offload_param on nvme: with "
+            "both on disk the masters are views of the parameter rows, so the whole optimizer goes to disk; remove "
+            "offload_optimizer.ratio, or offload the parameters to 'cpu'"
         )
     return policy
 

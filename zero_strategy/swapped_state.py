@@ -182,8 +182,8 @@ class SwappedOptimizerState:
         self._finalizer = weakref.finalize(self, _close, self.files, [self.pool])
 
     # -- the step --------------------------------------------------------------------------
-    def step(self, optimizer: torch.optim.Optimizer, inner: Callable[[Sequence[torch.Tensor]], None]) -> None:
-        """Step every disk group through ``inner(masters)`` (the optimizer over those masters),
+    def step(self, optimizer: torch.optim.Optimizer, inner: Callable[[ShardGroup], None]) -> None:
+        """Step every disk group through ``inner(group)`` (the optimizer over its masters),
         pipelined: read the next group while this one steps, write it back while the next
         steps. A group without any gradient is neither read nor stepped."""
         self.plan(optimizer)
@@ -223,7 +223,7 @@ class SwappedOptimizerState:
                 current = g
                 self._install(optimizer, g, buf, fresh=not f.written)
                 with self.guard():
-                    inner(g.masters)
+                    inner(g)
                 self._take_back(optimizer, g, buf)
                 current = None
                 wfut = pool.write(f, buf)

@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from zero_strategy import collectives as C
+from zero_strategy.disk_rows import DiskRows, RowSwap
 from zero_strategy.group import HostMasters, ShardGroup
 from zero_strategy.layout import ShardLayout
-from zero_strategy.offload import OffloadPolicy, OnDevice, host_empty
+from zero_strategy.offload import HOST, OffloadPolicy, OnDevice, OnDisk, host_empty
 from zero_strategy.pieces import check_placeholder, piece_of, placeholder
 from zero_strategy.states import SHARDED_TRANSITIONS, ShardedState, check_transition
 
@@ -64,6 +65,15 @@ class ParamStorage:
         """What this rank holds of a parameter that has no master (frozen), flattened: its piece
         at ZeRO-3, the whole tensor otherwise."""
         raise NotImplementedError(f"{type(self).__name__}.flat_value")
+
+    def masters_resident(self, g: ShardGroup) -> contextlib.AbstractContextManager[object]:
+        """Group ``g``'s master pieces in memory inside the block (they always are, unless they
+        are views of ZeRO-3 rows on disk); what the block changes is kept."""
+        return contextlib.nullcontext()
+
+    def mapped(self, *, writable: bool) -> contextlib.AbstractContextManager[None]:
+        """Rows on disk as memory maps inside the block, for checkpoints (nothing elsewhere)."""
+        return contextlib.nullcontext()
 
 
 class ReplicatedParams(ParamStorage):
@@ -160,7 +170,13 @@ class UnitStorage:
     a gather copies them up into its send buffer; the masters stay views of the host row. With
     only ``host_masters`` (optimizer offload), the rows stay on the device in the compute
     dtype and the masters are host copies of the trainable row, which :meth:`pull_masters`
-    copies back after each step and load."""
+    copies back after each step and load.
+
+    With ``row_swap`` (``offload_param: {device: nvme}``) the rows live in a swap file
+    (:class:`~zero_strategy.disk_rows.DiskRows`) and in memory only inside :meth:`resident`;
+    the masters are then host copies (``host_masters``, the optimizer state in host memory)
+    or, without them (the optimizer state on NVMe too), views of the row that the disk tier
+    makes resident around the unit's optimizer step."""
 
     def __init__(
         self,
@@ -175,6 +191,7 @@ class UnitStorage:
         group_index: int,
         row_policy: OffloadPolicy | None = None,
         host_masters: HostMasters | None = None,
+        row_swap: RowSwap | None = None,
     ) -> None:
         self.label, self.tag, self.ctx, self.meter = label, tag, ctx, meter
         named = list(trainable) + list(frozen)
@@ -194,11 +211,11 @@ class UnitStorage:
         master_dtype = precision.master_dtype_for(self.params[0]) if trainable else self.dtype
         row_policy = row_policy or OnDevice()
         self.row_tier = row_policy.tier
-        separate = host_masters is not None and row_policy.tier == "device"
+        separate = host_masters is not None and row_policy.tier != "host"
         row_dtype = self.dtype if separate else master_dtype  # separate host masters: the row only feeds gathers
 
         def make_row(numel: int, dtype: torch.dtype) -> torch.Tensor:
-            if row_policy.tier == "device":
+            if isinstance(row_policy, OnDevice):
                 return torch.zeros(numel, dtype=dtype, device=ctx.device)
             return host_empty(numel, dtype, row_policy, ctx.device)
 
@@ -225,6 +242,10 @@ class UnitStorage:
                 group_index, [p for _, p in trainable], [n for n, _ in trainable], t_layout, masters,
                 precision.grad_reduce_dtype(self.params[0]), label, device=ctx.device, tier=tier,
             )  # fmt: skip
+        self.disk: DiskRows | None = None
+        if row_swap is not None:  # written to the swap file; from here on in memory only while resident
+            self.disk = DiskRows(row_swap, label, [self.row, self.frozen_row], self._attach, self._detach)
+            self._detach()
         # a small unit stays gathered from its first use until the optimizer step changes it
         self.persistent = sum(lay.numels) <= persistence_threshold
         # Each parameter gets a full-shaped tensor with a storage of its own that is resized to
@@ -242,6 +263,39 @@ class UnitStorage:
         self._handle: C.Handle | None = None
         self._buf: torch.Tensor | None = None
         self._step = ""
+
+    # -- rows on disk ------------------------------------------------------------------------
+    def _attach(self, rows: list[torch.Tensor]) -> None:
+        """The rows were read back: the row attributes and the masters that are views point at them."""
+        self.row, self.frozen_row = rows
+        if self.group is not None and not self.separate_masters:
+            for i, m in enumerate(self.group.masters):
+                m.data = self.group.layout.local_view(self.row, i)
+
+    def _detach(self) -> None:
+        """The rows leave memory: what pointed at them gets a memory-less placeholder."""
+        self.row, self.frozen_row = _row_placeholder(self.row), _row_placeholder(self.frozen_row)
+        if self.group is not None and not self.separate_masters:
+            for m in self.group.masters:
+                m.data = placeholder(m.shape, m.dtype, HOST)
+
+    def resident(self, *, write: bool = False) -> contextlib.AbstractContextManager[object]:
+        """The persistent rows in memory inside the block (always, unless they are on disk);
+        with ``write``, changes are written back to the swap file at its end."""
+        return self.disk.resident(write=write) if self.disk is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def mapped(self, *, writable: bool) -> Iterator[None]:
+        """Rows on disk as memory maps of their file inside the block (checkpoints)."""
+        if self.disk is None:
+            yield
+            return
+        with self.disk.mapped(writable=writable) as rows:
+            self._attach(rows)
+            try:
+                yield
+            finally:
+                self._detach()
 
     def take_over(self) -> None:
         """Point every parameter at its memory-less placeholder: from here on the unit's rows
@@ -286,8 +340,9 @@ class UnitStorage:
         buf = self.ctx.pool.get(n * s, self.dtype, self.ctx.device)
         slot = buf.view(n, s)[self.ctx.rank]
         t = self.row.numel()
-        slot[:t].copy_(self.row)  # cast to the compute dtype (16-bit parameters)
-        slot[t : s - TAG].copy_(self.frozen_row)
+        with self.resident():
+            slot[:t].copy_(self.row)  # cast to the compute dtype (16-bit parameters)
+            slot[t : s - TAG].copy_(self.frozen_row)
         slot[-TAG] = self.tag % 128
         slot[-1] = self.tag // 128
         self._buf, self._step = buf, step
@@ -344,24 +399,30 @@ class UnitStorage:
         (and its separate master); a gathered copy is dropped, so the next use gathers the new
         values."""
         mine = full.reshape(-1)[slice(*self.layout.local_range(i))]
-        self.piece(i).copy_(mine)
-        if self.separate_masters and self.group is not None and i < self.n_trainable:
-            with torch.no_grad():  # from the full value: a 16-bit row would round the fp32 master
-                self.group.masters[i].copy_(mine)
+        with self.resident(write=True):
+            self.piece(i).copy_(mine)
+            if self.separate_masters and self.group is not None and i < self.n_trainable:
+                with torch.no_grad():  # from the full value: a 16-bit row would round the fp32 master
+                    self.group.masters[i].copy_(mine)
         self.reshard()
 
     def push_to_master(self, i: int) -> None:
         """The row's piece ``i`` was written: a separate master piece follows it."""
         if self.separate_masters and self.group is not None and i < self.n_trainable:
-            with torch.no_grad():
+            with torch.no_grad(), self.resident():
                 self.group.masters[i].copy_(self.piece(i))
 
     def pull_masters(self) -> None:
         """The masters changed (a step, a load): separate masters are copied into the row."""
         if self.separate_masters and self.group is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self.resident(write=True):
                 for i, m in enumerate(self.group.masters):
                     self.piece(i).copy_(m.detach(), non_blocking=m.is_pinned())
+
+
+def _row_placeholder(row: torch.Tensor) -> torch.Tensor:
+    n = row.numel()
+    return placeholder(torch.Size([n]), row.dtype, HOST) if n else torch.empty(0, dtype=row.dtype, device=HOST)
 
 
 def _divergence_message(unit: str, tag: int, tags: list[int], names: dict[int, str], step: str) -> str:
@@ -392,6 +453,7 @@ class ShardedParams(ParamStorage):
         persistence_threshold: int,
         offload_optimizer: OffloadPolicy | None = None,
         offload_params: OffloadPolicy | None = None,
+        row_swap: RowSwap | None = None,
     ) -> None:
         """One unit per module of ``units`` (in that order) plus the root unit (label
         ``<root>``, last) for the parameters outside every unit. A parameter reachable from two
@@ -422,12 +484,17 @@ class ShardedParams(ParamStorage):
             trainable = [(n, p) for n, p in pending if p.requires_grad]
             frozen = [(n, p) for n, p in pending if not p.requires_grad]
             host = None
-            if trainable and offload_optimizer.offloads(offloaded, total):
+            if trainable and isinstance(offload_params, OnDisk):
+                # the rows on disk: fp32 masters on the host beside host optimizer state, or
+                # views of the row when the optimizer state is on disk too (stepped resident)
+                if not isinstance(offload_optimizer, OnDisk):
+                    host = HostMasters(pinned=offload_params.pinned(ctx.device))
+            elif trainable and offload_optimizer.offloads(offloaded, total):
                 host = HostMasters(pinned=offload_optimizer.pinned(ctx.device))
                 offloaded += sum(p.numel() for _, p in trainable)
             u = UnitStorage(labels[k], len(self.units) + 1, trainable, frozen, ctx, precision, self.meter,
                             persistence_threshold, group_index=len(self.groups), row_policy=offload_params,
-                            host_masters=host)  # fmt: skip
+                            host_masters=host, row_swap=row_swap)  # fmt: skip
             self.units.append(u)
             if u.group is not None:
                 self.groups.append(u.group)
@@ -435,9 +502,21 @@ class ShardedParams(ParamStorage):
             u.take_over()
         self.names = {u.tag: u.name for u in self.units}
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self._unit_of_group = {id(u.group): u for u in self.units if u.group is not None}
 
     def unit_of(self, p: torch.Tensor) -> tuple[UnitStorage, int] | None:
         return self._where.get(id(p))
+
+    def masters_resident(self, g: ShardGroup) -> contextlib.AbstractContextManager[object]:
+        u = self._unit_of_group.get(id(g))
+        return u.resident(write=True) if u is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def mapped(self, *, writable: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for u in self.units:
+                stack.enter_context(u.mapped(writable=writable))
+            yield
 
     @contextlib.contextmanager
     def gathered(self, params: Sequence[torch.Tensor] | None, modifier_rank: int | None, step: str) -> Iterator[None]:
@@ -460,9 +539,10 @@ class ShardedParams(ParamStorage):
                 C.broadcast_coalesced(self.ctx, flat, src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
                 with torch.no_grad():
                     for u in units:
-                        for i, p in enumerate(u.params):
-                            u.piece(i).copy_(p.detach().reshape(-1)[slice(*u.layout.local_range(i))])
-                            u.push_to_master(i)
+                        with u.resident(write=True):
+                            for i, p in enumerate(u.params):
+                                u.piece(i).copy_(p.detach().reshape(-1)[slice(*u.layout.local_range(i))])
+                                u.push_to_master(i)
             for u, state in zip(units, was):
                 if state is ShardedState.SHARDED:
                     u.reshard()

@@ -12,7 +12,6 @@ import os
 import sys
 
 from accelerate_zero.plugin import ZeroPlugin
-from zero_strategy.config import unsupported_features
 
 __all__ = ["launch", "main"]
 
@@ -54,13 +53,7 @@ def launch(argv: list[str]) -> None:
     env, rest = _launch_options(argv)
     from accelerate.commands.launch import launch_command, launch_command_parser
 
-    plugin = ZeroPlugin.from_env(environ={**os.environ, **env})  # a bad file fails here, before any process starts
-    missing = unsupported_features(plugin.config)
-    if missing:
-        raise ValueError(
-            f"zero-strategy launch: {env['ZERO_STRATEGY_CONFIG']} asks for {', '.join(missing)}, which zero_strategy does "
-            "not support yet; use device 'cpu' (host memory) or remove it from the config (NVMe offload is planned)"
-        )
+    ZeroPlugin.from_env(environ={**os.environ, **env})  # a bad file fails here, before any process starts
     args = launch_command_parser().parse_args(rest)
     if args.cpu and (args.num_processes or 1) > 1:
         raise ValueError(

@@ -6,7 +6,8 @@ Importing this package registers ``zero1``, ``zero2``, ``zero2_offload``, ``zero
 Those packages have separate base classes and registries, so one strategy class is built per
 namespace, on first need. ``lightning_zero.ZeroStrategy`` is the ``lightning.pytorch`` one
 (``PLZeroStrategy`` the ``pytorch_lightning`` one); ``ZeroFabricStrategy`` (``LFZeroFabricStrategy``)
-are Fabric's. ``zero3_offload_nvme`` raises "not yet supported" at setup until the disk tier lands.
+are Fabric's. ``zero3_offload_nvme`` puts the optimizer state and the parameter shards in swap files
+(under the temp dir; set ``offload_*.nvme_path`` through ``ZeroStrategy(config=...)`` for a real disk).
 """
 
 from __future__ import annotations

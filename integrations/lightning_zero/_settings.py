@@ -32,7 +32,7 @@ NAMES: tuple[RegisteredName, ...] = (
     RegisteredName("zero2_offload", 2, {"offload_optimizer": {"device": "cpu"}}, "ZeRO stage 2 + optimizer state offloaded to CPU memory (zero_strategy)"),
     RegisteredName("zero3", 3, {}, "ZeRO stage 3: + parameters partitioned (zero_strategy)"),
     RegisteredName("zero3_offload", 3, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, "ZeRO stage 3 + optimizer state and parameter shards offloaded to CPU memory (zero_strategy)"),
-    RegisteredName("zero3_offload_nvme", 3, {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}, "ZeRO stage 3 + NVMe offload (not yet available)"),
+    RegisteredName("zero3_offload_nvme", 3, {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}, "ZeRO stage 3 + optimizer state and parameter shards offloaded to NVMe (zero_strategy)"),
 )  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """Offload against the DDP oracle: the optimizer side on the host at ZeRO-1/2/3 (all of it or
-half), and ZeRO-3's parameter rows on the host, with accumulation and clipping, at world sizes
+half), ZeRO-3's parameter rows on the host, the optimizer state on disk, and ZeRO-3's rows on disk (with the
+optimizer on the host, or on disk too), with accumulation and clipping, at world sizes
 1 and 2. Every cell also checks where ``memory_stats()`` says the bytes are (``check_tiers``):
 on a machine without a GPU the host and the device are the same memory, so parity alone would
 pass even if nothing moved."""
@@ -26,6 +27,12 @@ def _cells(world: int) -> list[dict]:
             {"stage": stage, "offload": "nvme", "accum": "no_sync", "clip": 0.05},
             {"stage": stage, "offload": "nvme", "dtype": "float32", "optim": "adam", "frozen": True},
         ]
+    cells += [  # ZeRO-3's rows on disk: with the optimizer on the host (the design notes' template), and both on disk
+        {"stage": 3, "offload": "param_nvme", "accum": "no_sync", "clip": 0.05},
+        {"stage": 3, "offload": "param_nvme", "dtype": "float32", "optim": "adam", "frozen": True, "tied": True},
+        {"stage": 3, "offload": "all_nvme", "accum": "plain", "clip": 0.05, "frozen": True},
+        {"stage": 3, "offload": "all_nvme", "dtype": "float32", "optim": "adam", "tied": True},
+    ]
     if world == 2:  # the native (NCCL) collective path and no overlap
         cells += [{"stage": 2, "offload": "cpu", "impl": "native"}, {"stage": 3, "offload": "param", "overlap": False}]
     return cells
@@ -56,6 +63,9 @@ CKPT_CELLS = [
     ((2, 2, "nvme"), (1, 3, "none")),  # the disk tier saves from and loads into its swap files
     ((1, 1, "none"), (2, 3, "nvme")),
     ((2, 3, "nvme"), (2, 1, "nvme")),
+    ((2, 3, "all_nvme"), (1, 3, "none")),  # rows on disk: saved from and loaded into memory maps of their files
+    ((1, 2, "none"), (2, 3, "param_nvme")),
+    ((2, 3, "param_nvme"), (2, 3, "all_nvme")),
 ]
 
 
@@ -96,7 +106,7 @@ def _offload_checkpoint_worker(rank: int, world: int, tmp: str) -> int:
             model, opt = build(m, s2, off2)
             zs.load_checkpoint(path, model, opt)
             engine = model.zero_engine
-            files = [f.path for f in engine.swapped.files.values()] if engine.swapped is not None else []
+            files = engine.disk.file_paths()
             check_tiers(Cell(stage=s2, offload=off2), engine.memory_stats(), files)  # loaded where the policy says
             losses = _run(model, opt, groups[m], rank, m, range(K, 2 * K))
             where = f"saved n={n} stage {s} offload {off}, loaded m={m} stage {s2} offload {off2}"

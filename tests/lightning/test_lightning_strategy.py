@@ -164,10 +164,11 @@ def _parity_worker(rank: int, world: int) -> dict:
         "zero2_bf16",
         "zero2_offload",
         "zero3_offload",
+        "zero3_offload_nvme",
     )
     for name in names:
         sharded = name.endswith("sharded_init")
-        stage_name = name if name.endswith("offload") else name.split("_")[0]  # the registered offload names
+        stage_name = name if "offload" in name else name.split("_")[0]  # the registered offload names
         strategy = (
             lightning_zero.ZeroStrategy(stage=3)
             if sharded
@@ -199,8 +200,11 @@ def _parity_worker(rank: int, world: int) -> dict:
             assert engine.config.gradient_clipping is None  # Lightning clips (global norm); the engine does not again
             stats = engine.memory_stats()
             host = stats["tier_host_pinned"] + stats["tier_host_pageable"]
-            if name.endswith("offload"):  # the optimizer side (and at zero3 the rows) in host memory
-                on_host = stats["masters"] + stats["grad_shards"] + stats["optimizer_state"]
+            on_host = stats["masters"] + stats["grad_shards"] + stats["optimizer_state"]
+            if name == "zero3_offload_nvme":  # rows and optimizer state in swap files, gradient shards in memory
+                assert stats["param_shards"] > 0 and stats["tier_disk"] > stats["param_shards"], stats
+                assert stats["masters"] == 0 and host == on_host - (stats["tier_disk"] - stats["param_shards"]), stats
+            elif name.endswith("offload"):  # the optimizer side (and at zero3 the rows) in host memory
                 assert stats["optimizer_state"] > 0 and host == on_host + stats["param_shards"] * (
                     name == "zero3_offload"
                 )
@@ -232,7 +236,9 @@ def test_ddp_parity_with_accumulation_clipping_and_scheduler(launch) -> None:
     for rank, res in enumerate(results):
         ref = res["ddp"]
         assert len(ref["losses"]) == 20  # 10 optimizer steps x 2 accumulated batches
-        for name in ("zero1", "zero2", "zero3", "zero3_sharded_init", "zero2_offload", "zero3_offload"):
+        for name in (
+            "zero1", "zero2", "zero3", "zero3_sharded_init", "zero2_offload", "zero3_offload", "zero3_offload_nvme"
+        ):  # fmt: skip
             got = res[name]
             assert got["sampler"] == "DistributedSampler", got["sampler"]
             assert_close(got["losses"], ref["losses"], rtol=1e-6, what=f"rank {rank} {name} losses")

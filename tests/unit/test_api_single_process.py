@@ -93,11 +93,10 @@ def test_user_errors_are_clear() -> None:
         zs.initialize(model, torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1))
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         zs.initialize(GPT(CFG), "adam")
-    with pytest.raises(NotImplementedError, match="offload_param.*'nvme'.*not yet supported"):
+    with pytest.raises(ValueError, match=r"offload_optimizer.ratio=0.5 with offload_param on nvme.*remove"):
+        both = {"offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "nvme", "ratio": 0.5}}
         zs.initialize(
-            GPT(CFG),
-            lambda p: torch.optim.SGD(p, lr=0.1),
-            config={"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+            GPT(CFG), lambda p: torch.optim.SGD(p, lr=0.1), config={"zero_optimization": {"stage": 3, **both}}
         )
     with pytest.raises(ValueError, match="offload_param needs stage 3"):
         zs.initialize(

@@ -18,7 +18,6 @@ from zero_strategy.config import (
     PrecisionConfig,
     ZeroConfig,
     resolve_overrides,
-    unsupported_features,
 )
 
 SPEC_YAML = """\
@@ -89,7 +88,6 @@ def test_defaults():
     )  # None: the group's timeout
     assert cfg.stage3_prefetch_bucket_size == 50_000_000 and cfg.sub_group_size == 1_000_000_000
     assert not any(cfg.explicitly_set(f.name) for f in dataclasses.fields(cfg) if f.name != "_explicit")
-    assert unsupported_features(cfg) == []
 
 
 def test_frozen():
@@ -434,9 +432,6 @@ def test_legacy_cpu_offload_means_optimizer_offload():
         {"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}}
     )
     assert cfg.offload_optimizer == OffloadConfig(device="cpu", pin_memory=True)
-    assert unsupported_features(cfg) == []  # the host tier exists (tests/unit/test_offload_policy.py trains it)
-    nvme = ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
-    assert unsupported_features(nvme) == ["offload_param (device='nvme')"]  # initialize refuses it, no silent run
 
 
 def test_settings_read_but_not_applied_are_reported_once_at_initialize():
@@ -483,7 +478,6 @@ def test_spec_yaml_loads_unchanged(tmp_path):
     assert cfg.offload_optimizer == OffloadConfig(device="cpu", pin_memory=True)
     assert cfg.offload_param == OffloadConfig(device="nvme", buffer_size=1_000_000_000)
     assert type(cfg.offload_param.buffer_size) is int
-    assert unsupported_features(cfg) == ["offload_param (device='nvme')"]  # the parameters' disk tier is still to come
     assert cfg.explicitly_set("offload_param") and not cfg.explicitly_set("reduce_bucket_size")
 
 
@@ -501,7 +495,6 @@ def test_hf_json_file_loads_with_warning(tmp_path):
     assert cfg.sub_group_size == 1_000_000_000 and cfg.stage3_gather_16bit_weights_on_model_save
     assert cfg.loss_scale.hysteresis == 2  # an explicit DeepSpeed value is honoured
     assert cfg.gradient_clipping is None and cfg.gradient_accumulation_steps is None
-    assert unsupported_features(cfg) == []
 
 
 def test_yml_extension_and_flat_file(tmp_path):
@@ -653,11 +646,3 @@ def test_resolve_overrides_errors():
         resolve_overrides(cfg, source="cli", precision=PrecisionConfig())
     with pytest.raises(TypeError, match=r"expected a ZeroConfig, got dict"):
         resolve_overrides({}, source="cli", stage=2)  # type: ignore[arg-type]
-
-
-def test_unsupported_features():
-    assert unsupported_features(ZeroConfig(offload_optimizer="cpu")) == []
-    assert unsupported_features(ZeroConfig(offload_optimizer="nvme", offload_param="cpu")) == []
-    assert unsupported_features(ZeroConfig(offload_param={"device": "nvme"})) == ["offload_param (device='nvme')"]
-    with pytest.raises(TypeError, match=r"expected a ZeroConfig"):
-        unsupported_features({"stage": 3})  # type: ignore[arg-type]

@@ -64,7 +64,7 @@ def test_legacy_cpu_offload_and_pin_memory_without_a_gpu() -> None:
     assert _host_bytes(model) == stats["masters"] + stats["grad_shards"] + stats["optimizer_state"]
 
 
-def test_offload_errors_name_the_field_and_the_fix() -> None:
+def test_offload_errors_name_the_field_and_the_fix(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"offload_param needs stage 3.*Use stage 3"):
         zs.initialize(_model(), lambda p: torch.optim.SGD(p, lr=0.1), config=_cfg(offload_param={"device": "cpu"}))
     cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}}
@@ -72,8 +72,13 @@ def test_offload_errors_name_the_field_and_the_fix() -> None:
         zs.initialize(_model(), lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(NotImplementedError, match=r"offload_param \(device='nvme'\).*not yet supported"):
-        zs.initialize(model, None, config={"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    bad = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(blocker / "swap")}}
+    with pytest.raises(
+        RuntimeError, match=r"zero_optimization.offload_param.nvme_path=.*point nvme_path at a writable"
+    ):
+        zs.initialize(model, None, config={"zero_optimization": bad})
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was changed
 
 
@@ -109,6 +114,12 @@ def test_16bit_parameters_offloaded_train_exactly_as_on_the_device(stage: int, p
     assert got == ref and all(v == v for v in got), (got, ref)  # bit-equal, and no NaN
     assert ref_stats["tier_host_pageable"] == 0
     assert stats["tier_host_pageable"] == stats["masters"] + stats["grad_shards"] + stats["optimizer_state"] > 0
+    if stage == 3:  # rows on disk: 16-bit rows beside host masters, or fp32 rows that are the masters
+        for opt_device in ("cpu", "nvme"):
+            on_disk = {"offload_optimizer": {"device": opt_device}, "offload_param": {"device": "nvme"}}
+            got, stats = run(on_disk)
+            assert got == ref, (opt_device, got, ref)
+            assert stats["param_shards"] > 0 and stats["tier_disk"] >= stats["param_shards"], stats
 
 
 def test_a_checkpoint_does_not_carry_the_fused_choice_into_another_run(tmp_path) -> None:

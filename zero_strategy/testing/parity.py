@@ -71,6 +71,10 @@ OFFLOADS: dict[str, dict[str, Any]] = {
     "cpu_half": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
     "param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
     "nvme": {"offload_optimizer": {"device": "nvme"}},  # no nvme_path: a fresh directory under the temp dir
+    # the design notes' template: optimizer on the host, ZeRO-3 rows on disk (16-bit there, fp32 masters on the host)
+    "param_nvme": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}},
+    # ZeRO-Infinity: both on disk (the masters are views of the rows; between steps only gradient shards in memory)
+    "all_nvme": {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}},
 }
 
 
@@ -89,6 +93,22 @@ def check_tiers(c: Cell, stats: dict[str, int], swap_files: list[str] | None = N
     if not stats["optimizer_state"] > 0:
         raise AssertionError(f"offload cell without optimizer state: {stats}")
     on_host = stats["grad_shards"] + stats["masters"] + stats["optimizer_state"]
+    if c.offload in ("param_nvme", "all_nvme"):  # rows in files; between steps no row and no master view in memory
+        on_disk = sum(os.path.getsize(f) for f in swap_files or [])
+        want_device = stats["params"] + stats["full_grads"]
+        in_memory = stats["model_state"] - stats["tier_disk"] - want_device
+        rows_only = c.offload == "param_nvme"
+        want_host = on_host - (stats["tier_disk"] - stats["param_shards"])  # less the optimizer state on disk
+        if not 0 < stats["param_shards"] <= stats["tier_disk"] == on_disk or stats["tier_device"] != want_device:
+            raise AssertionError(f"offload {c.offload}: tier_disk {stats['tier_disk']}, files {on_disk} bytes, "
+                                 f"device {stats['tier_device']} (want {want_device}): {stats}")  # fmt: skip
+        if rows_only and not (stats["tier_disk"] == stats["param_shards"] and stats["masters"] > 0):
+            raise AssertionError(f"offload param_nvme: only the rows on disk, fp32 masters on the host: {stats}")
+        if not rows_only and not (stats["masters"] == 0 and in_memory <= stats["grad_shards"] + 0.1 * on_disk):
+            raise AssertionError(f"offload all_nvme: in memory {in_memory}, masters {stats['masters']}: {stats}")
+        if host != in_memory or host != want_host:
+            raise AssertionError(f"offload {c.offload}: host bytes {host} (want {want_host}): {stats}")
+        return
     if c.offload == "nvme":  # the state in files of that size; in memory only Adam's step scalars
         on_disk = sum(os.path.getsize(f) for f in swap_files or [])
         in_memory = stats["optimizer_state"] - stats["tier_disk"]
@@ -279,7 +299,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
         opt.zero_grad(set_to_none=c.set_to_none)
     if mode == "zero":
         engine = cast(ZeroModule, wrapped).zero_engine
-        files = [f.path for f in engine.swapped.files.values()] if engine.swapped is not None else []
+        files = engine.disk.file_paths()
         check_tiers(c, engine.memory_stats(), files)
     with zs.gathered_parameters(model) if mode == "zero" else contextlib.nullcontext():
         state = {k: v.detach().clone().to(torch.float64) for k, v in model.state_dict().items()}
