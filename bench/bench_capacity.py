@@ -43,6 +43,11 @@ OFFLOAD = {
     "all_nvme": {"offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}},
 }
 D_MODEL, N_HEAD, VOCAB, SEQ = 1024, 16, 4096, 64
+# glibc, the same for every configuration: few arenas, and buffers of 1 MiB and more always mapped
+# on their own, so that freeing one gives its memory back (glibc's default raises that threshold
+# up to 32 MiB after the first free, and the heap then keeps the holes that unit-sized buffers
+# leave: the cap would measure fragmentation instead of what each configuration holds)
+ALLOCATOR_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
 
 def _worker(rank: int, world: int, config: str, layers: int, budget: float, nvme: str, out_dir: str) -> dict:
@@ -90,7 +95,11 @@ def _worker(rank: int, world: int, config: str, layers: int, budget: float, nvme
         out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         model.zero_engine.close()  # the swap files go; no destroy(): it would gather the whole model
     except (MemoryError, RuntimeError) as e:
+        import traceback
+
+        where = traceback.extract_tb(e.__traceback__)[-3:]  # where the allocation failed
         out["ok"], out["error"] = False, f"{type(e).__name__}: {str(e)[:200]}"
+        out["where"] = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in where]
     out["seconds"] = time.perf_counter() - t0
     resource.setrlimit(resource.RLIMIT_AS, (soft, hard))  # gloo's teardown may allocate
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))  # kept even if the exit goes wrong
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             exit_note = ""
             try:
                 res = launch(_worker, 2, args=(config, layers, args.budget_gib, args.nvme_path, out_dir), timeout=900,
-                             env={"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"})  # fmt: skip
+                             env=ALLOCATOR_ENV)  # fmt: skip
             except RankFailure as e:  # a rank that trained and then failed at exit still trained
                 files = [Path(out_dir, f"rank{r}.json") for r in range(2)]
                 res = [json.loads(f.read_text()) for f in files if f.exists()]
@@ -128,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
             ok = len(res) == 2 and all(r.get("ok") for r in res)
             res[0]["exit_note"] = exit_note
             print(f"{config}: {layers} layers -> {'ok' if ok else 'failed'} {res[0].get('params', '')} "
-                  f"{res[0].get('seconds', 0):.0f}s {res[0].get('error', '')}{exit_note}", flush=True)  # fmt: skip
+                  f"{res[0].get('seconds', 0):.0f}s {res[0].get('error', '')} {res[0].get('where', '')}{exit_note}",
+                  flush=True)  # fmt: skip
             if not ok:
                 break
             best = res[0]

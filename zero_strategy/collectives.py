@@ -109,6 +109,14 @@ class _ScratchPool:
                 self.allocated -= slab.numel() * slab.element_size()
         self._free.clear()
 
+    def trim(self, keep: int) -> None:
+        """Drop free slabs, largest first, until at most ``keep`` bytes are allocated (the engine
+        calls it after each step: a small model does not carry buffers as large as itself)."""
+        for free in self._free.values():
+            while free and self.allocated > keep:
+                dropped = free.pop()
+                self.allocated -= dropped.numel() * dropped.element_size()
+
     def put(self, t: torch.Tensor) -> None:
         slab = t._base if t._base is not None else t
         free = self._free.setdefault((slab.dtype, str(slab.device)), [])

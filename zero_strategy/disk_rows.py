@@ -15,14 +15,15 @@ storage allocated and read back) only while something uses it:
 
 Residency is counted, so nested uses read and write once. Between uses the unit's row
 attributes and master pieces are memory-less placeholders (a stray read gives NaN, a write
-raises), as sharded full parameters are. Reads and writes go through one aligned buffer (``O_DIRECT`` where the filesystem
-allows), in chunks of at most ``buffer_size`` elements, so that DeepSpeed's
-``buffer_size: 1e9`` does not become gigabytes of buffer: the buffer is as large as the largest
-row needs and no larger. Checkpoints read the rows through memory maps (:meth:`DiskRows.mapped`),
-never all of them in memory at once.
+raises), as sharded full parameters are. Reads and writes go (``O_DIRECT`` where the
+filesystem allows) straight between the file and an aligned slab that the rows live in while
+resident: no bounce buffer, and no allocation per read (slabs are reused). Each call moves at
+most ``buffer_size`` elements, and DeepSpeed's ``buffer_size: 1e9`` does not become gigabytes of
+buffer: a slab is as large as one unit's rows. Checkpoints read the rows through memory maps
+(:meth:`DiskRows.mapped`), never all of them in memory at once.
 
 Reads are synchronous, just before each gather is issued (the gather prefetch decides when);
-reading ahead on a second buffer is left for later.
+reading ahead in the background is left for later.
 """
 
 from __future__ import annotations
@@ -44,30 +45,45 @@ def _round_up(n: int) -> int:
 
 
 class RowSwap:
-    """What every unit's :class:`DiskRows` shares: the swap directory and the one I/O buffer."""
+    """What every unit's :class:`DiskRows` shares: the swap directory and the aligned slabs that
+    resident rows live in (reused, so that reading a unit back does not allocate)."""
+
+    KEEP = 2  # free slabs kept for reuse
 
     def __init__(self, swap_dir: SwapDir, buffer_size: int, pinned: bool) -> None:
         self.dir = swap_dir
-        self.buffer_size = buffer_size  # elements per chunk (DeepSpeed's offload_param.buffer_size)
+        self.buffer_size = buffer_size  # elements per read or write (DeepSpeed's offload_param.buffer_size)
         self.pinned = pinned
         self.files: list[DiskFile] = []
-        self._buf: torch.Tensor | None = None
+        self._free: list[torch.Tensor] = []
+        self.allocated = 0  # bytes of all slabs alive, in use or free
         self._finalizer = weakref.finalize(self, _close, self.files)
 
-    def buffer(self, need: int) -> torch.Tensor:
-        """The aligned I/O buffer, grown to at least ``need`` bytes (rounded to the block)."""
-        need = _round_up(need)
-        if self._buf is None or self._buf.numel() < need:
-            self._buf = None  # the old one goes before the new one is made
-            self._buf = aligned_empty(need, self.pinned)
-        return self._buf
+    def take(self, nbytes: int) -> torch.Tensor:
+        """An aligned uint8 slab of at least ``nbytes`` (block-rounded)."""
+        need = _round_up(nbytes)
+        for k, slab in enumerate(self._free):
+            if slab.numel() >= need:
+                return self._free.pop(k)
+        if self._free:  # too small: the largest free one goes before a larger one is made
+            self.allocated -= self._free.pop().numel()
+        slab = aligned_empty(need, self.pinned)
+        self.allocated += slab.numel()
+        return slab
 
-    def chunk_bytes(self, t: torch.Tensor) -> int:
-        return _round_up(min(max(self.buffer_size, 1) * t.element_size(), t.numel() * t.element_size()))
+    def give(self, slab: torch.Tensor) -> None:
+        self._free.append(slab)
+        self._free.sort(key=lambda t: t.numel())
+        while len(self._free) > self.KEEP:
+            self.allocated -= self._free.pop(0).numel()
+
+    def chunk_bytes(self) -> int:
+        """Bytes per read or write call: ``buffer_size`` fp32 elements, block-rounded."""
+        return _round_up(max(self.buffer_size, 1) * 4)
 
     @property
     def buffer_bytes(self) -> int:
-        return self._buf.numel() if self._buf is not None else 0
+        return self.allocated
 
     def disk_bytes(self) -> int:
         return sum(f.nbytes for f in self.files)
@@ -75,7 +91,8 @@ class RowSwap:
     def close(self) -> None:
         """Close and delete the files (the engine removes the directory)."""
         self._finalizer()
-        self._buf = None
+        self._free.clear()
+        self.allocated = 0
 
 
 def _close(files: list[DiskFile]) -> None:
@@ -87,11 +104,12 @@ def _close(files: list[DiskFile]) -> None:
 
 
 class DiskRows:
-    """One unit's rows kept in one swap file. Built from the filled rows: writes them; the
-    caller drops its references, so their memory goes. ``attach(tensors)`` runs when the rows
-    are read back (the unit points its row attributes and master pieces at them) and
-    ``detach()`` before they go again (the unit points them at memory-less placeholders, so a
-    stray read gives NaN and a write raises instead of touching freed memory)."""
+    """One unit's rows kept in one swap file, laid out as in the slab they are read into (each
+    row at a block-aligned offset). Built from the filled rows: writes them; the caller drops
+    its references, so their memory goes. ``attach(tensors)`` runs when the rows are read back
+    (the unit points its row attributes and master pieces at them) and ``detach()`` before they
+    go again (the unit points them at memory-less placeholders, so a stray read gives NaN and a
+    write raises instead of touching freed memory)."""
 
     def __init__(
         self,
@@ -119,32 +137,50 @@ class DiskRows:
         swap.dir.reserve(self.file)
         self.users = 0
         self.dirty = False
-        self.tensors: list[torch.Tensor] | None = None
-        self._move(list(tensors), reading=False)
+        self._slab: torch.Tensor | None = None
+        slab = swap.take(self.file.nbytes)
+        try:
+            for view, t in zip(self._views(slab), tensors):
+                view.copy_(t.reshape(-1))
+            self._io(slab, reading=False)
+        finally:
+            swap.give(slab)
+
+    def _views(self, slab: torch.Tensor) -> list[torch.Tensor]:
+        return [slab[o : o + n].view(d) for (_, d), o, n in zip(self.specs, self.offsets, self.nbytes)]
 
     @contextlib.contextmanager
     def resident(self, *, write: bool = False) -> Iterator[list[torch.Tensor]]:
         """The rows in memory inside the block; with ``write``, what the block changed is
         written back when the last user leaves."""
         if self.users == 0:
-            self._load()
-        if self.tensors is None:
+            self.file.check_size()
+            fresh = self.swap.take(self.file.nbytes)
+            try:
+                self._io(fresh, reading=True)
+            except BaseException:
+                self.swap.give(fresh)
+                raise
+            self._slab = fresh
+            self.attach(self._views(fresh))
+        slab = self._slab
+        if slab is None:
             raise AssertionError(f"the rows of {self.name} were not loaded (an engine bug)")
-        tensors = self.tensors
         self.users += 1
         try:
-            yield tensors
+            yield self._views(slab)
         finally:
             self.users -= 1
             self.dirty = self.dirty or write
             if self.users == 0:
                 try:
                     if self.dirty:
-                        self._move(tensors, reading=False)
+                        self._io(slab, reading=False)
                 finally:
                     self.dirty = False
                     self.detach()
-                    self.tensors = None
+                    self._slab = None
+                    self.swap.give(slab)
 
     @contextlib.contextmanager
     def mapped(self, *, writable: bool) -> Iterator[list[torch.Tensor]]:
@@ -154,31 +190,13 @@ class DiskRows:
             raise RuntimeError(f"the rows of {self.name} are in use; checkpoints map them between steps")
         self.file.check_size()
         whole = torch.from_file(self.file.path, shared=writable, size=self.file.nbytes, dtype=torch.uint8)
-        yield [whole[o : o + n].view(d) for (_, d), o, n in zip(self.specs, self.offsets, self.nbytes)]
+        yield self._views(whole)
 
-    def _load(self) -> None:
-        self.file.check_size()
-        pinned = self.swap.pinned
-        tensors = [torch.empty(n, dtype=d, pin_memory=pinned) for n, d in self.specs]
-        self._move(tensors, reading=True)
-        self.tensors = tensors
-        self.attach(tensors)
-
-    def _move(self, tensors: Sequence[torch.Tensor], *, reading: bool) -> None:
+    def _io(self, slab: torch.Tensor, *, reading: bool) -> None:
+        """The whole file to or from ``slab`` (aligned: ``O_DIRECT`` reads straight into it), in
+        calls of at most ``buffer_size`` elements."""
         fn = os.preadv if reading else os.pwritev
         what = f"{'read' if reading else 'write'} of {self.file.path}"
-        for t, off, n in zip(tensors, self.offsets, self.nbytes):
-            if n == 0:
-                continue
-            chunk = self.swap.chunk_bytes(t)
-            buf = self.swap.buffer(chunk)
-            data = t.view(-1).view(torch.uint8)
-            for pos in range(0, n, chunk):
-                m = min(chunk, n - pos)
-                length = _round_up(m)
-                if reading:
-                    io_at(fn, self.file.fd, buf[:length], off + pos, what)
-                    data[pos : pos + m].copy_(buf[:m])
-                else:
-                    buf[:m].copy_(data[pos : pos + m])
-                    io_at(fn, self.file.fd, buf[:length], off + pos, what)
+        chunk = self.swap.chunk_bytes()
+        for pos in range(0, self.file.nbytes, chunk):
+            io_at(fn, self.file.fd, slab[pos : min(pos + chunk, self.file.nbytes)], pos, what)

@@ -47,7 +47,7 @@ from zero_strategy.grads import (
     ReduceAtUnitEnd,
     ReduceInBackward,
 )
-from zero_strategy.group import GroupSpec, InPlaceMasters, SeparateMasters, ShardGroup, build_groups
+from zero_strategy.group import GroupSpec, InPlaceMasters, SeparateMasters, ShardGroup, bucket_numel, build_groups
 from zero_strategy.memory import model_state_bytes
 from zero_strategy.offload import OffloadPolicy, optimizer_offload, param_offload
 from zero_strategy.partition import UnitPolicy, find_units
@@ -122,6 +122,7 @@ class ZeroEngine:
         self._sync_buffers_next = True
         self._root_depth = 0  # nesting of calls of the root module (only the outermost one acts)
         self._clipped_with: float | None = None
+        self._scratch_budget: int | None = None  # communication buffers kept between steps (bytes)
         self._skip_step = False
         self.last_step_skipped = False
         self._loss_scaled = False  # fp16: was a scaled loss backpropagated in this window?
@@ -163,6 +164,7 @@ class ZeroEngine:
                 check_unit_order=config.check_unit_order,
             )
             self.zero3 = UnitScheduler(self.params, self._plan, self.reducer, settings)
+            self.reducer.deferred_check = self.params.checks  # read with the gradient flags
         else:
             self.zero3 = None
         self.schedule: GradSchedule = self._schedule_for(None)
@@ -205,7 +207,8 @@ class ZeroEngine:
             total_numel=sum(p.numel() for _, p in named if p.requires_grad),
         )
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        self.groups = build_groups(list(reversed(trainable)), spec, bucket_numel=config.reduce_bucket_size)
+        bucket = bucket_numel(config.reduce_bucket_size, sum(p.numel() for _, p in trainable))
+        self.groups = build_groups(list(reversed(trainable)), spec, bucket_numel=bucket)
         with torch.no_grad():  # 16-bit parameters, after the fp32 masters were taken from them
             for _, p in named:
                 target = self.precision.param_dtype_for(p)
@@ -571,6 +574,10 @@ class ZeroEngine:
         self.step_count += 1
         if self.zero3 is not None:
             self.zero3.step = self._step_label()
+        if self._scratch_budget is None:  # once: the model state in memory is known after the first step
+            stats = self.memory_stats()
+            self._scratch_budget = int(SCRATCH_SHARE * (stats["model_state"] - stats["tier_disk"]))
+        self.ctx.pool.trim(self._scratch_budget)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this window's gradients (see :meth:`GradReducer.zero_grad`)."""
@@ -744,6 +751,9 @@ class ZeroEngine:
         """Run ``fn`` at the end of :meth:`destroy` (a front-end undoes what it added to the
         module, e.g. a forward wrapper)."""
         self._on_destroy.append(fn)
+
+
+SCRATCH_SHARE = 0.08  # of the model state: free communication buffers kept from one step to the next
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

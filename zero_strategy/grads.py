@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -93,12 +93,26 @@ class AllReduceAtEnd(GradSchedule):
             reducer.all_reduce_full()
 
 
+def _narrow(g: ShardGroup) -> bool:
+    """Whether ``g`` is reduced in a 16-bit dtype (``communication_data_type``): then it is divided
+    by the world size before the sum, as DDP's ``fp16_compress_hook`` does, not after."""
+    return g.reduce_dtype in (torch.float16, torch.bfloat16) and g.master_dtype != g.reduce_dtype
+
+
 @dataclass
 class _InFlight:
     group: ShardGroup
     handle: C.Handle
     inp: torch.Tensor
     out: torch.Tensor
+
+
+class DeferredCheck(Protocol):
+    """A check whose outcome is read with the gradient flags (ZeRO-3's ``GatherChecks``)."""
+
+    def flag(self) -> torch.Tensor | None: ...
+
+    def report(self, failed: bool) -> None: ...
 
 
 class GradReducer:
@@ -124,6 +138,8 @@ class GradReducer:
                 flat += 1
         self.num_params = flat
         self._used = torch.zeros(flat, dtype=torch.int32)
+        # ZeRO-3's deferred gather checks: their flag travels with the gradient flags
+        self.deferred_check: DeferredCheck | None = None
         self._ready: list[int] = []
         self._launched: list[bool] = []
         self._next = 0
@@ -185,6 +201,8 @@ class GradReducer:
             else:
                 grads.append(None)
         lay.pack_full(grads, inp)
+        if _narrow(g):  # as DDP's compress hooks: divided before the 16-bit sum, which then cannot overflow
+            inp.div_(n)
         for p in g.params:
             p.grad = None  # the full gradient is not kept once it is in the bucket
         out = self.ctx.pool.get(lay.shard_numel, g.reduce_dtype, g.device)
@@ -197,9 +215,15 @@ class GradReducer:
 
     def _complete(self, f: _InFlight) -> None:
         f.handle.wait()
-        f.out.mul_(self._grad_factor())
         g = f.group
-        out = f.out.to(g.master_device)  # offloaded (g.tier "host"): copied down as each bucket finishes
+        if _narrow(g):  # divided by the world size already; the loss scale comes off in the master dtype
+            out = f.out.to(device=g.master_device, dtype=g.master_dtype)
+            rest = self._grad_factor() * self.ctx.world_size
+            if rest != 1.0:
+                out.mul_(rest)
+        else:
+            f.out.mul_(self._grad_factor())
+            out = f.out.to(g.master_device)  # offloaded (g.tier "host"): copied down as each bucket finishes
         if g.grad_valid:
             g.grad_shard.add_(out)
         else:
@@ -208,7 +232,7 @@ class GradReducer:
         self.ctx.pool.put(f.inp)
         self.ctx.pool.put(f.out)
 
-    def finalize(self) -> torch.Tensor:
+    def finalize(self) -> list[bool]:
         """Reduce whatever is still pending on any rank; return the per-parameter "used on
         some rank" mask (bool, in group order)."""
         self.wait_all()
@@ -221,18 +245,23 @@ class GradReducer:
                     self._used[flat] = 1
         flags[self.num_params :] = self._used
         flags = flags.to(self.ctx.device)
+        check = self.deferred_check
+        extra = check.flag() if check is not None else None
+        if extra is not None:
+            flags = torch.cat([flags, extra.to(flags.dtype)])
         C.all_reduce(self.ctx, flags, op="max", what=f"gradient flags ({self._describe_step()})").wait()
-        flags = flags.cpu()
-        pending = flags[: self.num_params].bool()
+        values = flags.tolist()  # the step's one host read of the flags
+        if check is not None and extra is not None:
+            check.report(bool(values[-1]))
         start = 0
         for g in self.groups:
             k = len(g.params)
-            if bool(pending[start : start + k].any()):
+            if any(values[start : start + k]):
                 self._launch(g)
             start += k
         self.wait_all()
         self._forget_backward()
-        return flags[self.num_params :].bool()
+        return [bool(v) for v in values[self.num_params : 2 * self.num_params]]
 
     # -- finishing: what the optimizer step, clipping and inspection need -------------------
     def finish(self, *, check_overflow: bool) -> bool:
@@ -244,14 +273,16 @@ class GradReducer:
         k = 0
         for g in self.groups:
             for m, v in zip(g.masters, g.master_grad_views()):
-                m.grad = v if bool(used[k]) and g.grad_valid else None
+                m.grad = v if used[k] and g.grad_valid else None
                 k += 1
         if not check_overflow:
             return False
-        local_bad = any(not bool(torch.isfinite(g.grad_shard).all()) for g in self.groups if g.grad_valid)
-        flag = torch.tensor([1 if local_bad else 0], dtype=torch.int32, device=self.ctx.device)
+        flag = torch.zeros(1, dtype=torch.int32, device=self.ctx.device)
+        for g in self.groups:
+            if g.grad_valid:  # compared where the shard is; no host read per group
+                flag |= (~torch.isfinite(g.grad_shard).all()).to(device=flag.device, dtype=flag.dtype)
         C.all_reduce(self.ctx, flag, op="max", what=f"overflow check ({self._describe_step()})").wait()
-        return bool(flag.item())
+        return bool(flag.item())  # the fp16 step's one more host read
 
     def master_grads(self) -> list[torch.Tensor]:
         return [m.grad for g in self.groups for m in g.masters if m.grad is not None]
@@ -272,10 +303,8 @@ class GradReducer:
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         dev, what = self.ctx.device, f"gradient norm ({self._describe_step()})"
         if norm_type == float("inf"):
-            local = max(
-                (g.abs().max().to(device=dev, dtype=dtype) for g in grads if g.numel()),
-                default=torch.zeros((), dtype=dtype, device=dev),
-            )
+            maxima = [g.abs().max().to(device=dev, dtype=dtype) for g in grads if g.numel()]
+            local = torch.stack(maxima).max() if maxima else torch.zeros((), dtype=dtype, device=dev)
             total = local.reshape(1).clone()
             C.all_reduce(self.ctx, total, op="max", what=what).wait()
             total = total[0]
@@ -286,9 +315,15 @@ class GradReducer:
             total = local.reshape(1).clone()
             C.all_reduce(self.ctx, total, op="sum", what=what).wait()
             total = total[0] ** (1.0 / norm_type)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0 and grads and bool(torch.isfinite(total)):
-            torch._foreach_mul_(grads, coef)
+        # as torch's clip_grad_norm_, on the device (no host read): grads times min(1, max/(norm+eps));
+        # a non-finite norm leaves them as they are
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        for device, tensors in by_device.items():
+            torch._foreach_mul_(tensors, coef.to(device))
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -355,7 +390,8 @@ class GradReducer:
         def complete(entry: tuple[ShardGroup, C.Handle, torch.Tensor, list[bool]]) -> None:
             g, h, buf, mask = entry
             h.wait()
-            buf.mul_(1.0 / self.ctx.world_size)
+            if not _narrow(g):
+                buf.mul_(1.0 / self.ctx.world_size)
             off = 0
             for p, m in zip(g.params, mask):
                 n = p.numel()
@@ -384,6 +420,8 @@ class GradReducer:
                 else:
                     buf[off : off + n].copy_(p.grad.reshape(-1))
                 off += n
+            if _narrow(g):
+                buf.div_(self.ctx.world_size)
             pending.append(
                 (
                     g,

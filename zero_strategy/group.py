@@ -35,6 +35,7 @@ __all__ = [
     "MasterPolicy",
     "SeparateMasters",
     "ShardGroup",
+    "bucket_numel",
     "build_groups",
 ]
 
@@ -190,6 +191,17 @@ class GroupSpec:
         params, fqns = [p for _, p in pending], [n for n, _ in pending]
         reduce_dtype = self.reduce_dtype_for(pending[0][1])
         return ShardGroup(index, params, fqns, layout, masters, reduce_dtype, label, tier=policy.tier)
+
+
+BUCKETS_PER_MODEL = 16
+
+
+def bucket_numel(configured: int, trainable: int) -> int:
+    """The elements per reduction bucket: ``reduce_bucket_size``, but at most 1/16 of the
+    trainable elements. The communication buffers are as large as the groups in flight, so a
+    model smaller than one configured bucket (4M elements by default) would otherwise carry
+    buffers as large as itself; with 16 buckets they stay a few percent of the model state."""
+    return max(1, min(configured, -(-trainable // BUCKETS_PER_MODEL)))
 
 
 def build_groups(

@@ -19,6 +19,7 @@ from torch import nn
 from zero_strategy import collectives as C
 
 __all__ = [
+    "written_while_sharded",
     "check_placeholder",
     "forget_pieces",
     "is_placeholder",
@@ -95,6 +96,15 @@ def is_placeholder(t: torch.Tensor) -> bool:
     return t.numel() > 1 and t.stride() == (0,) * t.dim() and t.untyped_storage().nbytes() == t.element_size()
 
 
+def written_while_sharded(name: str) -> str:
+    return (
+        f"parameter '{name}' was written while it was sharded (the write cannot be kept: this "
+        "rank holds only a piece of it). Write full values inside `with "
+        "zero_strategy.gathered_parameters(model, modifier_rank=0):`, or inside module.apply(fn) "
+        "under sharded_init"
+    )
+
+
 def check_placeholder(t: torch.Tensor, name: str) -> None:
     """Raise if ``t`` is a placeholder that something wrote into (that write is lost)."""
     if not is_placeholder(t):
@@ -102,12 +112,7 @@ def check_placeholder(t: torch.Tensor, name: str) -> None:
     base = t.as_strided((1,), (1,), t.storage_offset())
     written = not bool(torch.isnan(base).all()) if base.dtype.is_floating_point else bool(base.ne(0).any())
     if written:
-        raise RuntimeError(
-            f"parameter '{name}' was written while it was sharded (the write cannot be kept: this "
-            "rank holds only a piece of it). Write full values inside `with "
-            "zero_strategy.gathered_parameters(model, modifier_rank=0):`, or inside module.apply(fn) "
-            "under sharded_init"
-        )
+        raise RuntimeError(written_while_sharded(name))
 
 
 def piece_of(p: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

@@ -11,7 +11,11 @@ Two policies, chosen by type:
 
 Every ZeRO-3 gather carries a two-element tag naming the unit on each rank. If ranks gather
 different units (a unit that ran on some ranks and not others), every rank raises the same
-error naming the units and the ranks, instead of swapping data silently.
+error naming the units and the ranks, instead of swapping data silently. Reading the tags on
+the host would wait for the device at every gather, so :class:`GatherChecks` reads them at once
+only while the unit order is not known (the first step, or a step that left the recorded
+order); otherwise the tags (and the placeholders' "written while sharded" check) are compared
+on the device and the outcome is read once per step, with the gradient flags.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from zero_strategy.disk_rows import DiskRows, RowSwap
 from zero_strategy.group import HostMasters, ShardGroup
 from zero_strategy.layout import ShardLayout
 from zero_strategy.offload import HOST, OffloadPolicy, OnDevice, OnDisk, host_empty
-from zero_strategy.pieces import check_placeholder, piece_of, placeholder
+from zero_strategy.pieces import check_placeholder, is_placeholder, piece_of, placeholder, written_while_sharded
 from zero_strategy.states import SHARDED_TRANSITIONS, ShardedState, check_transition
 
 if TYPE_CHECKING:
@@ -142,6 +146,75 @@ def refresh_masters(g: ShardGroup) -> None:
             g.masters[i].data.copy_(p.detach().reshape(-1)[slice(*g.layout.local_range(i))])
 
 
+class GatherChecks:
+    """The checks every ZeRO-3 gather makes (all ranks gathered this unit; no parameter was
+    written while it was sharded), shared by the units of one engine.
+
+    With ``deferred`` False each gather is checked as it completes (a host read per gather).
+    With ``deferred`` True (the scheduler's steady state) the comparisons stay on the device:
+    :meth:`flag` gives one element that is nonzero if any failed, for the caller's own
+    agreement (the gradient flags' all-reduce), and :meth:`report` raises the error of the
+    first failure on this rank; :meth:`check_now` reads the flag itself (a forward without
+    a backward)."""
+
+    MAX_PENDING = 4096  # deferred records kept before they are read (long accumulation)
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names = names
+        self.deferred = False
+        self._bad: torch.Tensor | None = None
+        self._tags: list[tuple[str, int, torch.Tensor, str]] = []
+        self._written: list[tuple[list[str], torch.Tensor]] = []
+
+    def gathered(self, unit: UnitStorage, tags: torch.Tensor, step: str) -> None:
+        """``tags``: the unit tag each rank sent. Before the full parameters replace the placeholders."""
+        if not self.deferred:
+            found = [int(t) for t in tags.tolist()]
+            if any(t != unit.tag for t in found):
+                raise UnitDivergence(_divergence_message(unit.name, unit.tag, found, self.names, step))
+            for p, fqn in zip(unit.params, unit.fqns):
+                check_placeholder(p.data, fqn)
+            return
+        bad = (tags != unit.tag).any()
+        self._tags.append((unit.name, unit.tag, tags, step))
+        held = [(p.data, fqn) for p, fqn in zip(unit.params, unit.fqns) if is_placeholder(p.data)]
+        if held:
+            base = torch.cat([t.as_strided((1,), (1,), t.storage_offset()) for t, _ in held])
+            written = ~torch.isnan(base) if base.dtype.is_floating_point else base.ne(0)
+            self._written.append(([fqn for _, fqn in held], written))
+            bad = bad | written.any()
+        self._bad = bad if self._bad is None else self._bad | bad
+        if len(self._tags) > self.MAX_PENDING:
+            self.check_now()
+
+    def flag(self) -> torch.Tensor | None:
+        """One int32 element, nonzero if a deferred check failed (None: nothing pending)."""
+        return None if self._bad is None else self._bad.to(torch.int32).reshape(1)
+
+    def report(self, failed: bool) -> None:
+        """Forget what is pending; with ``failed`` (on some rank), raise this rank's error."""
+        tags, written = self._tags, self._written
+        self._bad, self._tags, self._written = None, [], []
+        if not failed:
+            return
+        for fqns, w in written:
+            for fqn, hit in zip(fqns, w.tolist()):
+                if hit:
+                    raise RuntimeError(written_while_sharded(fqn))
+        for name, tag, t, step in tags:
+            found = [int(v) for v in t.tolist()]
+            if any(v != tag for v in found):
+                raise UnitDivergence(_divergence_message(name, tag, found, self.names, step))
+        raise RuntimeError(
+            "another rank found a failed ZeRO-3 gather check in this step (diverged units or a parameter written "
+            "while sharded); its error names it"
+        )
+
+    def check_now(self) -> None:
+        if self._bad is not None:
+            self.report(bool(self._bad))
+
+
 class GatherMeter:
     """Bytes of full parameters gathered right now, and the peak since the last reset."""
 
@@ -192,8 +265,10 @@ class UnitStorage:
         row_policy: OffloadPolicy | None = None,
         host_masters: HostMasters | None = None,
         row_swap: RowSwap | None = None,
+        checks: GatherChecks | None = None,
     ) -> None:
         self.label, self.tag, self.ctx, self.meter = label, tag, ctx, meter
+        self.checks = checks or GatherChecks({})
         named = list(trainable) + list(frozen)
         self.params = [p for _, p in named]
         self.fqns = [n for n, _ in named]
@@ -360,15 +435,14 @@ class UnitStorage:
         self._handle.wait()
         n, s = self.ctx.world_size, self.layout.shard_numel + TAG
         rows = self._buf.view(n, s)
-        tags = (rows[:, -TAG] + 128 * rows[:, -1]).round().long().tolist()
-        if any(t != self.tag for t in tags):
+        try:
+            self.checks.gathered(self, (rows[:, -TAG] + 128 * rows[:, -1]).round().long(), self._step)
+        except UnitDivergence:
             self.ctx.pool.put(self._buf)
             self._handle, self._buf = None, None
             self._to(ShardedState.SHARDED, "a diverged gather")
             self.meter.add(-self.full_bytes)
-            raise UnitDivergence(_divergence_message(self.name, self.tag, tags, names, self._step))
-        for p, fqn in zip(self.params, self.fqns):
-            check_placeholder(p.data, fqn)
+            raise
         with torch.no_grad():
             for p, f, nbytes in zip(self.params, self.full, self._numel_bytes):
                 f.untyped_storage().resize_(nbytes)
@@ -476,6 +550,8 @@ class ShardedParams(ParamStorage):
         labels = [fqn for fqn, _ in units] + ["<root>"]
         self.units: list[UnitStorage] = []
         self.groups: list[ShardGroup] = []
+        self.names: dict[int, str] = {}
+        self.checks = GatherChecks(self.names)  # filled below; the scheduler sets ``deferred``
         total = sum(p.numel() for _, p in named if p.requires_grad)
         offloaded = 0
         for k, pending in enumerate(members):
@@ -494,13 +570,13 @@ class ShardedParams(ParamStorage):
                 offloaded += sum(p.numel() for _, p in trainable)
             u = UnitStorage(labels[k], len(self.units) + 1, trainable, frozen, ctx, precision, self.meter,
                             persistence_threshold, group_index=len(self.groups), row_policy=offload_params,
-                            host_masters=host, row_swap=row_swap)  # fmt: skip
+                            host_masters=host, row_swap=row_swap, checks=self.checks)  # fmt: skip
             self.units.append(u)
             if u.group is not None:
                 self.groups.append(u.group)
         for u in self.units:  # every unit was built: only now do the parameters lose their data
             u.take_over()
-        self.names = {u.tag: u.name for u in self.units}
+        self.names.update({u.tag: u.name for u in self.units})
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._unit_of_group = {id(u.group): u for u in self.units if u.group is not None}
 
@@ -527,10 +603,11 @@ class ShardedParams(ParamStorage):
             units = [u for u in self.units if id(u) in found]
         was = [u.state for u in units]
         where = f"gathered_parameters ({step})"
-        for u in units:
-            u.unshard_async(where)
-        for u in units:
-            u.wait_unshard(self.names)
+        with self.immediate_checks():
+            for u in units:
+                u.unshard_async(where)
+            for u in units:
+                u.wait_unshard(self.names)
         try:
             yield
         finally:
@@ -546,6 +623,15 @@ class ShardedParams(ParamStorage):
             for u, state in zip(units, was):
                 if state is ShardedState.SHARDED:
                     u.reshard()
+
+    @contextlib.contextmanager
+    def immediate_checks(self) -> Iterator[None]:
+        """Gathers outside the scheduler's steps (``gathered_parameters``, ``destroy``) are checked at once."""
+        saved, self.checks.deferred = self.checks.deferred, False
+        try:
+            yield
+        finally:
+            self.checks.deferred = saved
 
     def load_full(self, p: torch.Tensor, full: torch.Tensor) -> None:
         u, i = self._unit_of_or_raise(p, "load_full")
@@ -573,6 +659,7 @@ class ShardedParams(ParamStorage):
 
     def materialize(self, step: str) -> None:
         """Gather every unit and leave its full parameters in the module for good (destroy)."""
+        self.checks.deferred = False
         for u in self.units:
             u.unshard_async(step)
         for u in self.units:

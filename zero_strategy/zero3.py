@@ -70,6 +70,7 @@ class UnitScheduler:
         self.root: UnitStorage | None = by_label.get("<root>")
         self.all_units = storages
         self.names = storage.names
+        self.checks = storage.checks
         self.step = "step 0"  # the engine's step, for messages and collective names
         self.order: list[int] | None = None  # recorded forward order (tags)
         self._seq: list[int] = []  # this step's forward order so far
@@ -169,6 +170,8 @@ class UnitScheduler:
         self._training = training
         self._seq = []
         self._on_path = True
+        # a known unit order: each gather's checks stay on the device until the step's flags
+        self.checks.deferred = self.order is not None
         pinned = [u for u in self.all_units if u.tag in self.pinned]
         for u in ([self.root] if self.root is not None else []) + pinned:
             self._gather(u)
@@ -181,6 +184,8 @@ class UnitScheduler:
         if ok and self._checking():
             self._agree(0)  # a rank that skipped the last list units meets the others here
         if not torch.is_grad_enabled():
+            if ok:  # no backward follows: this forward's deferred gather checks are read now
+                self.checks.check_now()
             for u in self.all_units:  # eval / no_grad: nothing but persistent units stays gathered
                 if ok or u.state is not ShardedState.UNSHARDING:
                     u.release()
@@ -196,6 +201,7 @@ class UnitScheduler:
             self._seq.append(u.tag)
             if self.order is not None and self._on_path and (pos >= len(self.order) or self.order[pos] != u.tag):
                 self._on_path = False
+                self.checks.deferred = False  # off the recorded order: check each gather at once
                 if not self._warned_order:
                     self._warned_order = True
                     log.warning(

@@ -12,9 +12,10 @@ import pytest
 from zero_strategy.testing import run_subtests
 
 # the production code paths: native collectives (NCCL's path, here on gloo), no overlap, and
-# gradients reduced in bf16 against DDP's bf16 compress hook (world size 2)
+# gradients reduced in bf16 or fp16 (communication_data_type) against DDP's compress hooks (world size 2)
 PATHS = [{"impl": "native"}, {"impl": "native", "accum": "no_sync", "clip": 0.05}, {"overlap": False},
-         {"overlap": False, "accum": "plain"}, {"reduce": "bf16"}, {"reduce": "bf16", "accum": "no_sync", "clip": 0.05}]  # fmt: skip
+         {"overlap": False, "accum": "plain"}, {"reduce": "bf16"}, {"reduce": "bf16", "accum": "no_sync", "clip": 0.05},
+         {"reduce": "fp16", "impl": "native"}, {"reduce": "fp16", "accum": "no_sync", "clip": 0.05}]  # fmt: skip
 
 
 def _cells(full: bool, world: int = 2) -> list[dict]:

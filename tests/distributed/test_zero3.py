@@ -34,7 +34,9 @@ def _cells(full: bool, world: int = 2) -> list[dict]:
     # the production code paths: native collectives (NCCL's), no overlap, bf16 reduction (DDP's bf16 hook)
     paths = [{"impl": "native"}, {"impl": "native", "accum": "no_sync"}, {"overlap": False, "accum": "plain"}]
     paths += (
-        [{"reduce": "bf16"}, {"reduce": "bf16", "accum": "no_sync", "clip": 0.05}] if world == 2 else []
+        [{"reduce": "bf16"}, {"reduce": "bf16", "accum": "no_sync", "clip": 0.05}, {"reduce": "fp16", "clip": 0.05}]
+        if world == 2
+        else []
     )  # see zero12
     return cells + [dict(stage=3, **p) for p in paths]
 

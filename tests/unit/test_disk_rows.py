@@ -16,6 +16,7 @@ from torch import nn
 import zero_strategy as zs
 from tests.unit.test_disk_tier import _train
 from zero_strategy.disk import ALIGN
+from zero_strategy.disk_rows import RowSwap
 from zero_strategy.pieces import is_placeholder
 
 
@@ -59,7 +60,9 @@ def test_rows_live_in_files_and_train_bit_equal(tmp_path, opt_device: str) -> No
     units = engine.params.units
     assert len(units) == 4 and all(is_placeholder(u.row) or u.row.numel() <= 1 for u in units)
     rows = engine.disk.row_swap
-    assert rows is not None and rows.buffer_bytes == ALIGN  # 100 fp32 elements, one block: not the default 1e8
+    assert rows is not None and rows.chunk_bytes() == ALIGN  # 100 fp32 elements per call, one block
+    # the slabs resident rows live in: at most two kept, each one unit's rows (not buffer_size x buffer_count)
+    assert 0 < rows.buffer_bytes <= RowSwap.KEEP * max(f.nbytes for f in rows.files)
     stats = engine.memory_stats()
     files = {f.path: os.path.getsize(f.path) for f in rows.files}
     assert stats["param_shards"] == sum(files.values()) == rows.disk_bytes() > 0

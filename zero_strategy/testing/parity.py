@@ -215,11 +215,12 @@ def use_extra(c: Cell, step: int, rank: int) -> bool:
     return False
 
 
-def _bf16_compress_hook(state, bucket):
-    """DDP's ``bf16_compress_hook`` (which refuses CPUs): the bucket cast to bf16 and divided by
-    the world size, all-reduced in bf16, cast back."""
+def _compress_hook(dtype, bucket):
+    """DDP's ``fp16_compress_hook``/``bf16_compress_hook`` (the bf16 one refuses CPUs): the bucket
+    cast to ``dtype`` (the hook's state) and divided by the world size, all-reduced in it, cast
+    back."""
     buf = bucket.buffer()
-    compressed = buf.to(torch.bfloat16).div_(dist.get_world_size())
+    compressed = buf.to(dtype).div_(dist.get_world_size())
     fut = dist.all_reduce(compressed, async_op=True).get_future()
 
     def decompress(f):
@@ -254,8 +255,8 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
     if mode == "ddp":
         static = c.ckpt == "reentrant"
         ddp = DDP(model, find_unused_parameters=c.unused != "none" and not static, static_graph=static)
-        if c.reduce == "bf16":
-            ddp.register_comm_hook(None, _bf16_compress_hook)
+        if c.reduce != "fp32":
+            ddp.register_comm_hook(DTYPES[c.reduce], _compress_hook)
         wrapped, no_sync = ddp, ddp.no_sync
     elif mode == "zero":
         policy = {Block} if c.policy == "blocks" else None

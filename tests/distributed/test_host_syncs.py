@@ -1,0 +1,137 @@
+"""Host synchronisations per steady-state step, counted at world size 2 (issue 13, part 2).
+
+On CUDA every value read on the host (``tolist``, ``item``, ``bool(t)``, ...) waits for the
+device. The engine may make only the documented ones per optimizer step (README, "Host
+synchronisation"): one for the used-gradient flags, one for fp16's overflow check, and the
+default policy's routing agreements (one per unit of a list that might run conditionally,
+plus one at the end of the forward). None per unit or per parameter: ZeRO-3's gather tags and
+placeholder checks are compared on the device after the first step and reported with the
+gradient flags. On CPU the calls cost nothing, so they are counted
+(``zero_strategy.testing.syncs``)."""
+
+from __future__ import annotations
+
+from zero_strategy.testing import run_subtests
+
+WARMUP, STEPS = 2, 3
+LAYERS = 3
+
+
+def _cells() -> list[dict]:
+    cells = []
+    for stage in (1, 2, 3):
+        cells += [
+            {"stage": stage, "precision": "fp32", "clip": None},
+            {"stage": stage, "precision": "fp32", "clip": 0.5},
+            {"stage": stage, "precision": "fp16", "clip": 0.5},
+            {"stage": stage, "precision": "bf16", "clip": None, "accum": 2},
+        ]
+    cells.append({"stage": 3, "precision": "fp32", "clip": 0.5, "policy": "default"})
+    # the deferred checks still report: a write into a sharded parameter on rank 0 after the warm-up
+    cells += [{"stage": 3, "precision": "fp32", "clip": None, "write": w} for w in ("step", "eval")]
+    return cells
+
+
+def _expected(c: dict) -> int:
+    """The documented list, per optimizer step."""
+    n = 1  # the used-gradient flag agreement (carries ZeRO-3's deferred gather checks too)
+    n += c["precision"] == "fp16"  # the overflow check
+    if c.get("policy") == "default":  # the default policy's routing agreements, per forward
+        n += (LAYERS + 1) * c.get("accum", 1)
+    return n
+
+
+def _run(c: dict, rank: int, world: int) -> dict:
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.models import GPT, GPTConfig, synthetic_batch
+    from zero_strategy.models.gpt import Block
+    from zero_strategy.testing.syncs import HostSyncCounter
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layer=LAYERS, n_head=2)
+    torch.manual_seed(0)
+    zero = {"stage": c["stage"], "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0}
+    conf: dict = {"zero_optimization": zero}
+    if c["clip"] is not None:
+        conf["gradient_clipping"] = c["clip"]
+    if c["precision"] != "fp32":
+        conf[c["precision"]] = {"enabled": True}
+    policy = None if c.get("policy") == "default" else {Block}
+    model, opt = zs.initialize(GPT(cfg), lambda p: torch.optim.AdamW(p, lr=1e-3), config=conf, policy=policy)
+    accum = c.get("accum", 1)
+    if c.get("write"):
+        return _written_after_warmup(c, model, opt, cfg, rank)
+    counts, losses = [], []
+    for step in range(WARMUP + STEPS):
+        counter = HostSyncCounter()
+        with counter:
+            for micro in range(accum):
+                x, y = synthetic_batch(cfg, 2, step * accum + micro, seed=rank)
+                loss = model.loss(x, y)
+                zs.backward(loss, model=model)
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        counts.append(counter)
+    steady = counts[WARMUP:]
+    want = _expected(c)
+    for k, counter in enumerate(steady):
+        if counter.total != want:
+            raise AssertionError(
+                f"{c}: step {WARMUP + k} made {counter.total} host syncs, the documented list allows {want}: "
+                f"{dict(counter.calls)}"
+            )
+    values = torch.stack(losses).tolist()
+    if not all(v == v and abs(v) < 1e3 for v in values):
+        raise AssertionError(f"{c}: losses not finite: {values}")
+    return {"counts": [s.total for s in steady]}
+
+
+def _written_after_warmup(c: dict, model, opt, cfg, rank: int) -> dict:
+    """After the warm-up the gather checks are deferred; a write into a sharded parameter is
+    still named: at the step's gradient flags on every rank (the writer names the parameter),
+    or at the end of a forward without gradients on the rank that wrote."""
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.models import synthetic_batch
+
+    for step in range(WARMUP):
+        x, y = synthetic_batch(cfg, 2, step, seed=rank)
+        zs.backward(model.loss(x, y), model=model)
+        opt.step()
+        opt.zero_grad()
+    if not model.zero_engine.params.checks.deferred:
+        raise AssertionError("after the warm-up the gather checks should be deferred")
+    if rank == 0:
+        with torch.no_grad():
+            model.blocks[1].ln1.bias.fill_(1.0)  # a placeholder: the fill changes its one element
+    x, y = synthetic_batch(cfg, 2, WARMUP, seed=rank)
+    try:
+        if c["write"] == "eval":
+            with torch.no_grad():
+                model(x)
+        else:
+            zs.backward(model.loss(x, y), model=model)
+            opt.step()
+    except RuntimeError as e:
+        msg = str(e)
+    else:
+        msg = "no error"
+    want = "'blocks.1.ln1.bias' was written while it was sharded" if rank == 0 else "another rank found"
+    if c["write"] == "eval" and rank == 1:
+        want = "no error"  # without a backward nothing is agreed: the rank that wrote raises
+    if want not in msg:
+        raise AssertionError(f"{c} rank {rank}: expected {want!r}, got {msg!r}")
+    return {"message": msg}
+
+
+def _worker(rank: int, world: int) -> int:
+    cells = _cells()
+    run_subtests(lambda **kw: _run(kw, rank, world), cells, label="host syncs per step")
+    return len(cells)
+
+
+def test_host_syncs_per_step_are_the_documented_ones(launch) -> None:
+    assert launch(_worker, 2, timeout=300) == [len(_cells())] * 2
