@@ -19,12 +19,13 @@ from zero_strategy.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from zero_strategy.collectives import CollectiveError, comm_stats, reset_comm_stats
+from zero_strategy.collectives import CollectiveError, comm_report, comm_stats, reset_comm_stats
 from zero_strategy.config import ZeroConfig, resolve_overrides
 from zero_strategy.construction import sharded_init
 from zero_strategy.export import export_full, full_state_dict
 from zero_strategy.loading import load_full_state_dict
 from zero_strategy.partition import zero_auto_partition
+from zero_strategy.profiling import profile
 from zero_strategy.unit import UnitDivergence
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "backward",
     "begin_versioned_save",
     "clip_grad_norm_",
+    "comm_report",
     "comm_stats",
     "commit_versioned_save",
     "destroy",
@@ -46,6 +48,7 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",
+    "profile",
     "read_checkpoint_object",
     "replace_optimizer",
     "resolve_checkpoint",

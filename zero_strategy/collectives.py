@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero_strategy import profiling as P
+
 __all__ = [
     "CollectiveError",
     "agree_on_failure",
@@ -38,7 +40,9 @@ __all__ = [
     "all_reduce",
     "bounded_group",
     "broadcast_coalesced",
+    "comm_report",
     "comm_stats",
+    "mark_step",
     "make_context",
     "reduce_scatter",
     "reset_comm_stats",
@@ -55,27 +59,71 @@ class _Counter:
     elements: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    exposed_seconds: float = 0.0
 
 
 _STATS: dict[str, _Counter] = {}
 
 
-def _count(kind: str, elements: int, element_size: int, seconds: float) -> None:
+@dataclass
+class _StepClock:
+    """Optimizer steps marked since the last reset, and their wall time."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    last: float | None = None
+
+
+_STEPS = _StepClock()
+
+
+def _count(kind: str, elements: int, element_size: int, seconds: float, exposed: float) -> None:
     c = _STATS.setdefault(kind, _Counter())
     c.calls += 1
     c.elements += elements
     c.bytes += elements * element_size
     c.seconds += seconds
+    c.exposed_seconds += exposed
 
 
 def comm_stats() -> dict[str, dict[str, float]]:
-    """Per collective kind: ``calls``, ``elements`` and ``bytes`` (ZeRO-paper convention) and
-    ``seconds`` spent issuing and waiting in this process since the last reset."""
+    """Per collective kind: ``calls``, ``elements`` and ``bytes`` (ZeRO-paper convention),
+    ``seconds`` spent issuing and waiting in this process, and of them ``exposed_seconds``: the
+    host blocked in ``wait`` (communication not hidden behind compute), since the last reset."""
     return {k: dict(vars(v)) for k, v in _STATS.items()}
+
+
+def mark_step() -> None:
+    """An optimizer step ended (the engine calls it): the time since the previous mark is one step."""
+    now = time.perf_counter()
+    if _STEPS.last is not None:
+        _STEPS.steps += 1
+        _STEPS.seconds += now - _STEPS.last
+    _STEPS.last = now
+
+
+def comm_report() -> dict[str, float]:
+    """Per optimizer step since the last reset (call it right before the steps to measure):
+    ``step_seconds``, ``exposed_seconds`` (the host blocked on collectives), ``issue_seconds``,
+    ``exposed_pct`` (communication overhead: exposed against step time) and ``bytes``."""
+    steps = _STEPS.steps
+    per = 1.0 / steps if steps else float("nan")
+    step_s = _STEPS.seconds
+    exposed = sum(c.exposed_seconds for c in _STATS.values())
+    issued = sum(c.seconds - c.exposed_seconds for c in _STATS.values())
+    return {
+        "steps": steps,
+        "step_seconds": step_s * per,
+        "exposed_seconds": exposed * per,
+        "issue_seconds": issued * per,
+        "exposed_pct": 100.0 * exposed / step_s if step_s else float("nan"),
+        "bytes": sum(c.bytes for c in _STATS.values()) * per,
+    }
 
 
 def reset_comm_stats() -> None:
     _STATS.clear()
+    _STEPS.steps, _STEPS.seconds, _STEPS.last = 0, 0.0, time.perf_counter()  # the clock starts here
 
 
 class _ScratchPool:
@@ -244,6 +292,7 @@ class Handle:
             return
         t0 = time.perf_counter()
         peer: int | None = None
+        blocked = P.open_range(f"zero: wait {self.kind} {self.what}")
         try:
             for w, peer in zip(self._works, self._peers):  # noqa: B007  (peer: named in the error below)
                 if not self._ctx.timed_wait:
@@ -264,10 +313,13 @@ class Handle:
                 "comm_timeout: `zero_strategy: {comm_timeout: SECONDS}` in the config (default: the process "
                 "group's timeout)."
             ) from e
+        finally:
+            P.close_range(blocked)
+        exposed = time.perf_counter() - t0
         if self._finish is not None:
             self._finish()
         self.done = True
-        _count(self.kind, self._elements, self._element_size, self._seconds + time.perf_counter() - t0)
+        _count(self.kind, self._elements, self._element_size, self._seconds + time.perf_counter() - t0, exposed)
 
 
 def _done_handle(ctx: CommContext, kind: str, what: str, elements: int, element_size: int) -> Handle:
@@ -280,7 +332,8 @@ def _issue(
     """Start a collective; a peer whose connection is already closed fails it here (gloo), and
     the error names the peer when there is only one it could be."""
     try:
-        return fn()
+        with P.span(f"zero: {kind} {what}"):
+            return fn()
     except Exception as e:
         others = sorted(set(peers))
         who = (

@@ -344,15 +344,8 @@ class ZeroConfig:
     stage: int = setting(2, _to_stage, ds=_ZO)
     # elements (16 MB fp32: gloo is fastest at or below ~32 MB)
     reduce_bucket_size: int = setting(4_000_000, int_rule(1), ds=_ZO)
-    allgather_bucket_size: int = setting(
-        4_000_000,
-        int_rule(1),
-        ds=_ZO,
-        not_applied=(
-            None,
-            "bounds each parameter all-gather at ZeRO-1/2 (here each reduction bucket is gathered in one piece)",
-        ),
-    )
+    # ZeRO-1/2 gather each reduction bucket in one piece: a bucket is at most this too
+    allgather_bucket_size: int = setting(4_000_000, int_rule(1), ds=_ZO)
     overlap_comm: bool = setting(True, to_bool, ds=_ZO)
     contiguous_gradients: bool = setting(
         True,
@@ -376,12 +369,8 @@ class ZeroConfig:
     offload_param: OffloadConfig = setting(OffloadConfig(), read=_OFFLOAD, ds=_ZO)
     stage3_max_live_parameters: int = setting(1_000_000_000, int_rule(0), ds=_ZO)
     stage3_max_reuse_distance: int = setting(1_000_000_000, int_rule(0), ds=_ZO)
-    stage3_prefetch_bucket_size: int = setting(
-        50_000_000,
-        int_rule(0),
-        ds=_ZO,
-        not_applied=(None, "bounds the bytes prefetched at ZeRO-3 (here `prefetch` whole units are gathered ahead)"),
-    )
+    # elements gathered ahead of use at ZeRO-3 (whole units, at most `prefetch` of them; 0: no prefetch)
+    stage3_prefetch_bucket_size: int = setting(50_000_000, int_rule(0), ds=_ZO)
     stage3_param_persistence_threshold: int = setting(100_000, int_rule(0), ds=_ZO)
     stage3_gather_16bit_weights_on_model_save: bool = setting(
         False,

@@ -159,6 +159,7 @@ class ZeroEngine:
         if isinstance(self.params, ShardedParams):
             settings = Zero3Settings(
                 prefetch=config.prefetch,
+                prefetch_bucket_size=config.stage3_prefetch_bucket_size,
                 max_live_parameters=config.stage3_max_live_parameters,
                 max_reuse_distance=config.stage3_max_reuse_distance,
                 check_unit_order=config.check_unit_order,
@@ -207,7 +208,9 @@ class ZeroEngine:
             total_numel=sum(p.numel() for _, p in named if p.requires_grad),
         )
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        bucket = bucket_numel(config.reduce_bucket_size, sum(p.numel() for _, p in trainable))
+        bucket = bucket_numel(
+            min(config.reduce_bucket_size, config.allgather_bucket_size), sum(p.numel() for _, p in trainable)
+        )
         self.groups = build_groups(list(reversed(trainable)), spec, bucket_numel=bucket)
         with torch.no_grad():  # 16-bit parameters, after the fp32 masters were taken from them
             for _, p in named:
@@ -572,6 +575,7 @@ class ZeroEngine:
         if not skipped:
             self.params.after_step(self._step_label())
         self.step_count += 1
+        C.mark_step()  # the step's wall time, against which comm_report() sets the exposed communication
         if self.zero3 is not None:
             self.zero3.step = self._step_label()
         if self._scratch_budget is None:  # once: the model state in memory is known after the first step

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from zero_strategy import collectives as C
+from zero_strategy import profiling as P
 from zero_strategy.grads import GradReducer
 from zero_strategy.partition import UnitPlan
 from zero_strategy.states import ShardedState
@@ -40,6 +42,7 @@ class Zero3Settings:
     """The config values the scheduler reads (pushed down by the engine)."""
 
     prefetch: int
+    prefetch_bucket_size: int  # elements gathered ahead of use, at most (whole units)
     max_live_parameters: int
     max_reuse_distance: int
     check_unit_order: bool
@@ -82,6 +85,7 @@ class UnitScheduler:
         self._fwd_pos: int | None = None  # position in the recorded order of the unit in forward
         self._bwd_pos: int | None = None  # same, for the unit whose backward runs now
         self._warned_order = False
+        self._ranges: dict[tuple[str, int], Any] = {}  # open profiler ranges (only inside zs.profile)
 
     # -- helpers ---------------------------------------------------------------------------
     def _gather(self, u: UnitStorage) -> None:
@@ -97,12 +101,16 @@ class UnitScheduler:
             if direction > 0
             else range(position - 1, max(-1, position - 1 - depth), -1)
         )
-        cap = self.settings.max_live_parameters
+        cap, budget = self.settings.max_live_parameters, self.settings.prefetch_bucket_size
+        ahead = 0  # elements this prefetch gathers
         for j in nxt:
             u = self.all_units[tags[j] - 1]
+            if u.state is not ShardedState.SHARDED:
+                continue
             live = sum(v.numel for v in self.all_units if v.state is not ShardedState.SHARDED)
-            if u.state is ShardedState.SHARDED and live + u.numel > cap:
-                return  # stage3_max_live_parameters: gather it on demand instead
+            if live + u.numel > cap or ahead + u.numel > budget:
+                return  # stage3_max_live_parameters / stage3_prefetch_bucket_size: gather it on demand instead
+            ahead += u.numel
             self._gather(u)
 
     def _reuse_soon(self, u: UnitStorage, pos: int | None, direction: int) -> bool:
@@ -181,6 +189,8 @@ class UnitScheduler:
     def root_post_forward(self, *, ok: bool = True) -> None:
         """The forward ended (``ok``) or raised. After an exception nothing may wait on the
         other ranks: a gather still in flight stays so (its next use waits on it)."""
+        if not ok:
+            self._close_ranges("forward")
         if ok and self._checking():
             self._agree(0)  # a rank that skipped the last list units meets the others here
         if not torch.is_grad_enabled():
@@ -192,6 +202,11 @@ class UnitScheduler:
 
     # -- units -----------------------------------------------------------------------------
     def pre_forward(self, u: UnitStorage) -> None:
+        self._gather_for_forward(u)
+        if P.enabled():  # the unit's compute, named in a profile (zs.profile)
+            self._ranges[("forward", u.tag)] = P.open_range(f"zero: forward {u.name}")
+
+    def _gather_for_forward(self, u: UnitStorage) -> None:
         if u.tag in self.list_of and not self._in_backward:
             if u.tag in self.pinned or not self._agree(u.tag):
                 u.wait_unshard(self.names)  # gathered with the root
@@ -220,6 +235,7 @@ class UnitScheduler:
         u.wait_unshard(self.names)
 
     def post_forward(self, u: UnitStorage) -> None:
+        P.close_range(self._ranges.pop(("forward", u.tag), None))
         # a checkpoint's recomputation keeps it for the backward; a unit that runs again soon
         # in this forward stays gathered (stage3_max_reuse_distance); a pinned one stays too
         if not self._in_backward and u.tag not in self.pinned and not self._reuse_soon(u, self._fwd_pos, +1):
@@ -246,6 +262,12 @@ class UnitScheduler:
         if self._bwd_pos is not None:
             self._prefetch(self._bwd_pos, -1)
         u.wait_unshard(self.names)
+        if P.enabled():
+            self._ranges[("backward", u.tag)] = P.open_range(f"zero: backward {u.name}")
+
+    def _close_ranges(self, kind: str) -> None:
+        for key in [k for k in self._ranges if k[0] == kind]:
+            P.close_range(self._ranges.pop(key))
 
     def _backward_position(self, u: UnitStorage) -> int | None:
         """Where ``u``'s backward is in the recorded forward order (walked from the end)."""
@@ -255,12 +277,14 @@ class UnitScheduler:
         return next((j for j in range(start - 1, -1, -1) if self.order[j] == u.tag), None)
 
     def _finish_backward(self, u: UnitStorage) -> None:
+        P.close_range(self._ranges.pop(("backward", u.tag), None))
         if self._sync and u.group is not None:
             self.reducer.launch(u.group)
         if not self._reuse_soon(u, self._bwd_pos, -1):
             u.release()
 
     def abort_backward(self) -> None:
+        self._close_ranges("backward")
         self._in_backward = False
         self._active = None
         self._bwd_pos = None
@@ -269,6 +293,7 @@ class UnitScheduler:
 
     def end_of_backward(self) -> None:
         """After the gradient schedule reduced what was left: free the units, adopt the order."""
+        self._close_ranges("backward")
         self._in_backward = False
         self._active = None
         self._bwd_pos = None
