@@ -321,6 +321,7 @@ def _ds_clip(value: Any, where: str) -> float | None:
 _ZO, _OWN, _TOP = "zero_optimization", "zero_strategy", ""  # DeepSpeed blocks ("": the top level)
 _OFFLOAD = _nested(OffloadConfig, "device", (str,))
 _COLLECTIVE_IMPLS = ("auto", "native", "p2p")
+_GATHER_CHECKS = ("auto", "immediate", "deferred")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,6 +404,10 @@ class ZeroConfig:
     comm_timeout: float | None = setting(None, optional(float_rule(gt=0.0, le=1e9)), ds=_OWN)
     prefetch: int = setting(1, int_rule(0), ds=_OWN)  # units gathered ahead of use
     check_unit_order: bool = setting(True, to_bool, ds=_OWN)
+    # ZeRO-3's per-gather checks once the unit order is known: "immediate" (a host read per
+    # gather; every rank raises UnitDivergence), "deferred" (compared on the device, read with
+    # the step's gradient flags: no host sync per gather), "auto": deferred on an accelerator
+    gather_checks: str = setting("auto", lambda value, where: to_choice(value, where, _GATHER_CHECKS), ds=_OWN)
     collective_impl: str = setting("auto", lambda value, where: to_choice(value, where, _COLLECTIVE_IMPLS), ds=_OWN)
     _explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
 

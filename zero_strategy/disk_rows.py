@@ -150,37 +150,48 @@ class DiskRows:
         return [slab[o : o + n].view(d) for (_, d), o, n in zip(self.specs, self.offsets, self.nbytes)]
 
     @contextlib.contextmanager
-    def resident(self, *, write: bool = False) -> Iterator[list[torch.Tensor]]:
+    def resident(self, *, write: bool = False, overwrite: int | None = None) -> Iterator[list[torch.Tensor]]:
         """The rows in memory inside the block; with ``write``, what the block changed is
-        written back when the last user leaves."""
+        written back when the last user leaves. ``overwrite``: the index of a row the block
+        writes whole, which is then not read (it starts zeroed)."""
         if self.users == 0:
             self.file.check_size()
-            fresh = self.swap.take(self.file.nbytes)
+            slab = self.swap.take(self.file.nbytes)
             try:
-                self._io(fresh, reading=True)
+                self._read(slab, skip=overwrite)
+                self._slab = slab
+                self.attach(self._views(slab))
             except BaseException:
-                self.swap.give(fresh)
+                self._slab = None
+                self.swap.give(slab)
                 raise
-            self._slab = fresh
-            self.attach(self._views(fresh))
-        slab = self._slab
-        if slab is None:
+        current = self._slab
+        if current is None:
             raise AssertionError(f"the rows of {self.name} were not loaded (an engine bug)")
         self.users += 1
         try:
-            yield self._views(slab)
+            yield self._views(current)
         finally:
             self.users -= 1
             self.dirty = self.dirty or write
             if self.users == 0:
                 try:
                     if self.dirty:
-                        self._io(slab, reading=False)
+                        self._io(current, reading=False)
                 finally:
                     self.dirty = False
                     self.detach()
                     self._slab = None
-                    self.swap.give(slab)
+                    self.swap.give(current)
+
+    def _read(self, slab: torch.Tensor, *, skip: int | None) -> None:
+        """The file into ``slab``, except row ``skip`` (zeroed instead: its padding stays zero)."""
+        if skip is None:
+            self._io(slab, reading=True)
+            return
+        lo, hi = self.offsets[skip], self.offsets[skip] + _round_up(self.nbytes[skip])
+        slab[lo:hi].zero_()
+        self._io(slab, reading=True, ranges=[(0, lo), (hi, self.file.nbytes)])
 
     @contextlib.contextmanager
     def mapped(self, *, writable: bool) -> Iterator[list[torch.Tensor]]:
@@ -192,11 +203,12 @@ class DiskRows:
         whole = torch.from_file(self.file.path, shared=writable, size=self.file.nbytes, dtype=torch.uint8)
         yield self._views(whole)
 
-    def _io(self, slab: torch.Tensor, *, reading: bool) -> None:
-        """The whole file to or from ``slab`` (aligned: ``O_DIRECT`` reads straight into it), in
-        calls of at most ``buffer_size`` elements."""
+    def _io(self, slab: torch.Tensor, *, reading: bool, ranges: Sequence[tuple[int, int]] | None = None) -> None:
+        """The file (or its block-aligned byte ``ranges``) to or from ``slab`` (aligned:
+        ``O_DIRECT`` reads straight into it), in calls of at most ``buffer_size`` elements."""
         fn = os.preadv if reading else os.pwritev
         what = f"{'read' if reading else 'write'} of {self.file.path}"
         chunk = self.swap.chunk_bytes()
-        for pos in range(0, self.file.nbytes, chunk):
-            io_at(fn, self.file.fd, slab[pos : min(pos + chunk, self.file.nbytes)], pos, what)
+        for start, end in ranges if ranges is not None else [(0, self.file.nbytes)]:
+            for pos in range(start, end, chunk):
+                io_at(fn, self.file.fd, slab[pos : min(pos + chunk, end)], pos, what)

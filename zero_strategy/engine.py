@@ -163,6 +163,8 @@ class ZeroEngine:
                 max_live_parameters=config.stage3_max_live_parameters,
                 max_reuse_distance=config.stage3_max_reuse_distance,
                 check_unit_order=config.check_unit_order,
+                defer_checks=config.gather_checks == "deferred"
+                or (config.gather_checks == "auto" and self.ctx.device.type != "cpu"),
             )
             self.zero3 = UnitScheduler(self.params, self._plan, self.reducer, settings)
             self.reducer.deferred_check = self.params.checks  # read with the gradient flags
@@ -578,10 +580,11 @@ class ZeroEngine:
         C.mark_step()  # the step's wall time, against which comm_report() sets the exposed communication
         if self.zero3 is not None:
             self.zero3.step = self._step_label()
-        if self._scratch_budget is None:  # once: the model state in memory is known after the first step
+        if self._scratch_budget is None and not skipped:  # once the optimizer state exists
             stats = self.memory_stats()
             self._scratch_budget = int(SCRATCH_SHARE * (stats["model_state"] - stats["tier_disk"]))
-        self.ctx.pool.trim(self._scratch_budget)
+        if self._scratch_budget is not None:
+            self.ctx.pool.trim(self._scratch_budget)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this window's gradients (see :meth:`GradReducer.zero_grad`)."""
@@ -619,7 +622,7 @@ class ZeroEngine:
                 f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; "
                 "load weights of the same architecture or pass strict=False"
             )
-        with torch.no_grad():
+        with torch.no_grad(), self.params.loading():
             for key in keys:
                 if key not in expected:
                     continue

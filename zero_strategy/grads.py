@@ -201,7 +201,7 @@ class GradReducer:
             else:
                 grads.append(None)
         lay.pack_full(grads, inp)
-        if _narrow(g):  # as DDP's compress hooks: divided before the 16-bit sum, which then cannot overflow
+        if _narrow(g):  # as DDP's compress hooks: divided before the 16-bit sum, so the sum adds no overflow
             inp.div_(n)
         for p in g.params:
             p.grad = None  # the full gradient is not kept once it is in the bucket

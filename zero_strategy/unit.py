@@ -61,6 +61,11 @@ class ParamStorage:
         """Store the full value ``full`` of parameter ``p`` (and its master piece)."""
         raise NotImplementedError(f"{type(self).__name__}.load_full")
 
+    def loading(self) -> contextlib.AbstractContextManager[None]:
+        """Around a series of :meth:`load_full` calls (rows on disk are then read and written
+        once per unit, not once per parameter)."""
+        return contextlib.nullcontext()
+
     def after_step(self, step: str) -> None:
         """The masters changed (an optimizer step, a load): make the parameters follow."""
         raise NotImplementedError(f"{type(self).__name__}.after_step")
@@ -354,10 +359,15 @@ class UnitStorage:
             for m in self.group.masters:
                 m.data = placeholder(m.shape, m.dtype, HOST)
 
-    def resident(self, *, write: bool = False) -> contextlib.AbstractContextManager[object]:
+    def resident(
+        self, *, write: bool = False, overwrite: int | None = None
+    ) -> contextlib.AbstractContextManager[object]:
         """The persistent rows in memory inside the block (always, unless they are on disk);
-        with ``write``, changes are written back to the swap file at its end."""
-        return self.disk.resident(write=write) if self.disk is not None else contextlib.nullcontext()
+        with ``write``, changes are written back to the swap file at its end; ``overwrite``
+        (0: the trainable row, 1: the frozen one) is written whole, so it is not read first."""
+        if self.disk is None:
+            return contextlib.nullcontext()
+        return self.disk.resident(write=write, overwrite=overwrite)
 
     @contextlib.contextmanager
     def mapped(self, *, writable: bool) -> Iterator[None]:
@@ -489,7 +499,7 @@ class UnitStorage:
     def pull_masters(self) -> None:
         """The masters changed (a step, a load): separate masters are copied into the row."""
         if self.separate_masters and self.group is not None:
-            with torch.no_grad(), self.resident(write=True):
+            with torch.no_grad(), self.resident(write=True, overwrite=0):  # every trainable piece is written
                 for i, m in enumerate(self.group.masters):
                     self.piece(i).copy_(m.detach(), non_blocking=m.is_pinned())
 
@@ -579,6 +589,8 @@ class ShardedParams(ParamStorage):
         self.names.update({u.tag: u.name for u in self.units})
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._unit_of_group = {id(u.group): u for u in self.units if u.group is not None}
+        self._loading: contextlib.ExitStack | None = None  # inside loading()
+        self._loading_unit: UnitStorage | None = None
 
     def unit_of(self, p: torch.Tensor) -> tuple[UnitStorage, int] | None:
         return self._where.get(id(p))
@@ -633,8 +645,22 @@ class ShardedParams(ParamStorage):
         finally:
             self.checks.deferred = saved
 
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """The unit of the last ``load_full`` stays resident until a parameter of another unit comes."""
+        self._loading = contextlib.ExitStack()
+        try:
+            yield
+        finally:
+            stack, self._loading, self._loading_unit = self._loading, None, None
+            stack.close()
+
     def load_full(self, p: torch.Tensor, full: torch.Tensor) -> None:
         u, i = self._unit_of_or_raise(p, "load_full")
+        if self._loading is not None and self._loading_unit is not u:
+            self._loading.close()  # the previous unit is written back
+            self._loading_unit = u
+            self._loading.enter_context(u.resident(write=True))
         u.store_full(i, full)
 
     def after_step(self, step: str) -> None:

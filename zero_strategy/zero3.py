@@ -46,6 +46,7 @@ class Zero3Settings:
     max_live_parameters: int
     max_reuse_distance: int
     check_unit_order: bool
+    defer_checks: bool = False  # gather checks read once per step once the unit order is known
 
 
 class UnitScheduler:
@@ -179,7 +180,7 @@ class UnitScheduler:
         self._seq = []
         self._on_path = True
         # a known unit order: each gather's checks stay on the device until the step's flags
-        self.checks.deferred = self.order is not None
+        self.checks.deferred = self.settings.defer_checks and self.order is not None
         pinned = [u for u in self.all_units if u.tag in self.pinned]
         for u in ([self.root] if self.root is not None else []) + pinned:
             self._gather(u)

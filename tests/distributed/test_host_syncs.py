@@ -11,6 +11,8 @@ gradient flags. On CPU the calls cost nothing, so they are counted
 
 from __future__ import annotations
 
+import pytest
+
 from zero_strategy.testing import run_subtests
 
 WARMUP, STEPS = 2, 3
@@ -52,7 +54,7 @@ def _run(c: dict, rank: int, world: int) -> dict:
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layer=LAYERS, n_head=2)
     torch.manual_seed(0)
     zero = {"stage": c["stage"], "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0}
-    conf: dict = {"zero_optimization": zero}
+    conf: dict = {"zero_optimization": zero, "zero_strategy": {"gather_checks": "deferred"}}  # as on a GPU
     if c["clip"] is not None:
         conf["gradient_clipping"] = c["clip"]
     if c["precision"] != "fp32":
@@ -135,3 +137,65 @@ def _worker(rank: int, world: int) -> int:
 
 def test_host_syncs_per_step_are_the_documented_ones(launch) -> None:
     assert launch(_worker, 2, timeout=300) == [len(_cells())] * 2
+
+
+def _diverging_worker(rank: int, world: int, checks: str) -> str:
+    """Rank 1 skips the first unit after the warm-up (a unit order every rank recorded)."""
+    import torch
+    from torch import nn
+
+    import zero_strategy as zs
+    from zero_strategy.collectives import CollectiveError
+
+    class Blk(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc(x).tanh()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.out = nn.Linear(4, 8), nn.Linear(8, 1)
+            self.blocks = nn.ModuleList(Blk() for _ in range(3))
+
+        def forward(self, x: torch.Tensor, skip: int | None = None) -> torch.Tensor:
+            x = self.inp(x)
+            for k, b in enumerate(self.blocks):
+                if k != skip:
+                    x = b(x)
+            return self.out(x)
+
+    torch.manual_seed(0)
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "zero_strategy": {"gather_checks": checks, "comm_timeout": 10}}  # fmt: skip
+    model, opt = zs.initialize(Net(), lambda p: torch.optim.SGD(p, lr=0.1), config=config, policy={Blk})
+    try:
+        for step in range(3):
+            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
+            model(x, skip=0 if (step == 2 and rank == 1) else None).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    except zs.UnitDivergence as e:
+        return f"UnitDivergence: {e}"
+    except CollectiveError as e:
+        return f"CollectiveError: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("checks", ["immediate", "deferred"])
+def test_a_divergence_after_the_warm_up_stops_every_rank(launch, checks: str) -> None:
+    """Immediate checks (the default on CPU): every rank raises the same UnitDivergence.
+    Deferred (the default on a GPU): the rank that left the recorded order raises it at once;
+    the others, which cannot know without a host read, fail in their next collective within
+    ``comm_timeout`` instead of training on with the wrong unit. Nothing hangs."""
+    # after a failed collective the process group cannot be torn down cleanly: the ranks may
+    # exit non-zero once their result is written
+    messages = launch(_diverging_worker, 2, args=(checks,), timeout=120, may_die={0, 1})
+    assert messages[1].startswith("UnitDivergence") and "unit 'blocks.0'" in messages[1], messages
+    if checks == "immediate":
+        assert messages[0].startswith("UnitDivergence") and "ranks [1]" in messages[0], messages
+    else:
+        assert messages[0].startswith(("UnitDivergence", "CollectiveError")), messages
