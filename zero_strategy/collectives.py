@@ -292,7 +292,7 @@ class Handle:
             return
         t0 = time.perf_counter()
         peer: int | None = None
-        blocked = P.open_range(f"zero: wait {self.kind} {self.what}")
+        blocked = P.open_range("zero: wait", self.kind, self.what)
         try:
             for w, peer in zip(self._works, self._peers):  # noqa: B007  (peer: named in the error below)
                 if not self._ctx.timed_wait:
@@ -332,7 +332,7 @@ def _issue(
     """Start a collective; a peer whose connection is already closed fails it here (gloo), and
     the error names the peer when there is only one it could be."""
     try:
-        with P.span(f"zero: {kind} {what}"):
+        with P.span("zero:", kind, what):
             return fn()
     except Exception as e:
         others = sorted(set(peers))

@@ -81,8 +81,9 @@ class DiskTier:
             d.check_owner()
 
     def step(self, optimizer: torch.optim.Optimizer, resident: Resident, label: str) -> None:
-        """Step the disk groups (their units' rows resident around each, when the masters are
-        views of rows on disk), then agree on the outcome across ranks."""
+        """Check the swap directories' owners, step the disk groups (their units' rows resident
+        around each, when the masters are views of rows on disk), then agree on the outcome
+        across ranks."""
         if self.swapped is None:
             return
 
@@ -92,6 +93,7 @@ class DiskTier:
 
         error = None
         try:
+            self.check_owner()
             self.swapped.step(optimizer, one)
         except Exception as e:
             error = e

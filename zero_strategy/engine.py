@@ -540,7 +540,6 @@ class ZeroEngine:
         if self._skip_step:
             self.reducer.drop_master_grads()
         elif self.swapped is not None and self.optimizer is not None:
-            self.disk.check_owner()
             self.disk.step(self.optimizer, self.params.masters_resident, self._step_label())
             # the optimizer's own step skips the disk groups (stepped already); their gradients come back after
             self._stashed_grads = [(m, m.grad) for g in self.swapped.groups for m in g.masters]

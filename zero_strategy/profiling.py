@@ -30,11 +30,12 @@ def enabled() -> bool:
     return _ACTIVE[0]
 
 
-def open_range(name: str) -> Any:
-    """Start a named range (None when not profiling); end it with :func:`close_range`."""
+def open_range(*parts: str) -> Any:
+    """Start a range named by ``parts`` joined with spaces (None when not profiling, and then
+    no name is built); end it with :func:`close_range`."""
     if not _ACTIVE[0]:
         return None
-    return torch.ops.profiler._record_function_enter_new(name, None)
+    return torch.ops.profiler._record_function_enter_new(" ".join(parts), None)
 
 
 def close_range(handle: Any) -> None:
@@ -43,9 +44,9 @@ def close_range(handle: Any) -> None:
 
 
 @contextlib.contextmanager
-def span(name: str) -> Iterator[None]:
-    """A named range around the block, when profiling."""
-    handle = open_range(name)
+def span(*parts: str) -> Iterator[None]:
+    """A range named by ``parts`` around the block, when profiling."""
+    handle = open_range(*parts)
     try:
         yield
     finally:

@@ -189,8 +189,7 @@ class SwappedOptimizerState:
         self.plan(optimizer)
         if self.pool is None:
             raise AssertionError("SwappedOptimizerState.plan left no pool")
-        pool = self.pool
-        self.dir.check_owner()
+        pool = self.pool  # the directory's owner was checked by the caller (DiskTier)
         todo = [g for g in self.groups if any(m.grad is not None for m in g.masters) and g.index in self.files]
         reads: dict[int, tuple[torch.Tensor, Future[None] | None]] = {}
         writes: list[tuple[Future[None], torch.Tensor]] = []
@@ -291,8 +290,7 @@ class SwappedOptimizerState:
         reads (or, ``writable``, loads into) them without holding the state in memory. Reading
         gives the masters that have state; loading offers every master, and the masters whose
         entries the caller leaves in the dict count as loaded when the block ends."""
-        self.plan(optimizer)
-        self.dir.check_owner()
+        self.plan(optimizer)  # the directory's owner was checked by the caller (DiskTier)
         out: dict[int, dict[str, torch.Tensor]] = {}
         maps = []
         for g in self.groups:

@@ -205,7 +205,7 @@ class UnitScheduler:
     def pre_forward(self, u: UnitStorage) -> None:
         self._gather_for_forward(u)
         if P.enabled():  # the unit's compute, named in a profile (zs.profile)
-            self._ranges[("forward", u.tag)] = P.open_range(f"zero: forward {u.name}")
+            self._ranges[("forward", u.tag)] = P.open_range("zero: forward", u.name)
 
     def _gather_for_forward(self, u: UnitStorage) -> None:
         if u.tag in self.list_of and not self._in_backward:
@@ -264,7 +264,7 @@ class UnitScheduler:
             self._prefetch(self._bwd_pos, -1)
         u.wait_unshard(self.names)
         if P.enabled():
-            self._ranges[("backward", u.tag)] = P.open_range(f"zero: backward {u.name}")
+            self._ranges[("backward", u.tag)] = P.open_range("zero: backward", u.name)
 
     def _close_ranges(self, kind: str) -> None:
         for key in [k for k in self._ranges if k[0] == kind]:
