@@ -31,6 +31,7 @@ import io
 import json
 import os
 import shutil
+import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -136,6 +137,7 @@ def _state(
     optimizer: torch.optim.Optimizer | None,
     want_optim: set[str] | None,
     swapped: dict[int, dict[str, torch.Tensor]],
+    saved: set[str] | None = None,
 ) -> dict[str, Any]:
     """The DCP state dict; its tensors alias the engine's own storage where possible.
 
@@ -174,7 +176,35 @@ def _state(
     for fqn, b in persistent_buffers(engine.module).items():  # what state_dict() holds
         sd[f"model.{fqn}"] = b
     sd.update(engine.progress_state())
+    sd.update(_residuals(engine, mesh, saved))
     return sd
+
+
+def _residuals(engine: ZeroEngine, mesh: _Meshes, saved: set[str] | None) -> dict[str, Any]:
+    """Top-k compression's residuals (``compression.py``), each rank's own piece of one tensor
+    per bucket. On load (``saved``: the checkpoint's keys) they are read only into the same
+    world size and buckets; otherwise they start from zero, with a warning."""
+    fb = engine.reducer.compression
+    if fb is None:
+        return {}
+    names = engine.param_names()
+    world = engine.ctx.world_size
+    if saved is not None:
+        in_file = {k for k in saved if k.startswith("compression.")}
+        fb.reset()
+        if not in_file:
+            return {}
+        fb.allocate()
+        if not set(fb.state_keys(lambda p: names[id(p)])) <= in_file:
+            warnings.warn(
+                "load_checkpoint(): the checkpoint's top-k residuals were saved at another world size or bucket "
+                "layout (reduce_bucket_size, parameters); they start from zero here, as error feedback does at "
+                "the start of training",
+                UserWarning,
+                stacklevel=3,
+            )
+            return {}
+    return {k: _piece(engine, mesh, r, world * r.numel()) for k, r in fb.state_keys(lambda p: names[id(p)]).items()}
 
 
 def _pointer_name(engine: ZeroEngine) -> str:
@@ -645,7 +675,7 @@ def load_checkpoint(
     engine.wait_for_reductions()
     want = {k for k in saved if k.startswith("optim.")} if optimizer is not None else None
     with engine.swapped_state(writable=True) as swapped:
-        sd = _state(engine, optimizer, want, swapped)
+        sd = _state(engine, optimizer, want, swapped, saved)
         if int(meta.get("format", 1)) < 4:
             del sd["engine.loss_scaler_counters"]  # an older checkpoint: the schedule restarts its window
         dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))

@@ -8,7 +8,7 @@ collective, what it was moving and the rank.
 
 Counting follows the ZeRO paper: a reduce-scatter of a Psi-element tensor counts Psi, an
 all-gather producing Psi elements counts Psi, an all-reduce of Psi counts 2 Psi, a broadcast
-of Psi counts Psi.
+of Psi counts Psi, an all-to-all of Psi (every rank's input) counts Psi.
 
 On gloo, ``reduce_scatter_tensor`` is an all-reduce plus copies and ``all_gather_into_tensor``
 allocates a full-size temporary on every call. For those two the ``p2p`` implementation
@@ -38,6 +38,7 @@ __all__ = [
     "Handle",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "bounded_group",
     "broadcast_coalesced",
     "comm_report",
@@ -432,6 +433,44 @@ def reduce_scatter(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, wh
     peer_list = [j for j in peers for _ in range(2)]  # a send and a receive each
     return Handle(
         ctx, "reduce_scatter", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0, finish, peer_list
+    )
+
+
+def all_to_all(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, what: str) -> Handle:
+    """Exchange equal rows: row ``j`` of ``inp`` (world_size * S, rank-major) goes to rank ``j``,
+    which receives it as row ``rank`` of its ``out``. Used by top-k compression, whose rows are
+    (index, value) pairs for each destination's shard."""
+    n = ctx.world_size
+    if out.numel() != inp.numel() or inp.numel() % n:
+        raise AssertionError(
+            f"rank {ctx.rank}: all_to_all of {what}: inp has {inp.numel()} and out {out.numel()} elements; "
+            f"both must be {n} equal rows"
+        )
+    s = inp.numel() // n
+    t0 = time.perf_counter()
+    rows, recv = inp.view(n, s), out.view(n, s)
+    recv[ctx.rank].copy_(rows[ctx.rank])
+    if not ctx.distributed:
+        return _done_handle(ctx, "all_to_all", what, inp.numel(), inp.element_size())
+    if ctx.impl == "native":
+        works = _issue(
+            ctx, "all_to_all", what, lambda: [dist.all_to_all_single(out, inp, group=ctx.group, async_op=True)]
+        )
+        return Handle(ctx, "all_to_all", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0)
+    peers = [j for j in range(n) if j != ctx.rank]
+
+    def p2p() -> list[dist.Work]:
+        ops = []
+        for j in peers:
+            peer = ctx.global_ranks[j]
+            ops.append(dist.P2POp(dist.isend, rows[j], peer, ctx.group))
+            ops.append(dist.P2POp(dist.irecv, recv[j], peer, ctx.group))
+        return dist.batch_isend_irecv(ops)
+
+    works = _issue(ctx, "all_to_all", what, p2p, peers)
+    peer_list = [j for j in peers for _ in range(2)]  # a send and a receive each
+    return Handle(
+        ctx, "all_to_all", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0, peers=peer_list
     )
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from zero_strategy.comm_config import CompressionConfig
 from zero_strategy.config_values import (
     Reader,
     Rule,
@@ -409,6 +410,10 @@ class ZeroConfig:
     # the step's gradient flags: no host sync per gather), "auto": deferred on an accelerator
     gather_checks: str = setting("auto", lambda value, where: to_choice(value, where, _GATHER_CHECKS), ds=_OWN)
     collective_impl: str = setting("auto", lambda value, where: to_choice(value, where, _COLLECTIVE_IMPLS), ds=_OWN)
+    # top-k gradient compression with error feedback, ZeRO-1/2 (compression.py)
+    compression: CompressionConfig = setting(
+        CompressionConfig(), read=_nested(CompressionConfig, "type", (str,)), ds=_OWN
+    )
     _explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:

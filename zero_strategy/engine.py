@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from zero_strategy import collectives as C
 from zero_strategy._swap import unswap_class
+from zero_strategy.compression import build_compression, check_compression
 from zero_strategy.config import ZeroConfig, not_applied_settings
 from zero_strategy.construction import materialize_full
 from zero_strategy.disk_tier import DiskTier
@@ -92,6 +93,7 @@ class ZeroEngine:
                 warnings.warn(message, UserWarning, stacklevel=3)
         # where the optimizer's side and ZeRO-3's rows live (bad offload settings fail here, before any change)
         self.offload_optimizer, self.offload_params = optimizer_offload(config), param_offload(config)
+        check_compression(config.compression, config.stage)
         self.module = module
         self.config = config
         first = next(module.parameters(), None)
@@ -155,6 +157,9 @@ class ZeroEngine:
             max_in_flight=2 if config.overlap_comm else 0,
             grad_factor=lambda: 1.0 / (self.ctx.world_size * self.scaler.scale),
             describe_step=self._step_label,
+            compression=build_compression(
+                config.compression, self.groups, self.ctx, stage=config.stage, steps=lambda: self.step_count
+            ),
         )
         if isinstance(self.params, ShardedParams):
             settings = Zero3Settings(
@@ -711,6 +716,7 @@ class ZeroEngine:
             self.optimizer,
             self.disk.disk_bytes(),
             self.ctx.device,
+            self.reducer.compression.residuals.values() if self.reducer.compression is not None else (),
         )
         out["swap_buffers"] = self.disk.buffer_bytes()
         out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps

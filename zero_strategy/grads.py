@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from zero_strategy import collectives as C
+from zero_strategy.compression import ErrorFeedback, SparseExchange
 from zero_strategy.group import ShardGroup
 
 __all__ = [
@@ -103,8 +104,9 @@ def _narrow(g: ShardGroup) -> bool:
 class _InFlight:
     group: ShardGroup
     handle: C.Handle
-    inp: torch.Tensor
-    out: torch.Tensor
+    inp: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    sparse: SparseExchange | None = None  # top-k compression's exchange instead of a reduce-scatter
 
 
 class DeferredCheck(Protocol):
@@ -124,8 +126,10 @@ class GradReducer:
         max_in_flight: int,
         grad_factor: Callable[[], float],
         describe_step: Callable[[], str],
+        compression: ErrorFeedback | None = None,
     ) -> None:
         self.groups = list(groups)
+        self.compression = compression  # top-k with error feedback (compression.py), or None
         self.ctx = ctx
         self.max_in_flight = max_in_flight  # reductions left running while backward goes on
         self._grad_factor = grad_factor
@@ -192,7 +196,8 @@ class GradReducer:
     def _launch(self, g: ShardGroup) -> None:
         self._launched[g.index] = True
         lay, n = g.layout, self.ctx.world_size
-        inp = self.ctx.pool.get(n * lay.shard_numel, g.reduce_dtype, g.device)
+        sparse = self.compression is not None and self.compression.active()
+        inp = self.ctx.pool.get(n * lay.shard_numel, g.master_dtype if sparse else g.reduce_dtype, g.device)
         grads: list[torch.Tensor | None] = []
         for p in g.params:
             if p.grad is not None:
@@ -201,36 +206,50 @@ class GradReducer:
             else:
                 grads.append(None)
         lay.pack_full(grads, inp)
-        if _narrow(g):  # as DDP's compress hooks: divided before the 16-bit sum, so the sum adds no overflow
+        if _narrow(g) and not sparse:  # as DDP's compress hooks: divided before the 16-bit sum (no overflow)
             inp.div_(n)
         for p in g.params:
             p.grad = None  # the full gradient is not kept once it is in the bucket
-        out = self.ctx.pool.get(lay.shard_numel, g.reduce_dtype, g.device)
         while self._in_flight and len(self._in_flight) >= max(self.max_in_flight, 1):  # bounded scratch
             self._complete(self._in_flight.popleft())
-        handle = C.reduce_scatter(self.ctx, out, inp, what=f"gradients of {g.name} ({self._describe_step()})")
-        self._in_flight.append(_InFlight(g, handle, inp, out))
+        what = f"gradients of {g.name} ({self._describe_step()})"
+        if self.compression is not None and sparse:
+            skip = [i for i, x in enumerate(grads) if x is None]
+            exchange = self.compression.launch(g, inp, self._grad_factor(), skip, what)
+            self.ctx.pool.put(inp)  # added into the residual already
+            self._in_flight.append(_InFlight(g, exchange.handle, sparse=exchange))
+        else:
+            out = self.ctx.pool.get(lay.shard_numel, g.reduce_dtype, g.device)
+            handle = C.reduce_scatter(self.ctx, out, inp, what=what)
+            self._in_flight.append(_InFlight(g, handle, inp, out))
         if self.max_in_flight == 0:
             self.wait_all()
 
     def _complete(self, f: _InFlight) -> None:
-        f.handle.wait()
         g = f.group
-        if _narrow(g):  # divided by the world size already; the loss scale comes off in the master dtype
-            out = f.out.to(device=g.master_device, dtype=g.master_dtype)
-            rest = self._grad_factor() * self.ctx.world_size
-            if rest != 1.0:
-                out.mul_(rest)
+        if f.sparse is not None:  # averaged and unscaled by the sender already
+            scratch = f.sparse.finish()
+            out = scratch.to(g.master_device)
         else:
-            f.out.mul_(self._grad_factor())
-            out = f.out.to(g.master_device)  # offloaded (g.tier "host"): copied down as each bucket finishes
+            f.handle.wait()
+            if f.inp is None or f.out is None:
+                raise AssertionError(f"rank {self.ctx.rank}: a reduction of {g.name} lost its buffers")
+            self.ctx.pool.put(f.inp)
+            scratch = f.out
+            if _narrow(g):  # divided by the world size already; the loss scale comes off in the master dtype
+                out = scratch.to(device=g.master_device, dtype=g.master_dtype)
+                rest = self._grad_factor() * self.ctx.world_size
+                if rest != 1.0:
+                    out.mul_(rest)
+            else:
+                scratch.mul_(self._grad_factor())
+                out = scratch.to(g.master_device)  # offloaded (g.tier "host"): copied down as each bucket finishes
         if g.grad_valid:
             g.grad_shard.add_(out)
         else:
             g.grad_shard.copy_(out)
             g.grad_valid = True
-        self.ctx.pool.put(f.inp)
-        self.ctx.pool.put(f.out)
+        self.ctx.pool.put(scratch)
 
     def finalize(self) -> list[bool]:
         """Reduce whatever is still pending on any rank; return the per-parameter "used on
@@ -282,7 +301,10 @@ class GradReducer:
             if g.grad_valid:  # compared where the shard is; no host read per group
                 flag |= (~torch.isfinite(g.grad_shard).all()).to(device=flag.device, dtype=flag.dtype)
         C.all_reduce(self.ctx, flag, op="max", what=f"overflow check ({self._describe_step()})").wait()
-        return bool(flag.item())  # the fp16 step's one more host read
+        overflow = bool(flag.item())  # the fp16 step's one more host read
+        if overflow and self.compression is not None:
+            self.compression.reset()  # the residuals hold the overflow too: the skipped step drops them
+        return overflow
 
     def master_grads(self) -> list[torch.Tensor]:
         return [m.grad for g in self.groups for m in g.masters if m.grad is not None]

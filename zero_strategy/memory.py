@@ -2,7 +2,8 @@
 
 Kinds: full parameters (at ZeRO-3 only while gathered), ZeRO-3 parameter rows (the persistent
 shards), gradient shards, master pieces that are not views, optimizer state, full gradients
-still in ``p.grad``. Each storage is counted once, however many views of it there are.
+still in ``p.grad``, and top-k compression's residuals (full size on every rank,
+``compression.py``). Each storage is counted once, however many views of it there are.
 
 Tiers: the same bytes by where the offload policy placed them (``offload.py``):
 ``tier_device``, ``tier_host_pinned``, ``tier_host_pageable``, ``tier_disk``. On a machine
@@ -21,7 +22,7 @@ from zero_strategy.unit import UnitStorage
 
 __all__ = ["KINDS", "TIERS", "model_state_bytes"]
 
-KINDS = ("params", "param_shards", "grad_shards", "masters", "optimizer_state", "full_grads")
+KINDS = ("params", "param_shards", "grad_shards", "masters", "optimizer_state", "full_grads", "residuals")
 TIERS = ("tier_device", "tier_host_pinned", "tier_host_pageable", "tier_disk")
 
 
@@ -32,6 +33,7 @@ def model_state_bytes(
     optimizer: torch.optim.Optimizer | None,
     disk_bytes: Mapping[str, int] | None = None,
     compute: torch.device | None = None,
+    residuals: Iterable[torch.Tensor] = (),
 ) -> dict[str, int]:
     """Bytes per kind, ``model_state`` (their sum) and the same per tier. ``disk_bytes``: bytes
     in swap files by kind (optimizer state, ZeRO-3 parameter rows), counted on disk. With an accelerator as
@@ -74,6 +76,8 @@ def model_state_bytes(
             for v in st.values():
                 if isinstance(v, torch.Tensor):
                     out["optimizer_state"] += nbytes(v, tier_of.get(id(master), "device"))
+    for r in residuals:
+        out["residuals"] += nbytes(r)
     for kind, n in (disk_bytes or {}).items():
         out[kind] += n
         tiers["tier_disk"] += n

@@ -29,6 +29,8 @@ def _cells() -> list[dict]:
             {"stage": stage, "precision": "bf16", "clip": None, "accum": 2},
         ]
     cells.append({"stage": 3, "precision": "fp32", "clip": 0.5, "policy": "default"})
+    # top-k compression selects, exchanges and adds on the device: no read of its own
+    cells += [{"stage": s, "precision": p, "clip": 0.5, "topk": True} for s, p in ((1, "fp32"), (2, "fp16"))]
     # the deferred checks still report: a write into a sharded parameter on rank 0 after the warm-up
     cells += [{"stage": 3, "precision": "fp32", "clip": None, "write": w} for w in ("step", "eval")]
     return cells
@@ -55,6 +57,8 @@ def _run(c: dict, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     zero = {"stage": c["stage"], "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0}
     conf: dict = {"zero_optimization": zero, "zero_strategy": {"gather_checks": "deferred"}}  # as on a GPU
+    if c.get("topk"):
+        conf["zero_strategy"]["compression"] = {"type": "topk", "ratio": 0.01}
     if c["clip"] is not None:
         conf["gradient_clipping"] = c["clip"]
     if c["precision"] != "fp32":

@@ -22,7 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import zero_strategy as zs
+from zero_strategy.comm_config import CompressionConfig
 from zero_strategy.config import DTYPES, PrecisionConfig
+from zero_strategy.memory import KINDS
 from zero_strategy.models.gpt import Block, GPTConfig
 from zero_strategy.module import ZeroModule
 from zero_strategy.optimizer import ZeroOptimizer
@@ -63,6 +65,9 @@ class Cell:
     # offload (offload.py): "cpu" optimizer state on the host, "cpu_half" half of it (ratio
     # 0.5), "param" (ZeRO-3) parameter rows and optimizer state on the host
     offload: str = "none"
+    # top-k compression's ratio (0: off); 1.0 sends every element through the sparse exchange,
+    # which must give DDP's numbers
+    topk: float = 0.0
 
 
 OFFLOADS: dict[str, dict[str, Any]] = {
@@ -83,8 +88,7 @@ def check_tiers(c: Cell, stats: dict[str, int], swap_files: list[str] | None = N
     would pass even if nothing moved, so every offload cell also checks the tiers (and, for
     the disk tier, the sizes of ``swap_files`` on disk)."""
     host = stats["tier_host_pinned"] + stats["tier_host_pageable"]
-    kinds = ("params", "param_shards", "grad_shards", "masters", "optimizer_state", "full_grads")
-    if stats["tier_device"] + host + stats["tier_disk"] != sum(stats[k] for k in kinds):
+    if stats["tier_device"] + host + stats["tier_disk"] != sum(stats[k] for k in KINDS):
         raise AssertionError(f"memory_stats tiers do not add up to the model state: {stats}")
     if c.offload == "none":
         if host or stats["tier_disk"]:
@@ -263,6 +267,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
         cfg = zs.ZeroConfig(
             stage=c.stage, reduce_bucket_size=c.bucket, prefetch=c.prefetch, stage3_param_persistence_threshold=c.persist,
             collective_impl=c.impl, overlap_comm=c.overlap, precision=PrecisionConfig(reduce_dtype=DTYPES[c.reduce]),
+            compression=CompressionConfig(type="topk", ratio=c.topk) if c.topk else CompressionConfig(),
             **OFFLOADS[c.offload],
         )  # fmt: skip
         zero_model, zero_opt = zs.initialize(model, opt, config=cfg, policy=policy)

@@ -1,0 +1,254 @@
+"""Top-k gradient compression with error feedback (``compression.py``), world size 2.
+
+- ratio 1.0 sends every element through the sparse exchange: DDP's numbers (parity cells);
+- ratio < 1: what each rank sent plus its new residual is its dense compensated gradient, the
+  sent entries are each row's largest, every rank's gradient shard is the average of what all
+  ranks sent to it, and the bytes are ``world * k * 8`` per bucket (no reduce-scatter);
+- ``warmup_steps``: dense steps first, equal to an uncompressed run;
+- checkpoints: a resumed run continues exactly; another bucket layout starts from zero residuals;
+- fp16: an overflow on one rank skips the step and clears every rank's residuals.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+from zero_strategy.testing import run_subtests
+
+PARITY = [
+    {"stage": 1},
+    {"stage": 2},
+    {"stage": 2, "dtype": "float32", "clip": 0.05},
+    {"stage": 1, "accum": "no_sync", "unused": "some_ranks"},
+    {"stage": 2, "accum": "plain", "tied": True, "frozen": True},
+    {"stage": 2, "unused": "some_steps", "late": True, "ckpt": "reentrant"},
+    {"stage": 2, "impl": "native", "overlap": False},
+]
+
+
+def _gpt():
+    import torch
+
+    from zero_strategy.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4))
+
+
+def _batch(step: int, rank: int):
+    from zero_strategy.models import GPTConfig, synthetic_batch
+
+    return synthetic_batch(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4), 4, step, seed=rank)
+
+
+def _config(stage: int, ratio: float, warmup: int = 0, bucket: int = 3000) -> dict:
+    return {
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
+        "zero_strategy": {"compression": {"type": "topk", "ratio": ratio, "warmup_steps": warmup}},
+    }
+
+
+def _step(model, opt, step: int, rank: int, *, quiet: bool = False) -> float:
+    import contextlib
+
+    import torch.nn.functional as F
+
+    x, y = _batch(step, rank)
+    with model.no_sync() if quiet else contextlib.nullcontext():
+        loss = F.cross_entropy(model(x).view(-1, 64), y.reshape(-1))
+        loss.backward()
+    return float(loss.detach())
+
+
+def _feedback(rank: int, world: int, stage: int) -> None:
+    """One compressed step, checked piece by piece against the dense gradients it came from."""
+    import torch
+    import torch.distributed as dist
+
+    import zero_strategy as zs
+    from zero_strategy.testing.compare import assert_close
+
+    ratio = 0.05
+    model, opt = zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p, lr=1e-3), config=_config(stage, ratio))
+    engine = model.zero_engine
+    fb = engine.reducer.compression
+    for step in range(3):
+        _step(model, opt, step, rank)
+        opt.step()
+        opt.zero_grad()
+    # the step under test: gradients kept local (no_sync) so they can be read before the reduction
+    _step(model, opt, 3, rank, quiet=True)
+    dense = {id(p): p.grad.detach().clone() for g in engine.groups for p in g.params if p.grad is not None}
+    before = {i: r.clone() for i, r in fb.residuals.items()}
+    zs.reset_comm_stats()
+    engine.finalize_grads()  # the reduction, as optimizer.step() starts it
+    stats = zs.comm_stats()
+    n, expected_bytes = world, 0
+    for g in engine.groups:
+        lay, k = g.layout, fb.k(g)
+        expected_bytes += n * k * 8
+        packed = torch.zeros(n * lay.shard_numel, dtype=g.master_dtype)
+        lay.pack_full([dense.get(id(p)) for p in g.params], packed)
+        compensated = before[g.index] + packed.view(n, -1) / world
+        after = fb.residuals[g.index]
+        sent = compensated - after
+        where = sent != 0
+        if not (where.sum(dim=1) <= k).all():
+            raise AssertionError(f"{g.name}: more than k={k} entries left a row: {where.sum(dim=1).tolist()}")
+        if not where.any():
+            raise AssertionError(f"{g.name}: nothing was sent")
+        # sent + residual = compensated, with the sent entries gone from the residual
+        assert_close(sent + after, compensated, rtol=0.0, atol=0.0, what=f"{g.name}: sent + residual")
+        if after[where].abs().max() != 0:
+            raise AssertionError(f"{g.name}: a sent entry stayed in the residual")
+        for row in range(n):  # the row's largest entries were the ones sent
+            kept = after[row].abs().max()
+            if where[row].any() and not sent[row][where[row]].abs().min() >= kept:
+                raise AssertionError(f"{g.name} row {row}: an unsent entry {kept} beats a sent one")
+        total = sent.clone()
+        dist.all_reduce(total)  # what every rank sent, summed: this rank's row is its shard
+        assert_close(g.grad_shard, total[rank], rtol=1e-6, atol=1e-9, what=f"{g.name}: gradient shard")
+    if stats.get("reduce_scatter", {}).get("calls", 0):
+        raise AssertionError(f"a compressed step reduce-scattered: {stats}")
+    got = stats["all_to_all"]["bytes"]
+    if got != expected_bytes:
+        raise AssertionError(f"all_to_all moved {got} bytes, expected {expected_bytes}")
+    dense_bytes = sum(n * g.layout.shard_numel * 4 for g in engine.groups)
+    if not got <= (2 * ratio + 0.01) * dense_bytes:
+        raise AssertionError(f"{got} bytes against {dense_bytes} dense at ratio {ratio}")
+    mem = engine.memory_stats()
+    psi = sum(p.numel() for p in model.parameters())
+    if not psi * 4 <= mem["residuals"] <= psi * 4 * 1.1:
+        raise AssertionError(f"residuals take {mem['residuals']} bytes; 4 psi = {4 * psi}")
+    opt.step()
+    opt.zero_grad()
+    engine.close()
+
+
+def _warmup(rank: int, world: int, stage: int) -> None:
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.testing.compare import assert_close
+
+    runs = {}
+    for name, cfg in (("dense", {"zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}),
+                      ("topk", _config(stage, 0.01, warmup=2))):  # fmt: skip
+        model, opt = zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p, lr=1e-3), config=cfg)
+        losses, kinds = [], []
+        for step in range(4):
+            zs.reset_comm_stats()
+            losses.append(_step(model, opt, step, rank))
+            opt.step()
+            opt.zero_grad()
+            kinds.append(sorted(k for k in zs.comm_stats() if k in ("reduce_scatter", "all_to_all")))
+        runs[name] = (losses, kinds)
+        model.zero_engine.close()
+    (dense, dense_kinds), (topk, topk_kinds) = runs["dense"], runs["topk"]
+    # steps 0, 1 dense; the loss of step 2 is computed after two dense updates
+    assert_close(topk[:3], dense[:3], rtol=0.0, atol=0.0, what="losses through the warm-up")
+    if topk_kinds != [["reduce_scatter"]] * 2 + [["all_to_all"]] * 2 or dense_kinds != [["reduce_scatter"]] * 4:
+        raise AssertionError(f"collectives per step: {topk_kinds} (dense {dense_kinds})")
+    if not all(math.isfinite(v) for v in topk) or topk[3] == dense[3]:
+        raise AssertionError(f"compressed steps: {topk} against dense {dense}")
+
+
+def _checkpoint(rank: int, world: int, root: str) -> None:
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.testing.compare import assert_close
+
+    def run(cfg: dict):
+        return zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p, lr=1e-2), config=cfg)
+
+    model, opt = run(_config(2, 0.02))
+    for step in range(3):
+        _step(model, opt, step, rank)
+        opt.step()
+        opt.zero_grad()
+    path = zs.save_checkpoint(root, model, opt, tag="resume")
+    saved = {i: r.clone() for i, r in model.zero_engine.reducer.compression.residuals.items()}
+    if not any(bool(r.abs().sum() > 0) for r in saved.values()):
+        raise AssertionError("no residual to save: the test would not see it lost")
+    uninterrupted = []
+    for step in range(3, 6):
+        uninterrupted.append(_step(model, opt, step, rank))
+        opt.step()
+        opt.zero_grad()
+    model.zero_engine.close()
+    # the same layout at stage 1: every residual comes back, and training continues exactly
+    model, opt = run(_config(1, 0.02))
+    zs.load_checkpoint(path, model, opt)
+    for i, r in model.zero_engine.reducer.compression.residuals.items():
+        assert_close(r, saved[i], rtol=0.0, atol=0.0, what=f"rank {rank}: residual of bucket {i}")
+    resumed = []
+    for step in range(3, 6):
+        resumed.append(_step(model, opt, step, rank))
+        opt.step()
+        opt.zero_grad()
+    assert_close(resumed, uninterrupted, rtol=0.0, atol=0.0, what=f"rank {rank}: losses after resuming")
+    model.zero_engine.close()
+    # other buckets: the residuals cannot be placed and start from zero, with a warning
+    model, opt = run(_config(2, 0.02, bucket=500))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zs.load_checkpoint(path, model, opt)
+    if not any("start from zero" in str(w.message) for w in caught):
+        raise AssertionError(f"no warning about the residuals: {[str(w.message) for w in caught]}")
+    if any(bool(r.abs().sum() > 0) for r in model.zero_engine.reducer.compression.residuals.values()):
+        raise AssertionError("residuals of another layout were loaded")
+    losses = [_step(model, opt, 3, rank)]
+    opt.step()
+    if not math.isfinite(losses[0]):
+        raise AssertionError(f"loss after loading into other buckets: {losses}")
+    model.zero_engine.close()
+
+
+def _overflow(rank: int, world: int) -> None:
+    """fp16: an inf on one rank skips the step everywhere, and every rank's residuals (which hold
+    it, or its neighbours' scaled values) start again from zero; the next step trains."""
+    import torch
+    import torch.nn.functional as F
+
+    import zero_strategy as zs
+
+    cfg = _config(2, 0.05)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    model, opt = zs.initialize(_gpt(), lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
+    fb = model.zero_engine.reducer.compression
+    inject = [False]
+    if rank == 1:
+        model.blocks[0].mlp.fc.weight.register_hook(
+            lambda g: g.index_fill(0, torch.tensor([0]), float("inf")) if inject[0] else g
+        )
+    skipped, finite = [], []
+    for step in range(4):
+        inject[0] = step == 2
+        x, y = _batch(step, rank)
+        zs.backward(F.cross_entropy(model(x).float().view(-1, 64), y.reshape(-1)))
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.step_was_skipped)
+        finite.append(all(bool(torch.isfinite(r).all()) for r in fb.residuals.values()))
+        if step == 2 and any(bool(r.abs().sum() > 0) for r in fb.residuals.values()):
+            raise AssertionError("the overflowing step left residuals")
+    if skipped != [False, False, True, False] or not all(finite):
+        raise AssertionError(f"rank {rank}: skipped {skipped}, residuals finite {finite}")
+    model.zero_engine.close()
+
+
+def _worker(rank: int, world: int, root: str) -> int:
+    from zero_strategy.testing.parity import Cell, compare
+
+    run_subtests(lambda **kw: compare(Cell(topk=1.0, **kw), rank, world), PARITY, label="top-k ratio 1.0 parity")
+    run_subtests(lambda stage: _feedback(rank, world, stage), [{"stage": 1}, {"stage": 2}], label="error feedback")
+    run_subtests(lambda stage: _warmup(rank, world, stage), [{"stage": 2}], label="warm-up")
+    run_subtests(lambda: _checkpoint(rank, world, root), [{}], label="checkpoint")
+    run_subtests(lambda: _overflow(rank, world), [{}], label="fp16 overflow")
+    return len(PARITY) + 5
+
+
+def test_topk_compression(launch, tmp_path) -> None:
+    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + 5] * 2

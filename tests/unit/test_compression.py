@@ -1,0 +1,97 @@
+"""Top-k selection with error feedback, its config, and what it refuses (one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_strategy as zs
+from zero_strategy.comm_config import CompressionConfig
+from zero_strategy.compression import select_top_k
+from zero_strategy.testing.compare import assert_close
+
+
+def test_sent_plus_residual_is_the_compensated_gradient() -> None:
+    torch.manual_seed(0)
+    residual = torch.randn(3, 50) * 0.1
+    packed = torch.randn(3, 50)
+    compensated = residual + 0.5 * packed
+    idx, values = select_top_k(residual, packed, 0.5, k=4, skip=[(10, 20)], wire_dtype=torch.float32)
+    assert idx.shape == values.shape == (3, 4) and idx.dtype == torch.int32
+    sent = torch.zeros(3, 50).scatter_(1, idx.long(), values)
+    assert_close(sent + residual, compensated, rtol=0.0, atol=0.0, what="sent + residual")
+    for row in range(3):
+        chosen = set(idx[row].tolist())
+        assert not chosen & set(range(10, 20)), "a skipped column was sent"
+        others = [j for j in range(50) if j not in chosen and not 10 <= j < 20]
+        assert compensated[row, idx[row].long()].abs().min() >= compensated[row, others].abs().max()
+        assert residual[row, idx[row].long()].abs().max() == 0  # fp32 wire: nothing left of what was sent
+    assert_close(residual[:, 10:20], compensated[:, 10:20], rtol=0.0, atol=0.0, what="skipped columns kept")
+
+
+def test_rounding_on_the_wire_stays_in_the_residual() -> None:
+    torch.manual_seed(1)
+    residual = torch.zeros(2, 64)
+    packed = torch.randn(2, 64)
+    idx, values = select_top_k(residual, packed, 1.0, k=8, skip=[], wire_dtype=torch.bfloat16)
+    assert values.dtype == torch.bfloat16
+    sent = torch.zeros(2, 64).scatter_(1, idx.long(), values.float())
+    assert_close(sent + residual, packed, rtol=0.0, atol=0.0, what="bf16 sent + residual")
+    assert residual.abs().sum() > 0  # bf16 rounded the sent values; the difference carries forward
+
+
+def test_all_skipped_sends_zeros_and_keeps_everything() -> None:
+    residual = torch.ones(2, 6)
+    packed = torch.ones(2, 6)
+    idx, values = select_top_k(residual, packed, 1.0, k=3, skip=[(0, 6)], wire_dtype=torch.float32)
+    assert values.abs().sum() == 0 and bool((residual == 2).all()), (values, residual)
+
+
+def test_config_reads_deepspeed_block_and_names_bad_values() -> None:
+    cfg = zs.ZeroConfig.from_dict(
+        {"zero_optimization": {"stage": 2}, "zero_strategy": {"compression": {"type": "topk", "ratio": "1e-3"}}}
+    )
+    assert cfg.compression == CompressionConfig(type="topk", ratio=0.001, warmup_steps=0)
+    assert zs.ZeroConfig(compression="topk").compression.enabled
+    assert zs.ZeroConfig.from_dict(cfg.to_dict()).compression == cfg.compression
+    with pytest.raises(ValueError, match="compression.ratio"):
+        zs.ZeroConfig(compression={"type": "topk", "ratio": 0})
+    with pytest.raises(ValueError, match="compression.type"):
+        zs.ZeroConfig(compression={"type": "randk"})
+    with pytest.raises(ValueError, match="warmup_steps"):
+        zs.ZeroConfig(compression={"type": "topk", "warmup_steps": -1})
+
+
+def test_stage3_refuses_topk_before_changing_the_model() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="stages 1 and 2"):
+        zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config={
+            "zero_optimization": {"stage": 3}, "zero_strategy": {"compression": {"type": "topk"}}})  # fmt: skip
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)  # still real, full tensors: nothing was sharded
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config={"stage": 2})
+    assert model.zero_engine.reducer.compression is None  # and the model can still be initialized
+
+
+def test_world_size_one_runs_compressed() -> None:
+    """A smoke test: with one rank the exchange is local; half the gradient goes each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               config={"stage": 2, "compression": {"type": "topk", "ratio": 0.5}})  # fmt: skip
+    zs.reset_comm_stats()
+    losses = []
+    for step in range(5):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    stats = zs.comm_stats()
+    assert stats["all_to_all"]["calls"] >= 5 and "reduce_scatter" not in stats, stats
+    residual = model.zero_engine.memory_stats()["residuals"]
+    assert residual >= 4 * sum(p.numel() for p in model.parameters()), residual
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    model.zero_engine.close()

@@ -1,0 +1,193 @@
+"""Top-k gradient compression with error feedback (ZeRO-1 and ZeRO-2).
+
+Dense reduction sends every gradient element: a reduce-scatter of the whole bucket. Top-k
+sends only the largest ones and keeps the rest for later:
+
+- Each rank keeps a *residual* ``e`` of the full flattened model (4 bytes per parameter,
+  **not** sharded: every rank's own unsent gradient). At each reduction of a bucket the rank
+  forms the compensated gradient ``c = e + g / (world * loss_scale)`` (its share of the
+  averaged gradient plus what it has not sent yet).
+- ``c`` is laid out like the bucket's reduce-scatter input: one row per destination rank, the
+  row being that rank's shard (``layout.py``). From each row the ``k = ceil(ratio * row)``
+  entries of largest magnitude are chosen (top-k per destination, so every rank sends exactly
+  ``k`` pairs to every other rank: equal-size exchange, no size negotiation, no host sync).
+- The chosen (index, value) pairs go to their destination in one all-to-all of bytes; each
+  rank adds what it receives into its gradient shard, which is then the average of what every
+  rank sent. What was sent (after rounding to the wire dtype) is subtracted from ``c``; the
+  rest is the new residual, so *sent + residual = dense compensated gradient* exactly.
+- A parameter without a gradient on this rank in the window sends nothing (its residual waits);
+  so a parameter no rank used gets no update, as under DDP.
+
+Bytes per bucket: ``world * k * (4 + value bytes)`` against the dense ``world * row * 4``, that
+is about ``2 * ratio`` of dense for fp32 values. ``warmup_steps`` optimizer steps at the start
+reduce densely (no residual yet). ``ratio=1.0`` sends everything: DDP's numbers.
+
+fp16: a step whose gradients overflowed is skipped, and the residuals, which hold the same
+infinities, start again from zero.
+
+Checkpoints save each rank's residual (``compression.<layout>.<bucket>``) and a resumed run
+continues exactly when world size and buckets are the same. Loaded at another world size or
+bucket layout the residuals cannot be placed: they start from zero (a warning says so), which
+drops at most the gradient mass not yet sent, as a fresh start of error feedback does.
+
+ZeRO-3 reduces each unit's gradients while its backward runs; top-k is refused there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from zero_strategy import collectives as C
+from zero_strategy.comm_config import CompressionConfig
+from zero_strategy.group import ShardGroup
+
+__all__ = [
+    "ErrorFeedback",
+    "SparseExchange",
+    "build_compression",
+    "check_compression",
+    "select_top_k",
+]
+
+_INDEX = torch.int32
+
+
+def select_top_k(
+    residual: torch.Tensor,
+    packed: torch.Tensor,
+    factor: float,
+    k: int,
+    skip: Sequence[tuple[int, int]],
+    wire_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add ``factor * packed`` to ``residual`` (both ``[world, row]``), choose the ``k`` entries
+    of largest magnitude in each row outside the ``skip`` column ranges, and take what is sent
+    out of the residual. Returns the chosen column indices (int32) and values (``wire_dtype``),
+    both ``[world, k]``; afterwards ``residual`` + sent = the compensated gradient."""
+    residual.add_(packed, alpha=factor)
+    score = residual.abs()
+    for lo, hi in skip:
+        score[:, lo:hi] = -1.0
+    top, idx = torch.topk(score, k, dim=1, sorted=False)
+    chosen = residual.gather(1, idx)
+    values = torch.where(top >= 0, chosen, torch.zeros((), dtype=chosen.dtype, device=chosen.device))
+    wire = values.to(wire_dtype)
+    residual.scatter_(1, idx, chosen - wire.to(residual.dtype))  # what was not sent (or rounded off) stays
+    return idx.to(_INDEX), wire
+
+
+class SparseExchange:
+    """One bucket's (index, value) exchange in flight; :meth:`finish` gives the summed shard."""
+
+    def __init__(self, ctx: C.CommContext, g: ShardGroup, k: int, wire: torch.dtype, send: torch.Tensor,
+                 recv: torch.Tensor, handle: C.Handle) -> None:  # fmt: skip
+        self.ctx, self.group, self.k, self.wire = ctx, g, k, wire
+        self.send, self.recv, self.handle = send, recv, handle
+
+    def finish(self) -> torch.Tensor:
+        """Wait, then add every rank's values for this rank's shard into a zeroed scratch row
+        (returned; the caller gives it back to the pool)."""
+        self.handle.wait()
+        g, n, k = self.group, self.ctx.world_size, self.k
+        rows = self.recv.view(n, -1)
+        idx = rows[:, : 4 * k].contiguous().view(_INDEX).reshape(-1).to(torch.int64)
+        values = rows[:, 4 * k :].contiguous().view(self.wire).reshape(-1).to(g.master_dtype)
+        out = self.ctx.pool.get(g.layout.shard_numel, g.master_dtype, g.device)
+        out.zero_()
+        out.index_add_(0, idx, values)  # rank order: row j came from rank j
+        self.ctx.pool.put(self.send)
+        self.ctx.pool.put(self.recv)
+        return out
+
+
+class ErrorFeedback:
+    """Each rank's residuals of top-k compression, one ``[world, row]`` tensor per bucket."""
+
+    def __init__(
+        self, config: CompressionConfig, groups: Sequence[ShardGroup], ctx: C.CommContext, steps: Callable[[], int]
+    ) -> None:
+        self.config = config
+        self.groups = list(groups)
+        self.ctx = ctx
+        self._steps = steps  # optimizer steps done (the engine's count)
+        self.residuals: dict[int, torch.Tensor] = {}  # group index -> [world, row], once compression started
+
+    def k(self, g: ShardGroup) -> int:
+        return max(1, min(g.layout.shard_numel, math.ceil(self.config.ratio * g.layout.shard_numel)))
+
+    def active(self) -> bool:
+        """Whether this step's reductions are compressed (past the warm-up); the residuals of
+        every bucket exist from the first compressed step on (the same on every rank)."""
+        if self._steps() < self.config.warmup_steps:
+            return False
+        if not self.residuals:
+            self.allocate()
+        return True
+
+    def allocate(self) -> None:
+        n = self.ctx.world_size
+        with torch.inference_mode(False):
+            for g in self.groups:
+                if g.index not in self.residuals:
+                    self.residuals[g.index] = torch.zeros(
+                        n, g.layout.shard_numel, dtype=g.master_dtype, device=g.device
+                    )
+
+    def reset(self) -> None:
+        """Residuals back to zero (an fp16 step that overflowed: they hold its infinities)."""
+        for r in self.residuals.values():
+            r.zero_()
+
+    def launch(
+        self, g: ShardGroup, packed: torch.Tensor, factor: float, skip: Sequence[int], what: str
+    ) -> SparseExchange:
+        """Compress ``packed`` (the bucket's full local gradients, rank-major, in the master
+        dtype; free to reuse on return) into the residual and send the chosen pairs."""
+        n, lay, k = self.ctx.world_size, g.layout, self.k(g)
+        residual = self.residuals[g.index]
+        cols = [(lay.offsets[i], lay.offsets[i] + lay.chunks[i]) for i in skip]
+        idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype)
+        width = k * (idx.element_size() + values.element_size())
+        send = self.ctx.pool.get(n * width, torch.uint8, g.device).view(n, width)
+        send[:, : 4 * k].copy_(idx.view(torch.uint8))
+        send[:, 4 * k :].copy_(values.view(torch.uint8))
+        recv = self.ctx.pool.get(n * width, torch.uint8, g.device)
+        handle = C.all_to_all(self.ctx, recv, send.view(-1), what=f"top-k {what}")
+        return SparseExchange(self.ctx, g, k, g.reduce_dtype, send, recv, handle)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def layout_key(self, fqn: Callable[[torch.Tensor], str]) -> str:
+        """A short digest of the world size and the buckets (their parameters and sizes): saved
+        residuals load only into the same layout."""
+        desc = [self.ctx.world_size] + [[[fqn(p) for p in g.params], list(g.layout.numels)] for g in self.groups]
+        return hashlib.sha1(json.dumps(desc).encode()).hexdigest()[:12]
+
+    def state_keys(self, fqn: Callable[[torch.Tensor], str]) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> this rank's residual (flat), for every bucket; empty before the
+        first compressed step."""
+        key = self.layout_key(fqn)
+        return {f"compression.{key}.{i}": r.view(-1) for i, r in sorted(self.residuals.items())}
+
+
+def check_compression(config: CompressionConfig, stage: int) -> None:
+    """Refuse what top-k cannot do (before the engine changes anything)."""
+    if config.enabled and stage == 3:
+        raise ValueError(
+            "compression.type='topk' works at ZeRO stages 1 and 2: ZeRO-3 reduces each unit's gradients while "
+            "its backward runs and keeps no full-size gradient to compensate. Use stage 2, or set "
+            "compression: {type: none}"
+        )
+
+
+def build_compression(
+    config: CompressionConfig, groups: Sequence[ShardGroup], ctx: C.CommContext, *, stage: int,
+    steps: Callable[[], int],
+) -> ErrorFeedback | None:  # fmt: skip
+    """The error-feedback state for ``config`` (None without compression)."""
+    check_compression(config, stage)
+    return ErrorFeedback(config, groups, ctx, steps) if config.enabled else None
