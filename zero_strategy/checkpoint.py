@@ -57,6 +57,7 @@ from zero_strategy.checkpoint_files import (
     verify_checksums,
     write_atomic,
 )
+from zero_strategy.dcp_pieces import UnevenPiece
 from zero_strategy.engine import ZeroEngine, persistent_buffers
 from zero_strategy.module import get_engine
 
@@ -124,11 +125,18 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
         return t
 
 
-def _piece(engine: ZeroEngine, meshes: _Meshes, local: torch.Tensor, numel: int) -> torch.Tensor:
+def _piece(
+    engine: ZeroEngine, meshes: _Meshes, local: torch.Tensor, numel: int, offset: int | None = None
+) -> torch.Tensor:
+    """This rank's piece of a flat tensor of ``numel`` elements, for DCP: a ``Shard(0)`` DTensor
+    (``torch.chunk``'s offsets), or with ``offset`` (load-balanced, uneven pieces) an
+    :class:`UnevenPiece` that records where the piece really starts."""
     local = _compact(local)
     mesh = meshes(local.device.type)
     if mesh is None:  # one process without a group: the piece is the whole flattened tensor
         return local
+    if offset is not None:
+        return UnevenPiece(local, offset, numel)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
@@ -150,7 +158,8 @@ def _state(
     for g in engine.groups:
         for i, (p, m) in enumerate(zip(g.params, g.masters)):
             fqn, numel = names[id(p)], g.layout.numels[i]
-            sd[f"model.{fqn}"] = _piece(engine, mesh, m.data, numel)
+            offset = None if g.layout.even else g.layout.local_range(i)[0]
+            sd[f"model.{fqn}"] = _piece(engine, mesh, m.data, numel, offset)
             if optimizer is None:
                 continue
             state = optimizer.state[m]
@@ -166,7 +175,7 @@ def _state(
                 if not isinstance(value, torch.Tensor):
                     continue
                 per_element = value.shape == m.shape and key != "step"
-                sd[f"optim.{fqn}.{key}"] = _piece(engine, mesh, value, numel) if per_element else value
+                sd[f"optim.{fqn}.{key}"] = _piece(engine, mesh, value, numel, offset) if per_element else value
     for fqn, p in engine.module.named_parameters():
         if engine.master_of(p) is not None:
             continue

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zero_strategy.comm_config import CompressionConfig
+from zero_strategy.comm_config import CompressionConfig, LoadBalanceConfig
 from zero_strategy.config_values import (
     Reader,
     Rule,
@@ -413,6 +413,10 @@ class ZeroConfig:
     # top-k gradient compression with error feedback, ZeRO-1/2 (compression.py)
     compression: CompressionConfig = setting(
         CompressionConfig(), read=_nested(CompressionConfig, "type", (str,)), ds=_OWN
+    )
+    # uneven shards by rank score, ZeRO-1/2 (balance.py)
+    load_balance: LoadBalanceConfig = setting(
+        LoadBalanceConfig(), read=_nested(LoadBalanceConfig, "preset", (str,)), ds=_OWN
     )
     _explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
 

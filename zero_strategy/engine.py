@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from zero_strategy import collectives as C
 from zero_strategy._swap import unswap_class
+from zero_strategy.balance import check_load_balance, shard_fractions
 from zero_strategy.compression import build_compression, check_compression
 from zero_strategy.config import ZeroConfig, not_applied_settings
 from zero_strategy.construction import materialize_full
@@ -103,6 +104,7 @@ class ZeroEngine:
             config.collective_impl,
             device=first.device if first is not None else None,
         )
+        check_load_balance(config.load_balance, config.stage, self.ctx.world_size)
         # swap directories: an unusable nvme_path fails here, before any change
         self.disk = DiskTier(self.offload_optimizer, self.offload_params, self.ctx)
         weakref.finalize(self, self.disk.remove)  # a dropped engine takes its files along
@@ -213,6 +215,7 @@ class ZeroEngine:
             master_policy=SeparateMasters() if self.precision.low_params else InPlaceMasters(),
             offload=self.offload_optimizer,
             total_numel=sum(p.numel() for _, p in named if p.requires_grad),
+            fractions=shard_fractions(config.load_balance, self.ctx),
         )
         trainable = [(n, p) for n, p in named if p.requires_grad]
         bucket = bucket_numel(

@@ -394,7 +394,11 @@ class GradReducer:
         piece = lay.local_view(g.grad_shard, i)
         row[: piece.numel()].copy_(piece)
         C.all_gather(self.ctx, buf, row, what=f"full_grad of {name}").wait()
-        return buf[: p.numel()].view(p.shape).clone()
+        if lay.even:  # torch.chunk's pieces: the rows, side by side, are the flat tensor
+            return buf[: p.numel()].view(p.shape).clone()
+        rows = buf.view(n, c)
+        parts = [rows[r, : hi - lo] for r in range(n) for lo, hi in [lay.local_range(i, r)]]
+        return torch.cat(parts).view(p.shape)
 
     def all_reduce_full(self) -> None:
         """DDP's reduction of full gradients: ``p.grad`` becomes the average over the ranks. A

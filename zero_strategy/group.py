@@ -172,6 +172,7 @@ class GroupSpec:
     master_policy: MasterPolicy  # for groups the offload policy leaves on the device
     offload: OffloadPolicy = field(default_factory=OnDevice)
     total_numel: int = 0  # trainable elements in all groups (the offload ratio's base)
+    fractions: tuple[float, ...] | None = None  # each rank's share (load balancing); None: even
 
     def policy_for(self, done: int, device: torch.device) -> MasterPolicy:
         """The master policy of the next group, when ``done`` elements were offloaded before it."""
@@ -183,7 +184,7 @@ class GroupSpec:
         self, index: int, pending: Sequence[tuple[str, nn.Parameter]], policy: MasterPolicy, label: str | None = None
     ) -> ShardGroup:
         """One group of ``pending`` (in that order), with its masters made by ``policy``."""
-        layout = ShardLayout(tuple(p.numel() for _, p in pending), self.world_size, self.rank)
+        layout = ShardLayout(tuple(p.numel() for _, p in pending), self.world_size, self.rank, self.fractions)
         masters = []
         for i, (_, p) in enumerate(pending):
             lo, hi = layout.local_range(i)

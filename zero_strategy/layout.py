@@ -5,6 +5,13 @@ Every parameter is flattened and split like ``torch.chunk`` into ``world_size`` 
 So a rank's piece of a parameter is exactly what a DTensor ``Shard(0)`` placement of the
 flattened parameter describes, which is what lets checkpoints reshard.
 
+With load balancing (``balance.py``) the layout has per-rank ``fractions``: rank ``r``'s piece
+of every parameter is the contiguous range between the cumulative fractions before and after
+it (rounded down), so its share of each parameter, and of the optimizer state, follows its
+score. ``chunks[i]`` is then the *largest* piece of parameter ``i``: every rank's row is padded
+to it, and the collectives stay equal-sized. Checkpoints record the real offsets
+(``checkpoint.py``), since a ``Shard(0)`` DTensor would assume ``torch.chunk``'s.
+
 For communication, a rank's pieces of the parameters of one group sit side by side in a flat
 buffer of ``shard_numel`` elements (each piece at ``offsets[i]``, ``chunks[i]`` long). A
 gathered or to-be-reduced buffer holds ``world_size`` such rows, rank-major.
@@ -26,15 +33,44 @@ class ShardLayout:
     numels: tuple[int, ...]
     world_size: int
     rank: int
+    fractions: tuple[float, ...] | None = None  # per rank, summing to 1 (load balancing); None: even
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise AssertionError(f"rank {self.rank}: bad shard layout for world size {self.world_size}")
+        f = self.fractions
+        if f is not None and (len(f) != self.world_size or min(f) <= 0 or abs(sum(f) - 1.0) > 1e-9):
+            raise AssertionError(
+                f"rank {self.rank}: shard fractions {f} are not {self.world_size} positive shares of 1"
+            )
+
+    @property
+    def even(self) -> bool:
+        return self.fractions is None
+
+    @cached_property
+    def bounds(self) -> tuple[tuple[int, ...], ...]:
+        """Per parameter, the ``world_size + 1`` cut points of its flat elements: rank ``r`` owns
+        ``bounds[i][r]:bounds[i][r + 1]``."""
+        n = self.world_size
+        if self.fractions is None:
+            out = []
+            for k in self.numels:
+                c = -(-k // n)
+                out.append(tuple(min(r * c, k) for r in range(n)) + (k,))
+            return tuple(out)
+        cum, acc = [], 0.0
+        for f in self.fractions[:-1]:
+            acc += f
+            cum.append(acc)
+        return tuple((0, *(min(k, int(k * c)) for c in cum), k) for k in self.numels)
 
     @cached_property
     def chunks(self) -> tuple[int, ...]:
         n = self.world_size
-        return tuple(-(-k // n) for k in self.numels)
+        if self.fractions is None:
+            return tuple(-(-k // n) for k in self.numels)
+        return tuple(max(b[r + 1] - b[r] for r in range(n)) for b in self.bounds)
 
     @cached_property
     def offsets(self) -> tuple[int, ...]:
@@ -51,6 +87,9 @@ class ShardLayout:
     def local_range(self, i: int, rank: int | None = None) -> tuple[int, int]:
         """Range of parameter ``i``'s flat elements that ``rank`` (default: this rank) owns."""
         r = self.rank if rank is None else rank
+        if self.fractions is not None:
+            b = self.bounds[i]
+            return b[r], b[r + 1]
         c, n = self.chunks[i], self.numels[i]
         lo = min(r * c, n)
         return lo, min(lo + c, n)
@@ -70,6 +109,13 @@ class ShardLayout:
             if flat is None:
                 dst.zero_()
                 continue
+            if self.fractions is not None:  # uneven: each rank's range, then padding
+                b = self.bounds[i]
+                for r in range(self.world_size):
+                    k = b[r + 1] - b[r]
+                    dst[r, :k].copy_(flat[b[r] : b[r + 1]])
+                    dst[r, k:].zero_()
+                continue
             full_rows = n // c if c else 0
             if full_rows:
                 dst[:full_rows].copy_(flat[: full_rows * c].view(full_rows, c))
@@ -88,6 +134,11 @@ class ShardLayout:
         for i, flat in enumerate(flats):
             off, c, n = self.offsets[i], self.chunks[i], self.numels[i]
             src = rows[:, off : off + c]
+            if self.fractions is not None:
+                b = self.bounds[i]
+                for r in range(self.world_size):
+                    flat[b[r] : b[r + 1]].copy_(src[r, : b[r + 1] - b[r]])
+                continue
             full_rows = n // c if c else 0
             if full_rows:
                 flat[: full_rows * c].view(full_rows, c).copy_(src[:full_rows])

@@ -58,3 +58,43 @@ def test_pack_none_is_zeros_and_pack_local() -> None:
 def test_bad_layout_is_an_invariant_error() -> None:
     with pytest.raises(AssertionError, match="rank 3"):
         ShardLayout((4,), 2, 3)
+
+
+@pytest.mark.parametrize("fractions", [(0.75, 0.25), (0.2, 0.3, 0.5), (0.1, 0.4, 0.4, 0.1)])
+def test_uneven_pieces_follow_the_fractions_and_round_trip(fractions: tuple[float, ...]) -> None:
+    """Load balancing: contiguous pieces in proportion to the fractions, every element owned
+    once, rows padded to the largest piece, and pack/unpack/pack_local still inverse."""
+    world = len(fractions)
+    numels = (1, 3, 10, 101, 4096)
+    layouts = [ShardLayout(numels, world, r, fractions) for r in range(world)]
+    flats = [torch.randn(n) for n in numels]
+    buf = torch.full((world * layouts[0].shard_numel,), float("nan"))
+    layouts[0].pack_full(flats, buf)
+    assert not torch.isnan(buf).any()
+    rows = buf.view(world, -1)
+    for i, n in enumerate(numels):
+        ranges = [lay.local_range(i) for lay in layouts]
+        assert ranges[0][0] == 0 and ranges[-1][1] == n
+        assert all(ranges[r][1] == ranges[r + 1][0] for r in range(world - 1)), ranges  # contiguous, no gap
+        assert layouts[0].chunks[i] == max(hi - lo for lo, hi in ranges)
+        if n >= 1000:  # large enough that rounding is a small part of each share
+            for (lo, hi), f in zip(ranges, fractions):
+                assert abs((hi - lo) / n - f) < 2 / n + 1e-9, (ranges, fractions)
+        for r, lay in enumerate(layouts):
+            lo, hi = ranges[r]
+            assert torch.equal(lay.local_view(rows[r], i), flats[i][lo:hi])
+    out = [torch.full((n,), float("nan")) for n in numels]
+    layouts[1].unpack_full(buf, out)
+    for a, b in zip(out, flats):
+        assert torch.equal(a, b)
+    row = torch.full((layouts[1].shard_numel,), float("nan"))
+    layouts[1].pack_local([f[slice(*layouts[1].local_range(i))] for i, f in enumerate(flats)], row)
+    assert torch.equal(row, rows[1])
+    even = ShardLayout(numels, world, 0)
+    assert even.even and not layouts[0].even and even.bounds[2][1] == even.local_range(2)[1]
+
+
+def test_bad_fractions_are_refused() -> None:
+    for bad in ((0.5,), (0.5, 0.6), (1.0, 0.0)):
+        with pytest.raises(AssertionError, match="fractions"):
+            ShardLayout((4,), 2, 0, bad)

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import zero_strategy as zs
-from zero_strategy.comm_config import CompressionConfig
+from zero_strategy.comm_config import CompressionConfig, LoadBalanceConfig
 from zero_strategy.config import DTYPES, PrecisionConfig
 from zero_strategy.memory import KINDS
 from zero_strategy.models.gpt import Block, GPTConfig
@@ -68,6 +68,8 @@ class Cell:
     # top-k compression's ratio (0: off); 1.0 sends every element through the sparse exchange,
     # which must give DDP's numbers
     topk: float = 0.0
+    # load balancing: given scores, one per rank (empty: even shards)
+    scores: tuple[float, ...] = ()
 
 
 OFFLOADS: dict[str, dict[str, Any]] = {
@@ -268,6 +270,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
             stage=c.stage, reduce_bucket_size=c.bucket, prefetch=c.prefetch, stage3_param_persistence_threshold=c.persist,
             collective_impl=c.impl, overlap_comm=c.overlap, precision=PrecisionConfig(reduce_dtype=DTYPES[c.reduce]),
             compression=CompressionConfig(type="topk", ratio=c.topk) if c.topk else CompressionConfig(),
+            load_balance=LoadBalanceConfig(scores=c.scores) if c.scores else LoadBalanceConfig(),
             **OFFLOADS[c.offload],
         )  # fmt: skip
         zero_model, zero_opt = zs.initialize(model, opt, config=cfg, policy=policy)

@@ -1,0 +1,158 @@
+"""Load balancing with uneven shards (``balance.py``), world size 2.
+
+- parity with DDP when rank 0 owns three quarters of every group (scores [3, 1]) at stages 1
+  and 2, with accumulation, clipping, tied and frozen parameters, offload and compression;
+- each rank's optimizer state in proportion to its score, and ``full_grad`` still DDP's;
+- checkpoints: uneven -> even -> the other uneven way, each load continuing exactly;
+- measured scores (``preset: compute``): positive, and the same fractions on every rank.
+"""
+
+from __future__ import annotations
+
+from zero_strategy.testing import run_subtests
+
+PARITY = [
+    {"stage": 1},
+    {"stage": 2},
+    {"stage": 1, "accum": "no_sync", "clip": 0.05},
+    {"stage": 2, "accum": "plain", "tied": True, "frozen": True, "groups": True},
+    {"stage": 2, "unused": "some_ranks", "dtype": "float32", "clip": 0.05},
+    {"stage": 2, "offload": "cpu"},
+    {"stage": 2, "topk": 1.0},
+    {"stage": 1, "impl": "native", "overlap": False},
+]
+
+
+def _gpt():
+    import torch
+
+    from zero_strategy.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4)).double()
+
+
+def _steps(model, opt, start: int, stop: int, rank: int) -> list[float]:
+    from zero_strategy.models import GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4)
+    losses = []
+    for step in range(start, stop):
+        x, y = synthetic_batch(cfg, 4, step, seed=rank)
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _config(stage: int, scores: list[float] | None) -> dict:
+    cfg: dict = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}}
+    if scores:
+        cfg["zero_strategy"] = {"load_balance": {"scores": scores}}
+    return cfg
+
+
+def _shares(rank: int, world: int) -> None:
+    """Optimizer state in proportion to the scores; full_grad equal to the averaged gradient."""
+    import torch
+    import torch.distributed as dist
+
+    import zero_strategy as zs
+    from zero_strategy.testing.compare import assert_close
+
+    model, opt = zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p), config=_config(2, [3, 1]))
+    _steps(model, opt, 0, 2, rank)
+    state = torch.tensor([float(model.zero_engine.memory_stats()["optimizer_state"])], dtype=torch.float64)
+    every = [torch.zeros_like(state) for _ in range(world)]
+    dist.all_gather(every, state)
+    ratio = float(every[0] / every[1])
+    if not 2.9 <= ratio <= 3.1:
+        raise AssertionError(f"optimizer state per rank {[float(e) for e in every]}: ratio {ratio}, scores 3:1")
+    for g in model.zero_engine.groups:  # three quarters of every parameter on rank 0
+        for i in range(len(g.params)):
+            lo, hi = g.layout.local_range(i)
+            share = (hi - lo) / g.layout.numels[i]
+            want = 0.75 if rank == 0 else 0.25
+            if g.layout.numels[i] >= 100 and abs(share - want) > 0.02:
+                raise AssertionError(f"rank {rank}: {g.fqns[i]} share {share}, want {want}")
+    from zero_strategy.models import GPTConfig, synthetic_batch
+
+    x, y = synthetic_batch(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4), 4, 9, seed=rank)
+    ref = _gpt()  # a plain replica of the current weights: this rank's own gradient, for the check
+    ref.load_state_dict(model.state_dict())
+    ref.loss(x, y).backward()
+    local = ref.blocks[1].mlp.fc.weight.grad.clone()
+    dist.all_reduce(local)
+    model.loss(x, y).backward()
+    weight = model.blocks[1].mlp.fc.weight
+    got = zs.full_grad(model, weight)
+    assert_close(got, local / world, rtol=1e-12, atol=0.0, what="full_grad with uneven pieces")
+    opt.zero_grad()
+    model.zero_engine.close()
+
+
+def _reshard(rank: int, world: int, root: str) -> None:
+    """Uneven [3, 1] -> even -> uneven [1, 3], each load continuing as the run it came from."""
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.testing.compare import assert_close
+
+    def run(stage: int, scores: list[float] | None):
+        return zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p, lr=1e-2), config=_config(stage, scores))
+
+    model, opt = run(2, [3, 1])
+    _steps(model, opt, 0, 3, rank)
+    first = zs.save_checkpoint(root, model, opt, tag="uneven")
+    reference = _steps(model, opt, 3, 6, rank)
+    model.zero_engine.close()
+
+    model, opt = run(1, None)  # even, and another stage
+    zs.load_checkpoint(first, model, opt)
+    even = _steps(model, opt, 3, 5, rank)
+    assert_close(even, reference[:2], rtol=1e-12, atol=0.0, what=f"rank {rank}: uneven -> even")
+    second = zs.save_checkpoint(root, model, opt, tag="even")
+    model.zero_engine.close()
+
+    model, opt = run(2, [1, 3])  # uneven the other way
+    zs.load_checkpoint(second, model, opt)
+    back = _steps(model, opt, 5, 6, rank)
+    assert_close(back, reference[2:], rtol=1e-12, atol=0.0, what=f"rank {rank}: even -> uneven [1, 3]")
+    model.zero_engine.close()
+
+
+def _measured(rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import zero_strategy as zs
+
+    config = {"zero_optimization": {"stage": 1}, "zero_strategy": {"load_balance": "compute"}}
+    model, opt = zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p), config=config)
+    fractions = model.zero_engine.groups[0].layout.fractions
+    if fractions is None or len(fractions) != world or min(fractions) <= 0 or abs(sum(fractions) - 1) > 1e-9:
+        raise AssertionError(f"rank {rank}: measured fractions {fractions}")
+    every: list = [None] * world
+    dist.all_gather_object(every, fractions)
+    if any(f != fractions for f in every):
+        raise AssertionError(f"the ranks computed different fractions: {every}")
+    losses = _steps(model, opt, 0, 2, rank)
+    if not all(torch.isfinite(torch.tensor(losses))):
+        raise AssertionError(f"losses {losses}")
+    model.zero_engine.close()
+
+
+def _worker(rank: int, world: int, root: str) -> int:
+    from zero_strategy.testing.parity import Cell, compare
+
+    run_subtests(lambda **kw: compare(Cell(scores=(3.0, 1.0), **kw), rank, world), PARITY, label="uneven parity")
+    run_subtests(lambda: _shares(rank, world), [{}], label="shares")
+    run_subtests(lambda: _reshard(rank, world, root), [{}], label="reshard")
+    run_subtests(lambda: _measured(rank, world), [{}], label="measured scores")
+    return len(PARITY) + 3
+
+
+def test_load_balance(launch, tmp_path) -> None:
+    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + 3] * 2
