@@ -200,11 +200,12 @@ def _residuals(engine: ZeroEngine, mesh: _Meshes, saved: set[str] | None) -> dic
     world = engine.ctx.world_size
     if saved is not None:
         in_file = {k for k in saved if k.startswith("compression.")}
-        fb.reset()
         if not in_file:
+            fb.reset()  # saved without residuals (dense, or in the warm-up): none carried over
             return {}
         fb.allocate()
         if not set(fb.state_keys(lambda p: names[id(p)])) <= in_file:
+            fb.reset()
             warnings.warn(
                 "load_checkpoint(): the checkpoint's top-k residuals were saved at another world size or bucket "
                 "layout (reduce_bucket_size, parameters); they start from zero here, as error feedback does at "

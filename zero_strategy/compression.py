@@ -23,7 +23,16 @@ is about ``2 * ratio`` of dense for fp32 values. ``warmup_steps`` optimizer step
 reduce densely (no residual yet). ``ratio=1.0`` sends everything: DDP's numbers.
 
 fp16: a step whose gradients overflowed is skipped, and the residuals, which hold the same
-infinities, start again from zero.
+infinities, start again from zero. A NaN or inf is always chosen first and sent, so the
+receiver's overflow check sees it. With a 16-bit ``communication_data_type`` the values travel
+in 16 bits at the magnitude of the raw loss-scaled gradients (as DDP's compress hooks send
+them), are summed in the master dtype, and their rounding stays in the residual; so at ratio
+1.0 the numbers are those of a 16-bit wire with an fp32 sum, not of DDP's 16-bit sum.
+
+The residuals are in the master dtype (4 bytes per parameter in fp32), on the device the
+gradients are reduced on (also with an offloaded optimizer), allocated at the first compressed
+step. Each received row is added in rank order, one source at a time: the sum is the same on
+every run, on a GPU too.
 
 Checkpoints save each rank's residual (``compression.<layout>.<bucket>``) and a resumed run
 continues exactly when world size and buckets are the same. Loaded at another world size or
@@ -64,29 +73,36 @@ def select_top_k(
     k: int,
     skip: Sequence[tuple[int, int]],
     wire_dtype: torch.dtype,
+    wire_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add ``factor * packed`` to ``residual`` (both ``[world, row]``), choose the ``k`` entries
     of largest magnitude in each row outside the ``skip`` column ranges, and take what is sent
-    out of the residual. Returns the chosen column indices (int32) and values (``wire_dtype``),
-    both ``[world, k]``; afterwards ``residual`` + sent = the compensated gradient."""
+    out of the residual. Returns the chosen column indices (int32) and values, both
+    ``[world, k]``: the values times ``wire_scale`` in ``wire_dtype`` (a 16-bit wire carries them
+    at the loss-scaled magnitude it was chosen for). Afterwards ``residual`` + sent (divided by
+    ``wire_scale`` again) = the compensated gradient, rounding included. A NaN or inf is chosen
+    first and sent, so the receiver's overflow check sees it."""
     residual.add_(packed, alpha=factor)
     score = residual.abs()
+    blocked = torch.zeros(residual.shape[1], dtype=torch.bool, device=residual.device)
     for lo, hi in skip:
         score[:, lo:hi] = -1.0
-    top, idx = torch.topk(score, k, dim=1, sorted=False)
+        blocked[lo:hi] = True
+    idx = torch.topk(score, k, dim=1, sorted=False).indices
     chosen = residual.gather(1, idx)
-    values = torch.where(top >= 0, chosen, torch.zeros((), dtype=chosen.dtype, device=chosen.device))
-    wire = values.to(wire_dtype)
-    residual.scatter_(1, idx, chosen - wire.to(residual.dtype))  # what was not sent (or rounded off) stays
+    values = torch.where(blocked[idx], torch.zeros((), dtype=chosen.dtype, device=chosen.device), chosen)
+    wire = (values * wire_scale if wire_scale != 1.0 else values).to(wire_dtype)
+    back = wire.to(residual.dtype) / wire_scale if wire_scale != 1.0 else wire.to(residual.dtype)
+    residual.scatter_(1, idx, chosen - back)  # what was not sent (or rounded off) stays
     return idx.to(_INDEX), wire
 
 
 class SparseExchange:
     """One bucket's (index, value) exchange in flight; :meth:`finish` gives the summed shard."""
 
-    def __init__(self, ctx: C.CommContext, g: ShardGroup, k: int, wire: torch.dtype, send: torch.Tensor,
-                 recv: torch.Tensor, handle: C.Handle) -> None:  # fmt: skip
-        self.ctx, self.group, self.k, self.wire = ctx, g, k, wire
+    def __init__(self, ctx: C.CommContext, g: ShardGroup, k: int, wire: torch.dtype, wire_scale: float,
+                 send: torch.Tensor, recv: torch.Tensor, handle: C.Handle) -> None:  # fmt: skip
+        self.ctx, self.group, self.k, self.wire, self.wire_scale = ctx, g, k, wire, wire_scale
         self.send, self.recv, self.handle = send, recv, handle
 
     def finish(self) -> torch.Tensor:
@@ -95,11 +111,14 @@ class SparseExchange:
         self.handle.wait()
         g, n, k = self.group, self.ctx.world_size, self.k
         rows = self.recv.view(n, -1)
-        idx = rows[:, : 4 * k].contiguous().view(_INDEX).reshape(-1).to(torch.int64)
-        values = rows[:, 4 * k :].contiguous().view(self.wire).reshape(-1).to(g.master_dtype)
+        idx = rows[:, : 4 * k].contiguous().view(_INDEX).to(torch.int64)
+        values = rows[:, 4 * k :].contiguous().view(self.wire).to(g.master_dtype)
+        if self.wire_scale != 1.0:
+            values.div_(self.wire_scale)
         out = self.ctx.pool.get(g.layout.shard_numel, g.master_dtype, g.device)
         out.zero_()
-        out.index_add_(0, idx, values)  # rank order: row j came from rank j
+        for j in range(n):  # one source rank at a time, in rank order: its indices are distinct, so
+            out.index_add_(0, idx[j], values[j])  # no two additions race, on a GPU either
         self.ctx.pool.put(self.send)
         self.ctx.pool.put(self.recv)
         return out
@@ -151,14 +170,16 @@ class ErrorFeedback:
         n, lay, k = self.ctx.world_size, g.layout, self.k(g)
         residual = self.residuals[g.index]
         cols = [(lay.offsets[i], lay.offsets[i] + lay.chunks[i]) for i in skip]
-        idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype)
+        # a 16-bit wire carries the values at the magnitude of the raw (loss-scaled) gradients
+        scale = 1.0 / factor if g.reduce_dtype in (torch.float16, torch.bfloat16) else 1.0
+        idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale)
         width = k * (idx.element_size() + values.element_size())
         send = self.ctx.pool.get(n * width, torch.uint8, g.device).view(n, width)
         send[:, : 4 * k].copy_(idx.view(torch.uint8))
         send[:, 4 * k :].copy_(values.view(torch.uint8))
         recv = self.ctx.pool.get(n * width, torch.uint8, g.device)
         handle = C.all_to_all(self.ctx, recv, send.view(-1), what=f"top-k {what}")
-        return SparseExchange(self.ctx, g, k, g.reduce_dtype, send, recv, handle)
+        return SparseExchange(self.ctx, g, k, g.reduce_dtype, scale, send, recv, handle)
 
     # -- checkpoints ----------------------------------------------------------------------
     def layout_key(self, fqn: Callable[[torch.Tensor], str]) -> str:

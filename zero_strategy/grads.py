@@ -21,6 +21,7 @@ on any rank ends with ``master.grad = None``, so the optimizer skips it as DDP d
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -130,6 +131,7 @@ class GradReducer:
     ) -> None:
         self.groups = list(groups)
         self.compression = compression  # top-k with error feedback (compression.py), or None
+        self._warned_dense = False
         self.ctx = ctx
         self.max_in_flight = max_in_flight  # reductions left running while backward goes on
         self._grad_factor = grad_factor
@@ -404,7 +406,15 @@ class GradReducer:
         """DDP's reduction of full gradients: ``p.grad`` becomes the average over the ranks. A
         parameter with a gradient on some rank gets one everywhere (zeros where it had none);
         one without a gradient anywhere keeps ``None``. One flag all-reduce, then one all-reduce
-        per group that has a gradient somewhere."""
+        per group that has a gradient somewhere (never compressed: a warning says so once)."""
+        if self.compression is not None and not self._warned_dense:
+            self._warned_dense = True
+            warnings.warn(
+                "compression: without an optimizer the engine all-reduces full gradients (DDP's), uncompressed; "
+                "bind one (initialize(model, optimizer) or replace_optimizer) to reduce them with top-k",
+                UserWarning,
+                stacklevel=4,
+            )
         flags = torch.tensor([int(p.grad is not None) for g in self.groups for p in g.params], dtype=torch.int32)
         if not self.num_params:
             return

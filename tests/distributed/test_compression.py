@@ -24,6 +24,7 @@ PARITY = [
     {"stage": 2, "accum": "plain", "tied": True, "frozen": True},
     {"stage": 2, "unused": "some_steps", "late": True, "ckpt": "reentrant"},
     {"stage": 2, "impl": "native", "overlap": False},
+    {"stage": 2, "offload": "cpu", "clip": 0.05},
 ]
 
 
@@ -92,16 +93,16 @@ def _feedback(rank: int, world: int, stage: int) -> None:
         lay.pack_full([dense.get(id(p)) for p in g.params], packed)
         compensated = before[g.index] + packed.view(n, -1) / world
         after = fb.residuals[g.index]
-        sent = compensated - after
-        where = sent != 0
+        # the residual is the compensated gradient except at the (at most k per row) entries sent,
+        # which are gone from it; what left is the difference
+        where = after != compensated
         if not (where.sum(dim=1) <= k).all():
             raise AssertionError(f"{g.name}: more than k={k} entries left a row: {where.sum(dim=1).tolist()}")
         if not where.any():
             raise AssertionError(f"{g.name}: nothing was sent")
-        # sent + residual = compensated, with the sent entries gone from the residual
-        assert_close(sent + after, compensated, rtol=0.0, atol=0.0, what=f"{g.name}: sent + residual")
-        if after[where].abs().max() != 0:
+        if torch.count_nonzero(after[where]) != 0:
             raise AssertionError(f"{g.name}: a sent entry stayed in the residual")
+        sent = torch.where(where, compensated, torch.zeros_like(compensated))
         for row in range(n):  # the row's largest entries were the ones sent
             kept = after[row].abs().max()
             if where[row].any() and not sent[row][where[row]].abs().min() >= kept:
@@ -170,7 +171,7 @@ def _checkpoint(rank: int, world: int, root: str) -> None:
         opt.zero_grad()
     path = zs.save_checkpoint(root, model, opt, tag="resume")
     saved = {i: r.clone() for i, r in model.zero_engine.reducer.compression.residuals.items()}
-    if not any(bool(r.abs().sum() > 0) for r in saved.values()):
+    if not saved or not all(int(torch.count_nonzero(r)) > 0 for r in saved.values()):
         raise AssertionError("no residual to save: the test would not see it lost")
     uninterrupted = []
     for step in range(3, 6):
@@ -181,7 +182,10 @@ def _checkpoint(rank: int, world: int, root: str) -> None:
     # the same layout at stage 1: every residual comes back, and training continues exactly
     model, opt = run(_config(1, 0.02))
     zs.load_checkpoint(path, model, opt)
-    for i, r in model.zero_engine.reducer.compression.residuals.items():
+    loaded = model.zero_engine.reducer.compression.residuals
+    if loaded.keys() != saved.keys():
+        raise AssertionError(f"residuals of buckets {sorted(loaded)} loaded, {sorted(saved)} saved")
+    for i, r in loaded.items():
         assert_close(r, saved[i], rtol=0.0, atol=0.0, what=f"rank {rank}: residual of bucket {i}")
     resumed = []
     for step in range(3, 6):
@@ -197,7 +201,7 @@ def _checkpoint(rank: int, world: int, root: str) -> None:
         zs.load_checkpoint(path, model, opt)
     if not any("start from zero" in str(w.message) for w in caught):
         raise AssertionError(f"no warning about the residuals: {[str(w.message) for w in caught]}")
-    if any(bool(r.abs().sum() > 0) for r in model.zero_engine.reducer.compression.residuals.values()):
+    if any(int(torch.count_nonzero(r)) for r in model.zero_engine.reducer.compression.residuals.values()):
         raise AssertionError("residuals of another layout were loaded")
     losses = [_step(model, opt, 3, rank)]
     opt.step()
@@ -232,7 +236,7 @@ def _overflow(rank: int, world: int) -> None:
         opt.zero_grad()
         skipped.append(opt.step_was_skipped)
         finite.append(all(bool(torch.isfinite(r).all()) for r in fb.residuals.values()))
-        if step == 2 and any(bool(r.abs().sum() > 0) for r in fb.residuals.values()):
+        if step == 2 and any(int(torch.count_nonzero(r)) for r in fb.residuals.values()):
             raise AssertionError("the overflowing step left residuals")
     if skipped != [False, False, True, False] or not all(finite):
         raise AssertionError(f"rank {rank}: skipped {skipped}, residuals finite {finite}")

@@ -40,6 +40,27 @@ def test_rounding_on_the_wire_stays_in_the_residual() -> None:
     assert residual.abs().sum() > 0  # bf16 rounded the sent values; the difference carries forward
 
 
+def test_nan_and_inf_are_sent_first() -> None:
+    """A NaN or inf must reach the receiver (its overflow check), never stay hidden in a residual."""
+    residual = torch.zeros(1, 6)
+    packed = torch.tensor([[1.0, float("nan"), float("inf"), 2.0, 0.5, 3.0]])
+    idx, values = select_top_k(residual, packed, 1.0, k=2, skip=[], wire_dtype=torch.float32)
+    assert sorted(idx[0].tolist()) == [1, 2], idx
+    assert torch.isnan(values).any() and torch.isinf(values).any(), values
+    assert torch.equal(residual[0, [0, 3, 4, 5]], packed[0, [0, 3, 4, 5]])
+
+
+def test_a_scaled_16bit_wire_keeps_small_values() -> None:
+    """fp16 on the wire at the loss-scaled magnitude: values far below fp16's normal range
+    (unscaled) arrive, and sent / scale + residual is still the compensated gradient."""
+    residual = torch.zeros(1, 8)
+    packed = torch.full((1, 8), 1e-9) * torch.arange(1, 9)
+    idx, wire = select_top_k(residual, packed, 1.0, k=3, skip=[], wire_dtype=torch.float16, wire_scale=2.0**16)
+    assert (wire != 0).all(), wire  # unscaled, 1e-9 would be 0 in fp16
+    sent = torch.zeros(1, 8).scatter_(1, idx.long(), wire.float() / 2.0**16)
+    assert_close(sent + residual, packed, rtol=0.0, atol=0.0, what="scaled fp16 sent + residual")
+
+
 def test_all_skipped_sends_zeros_and_keeps_everything() -> None:
     residual = torch.ones(2, 6)
     packed = torch.ones(2, 6)

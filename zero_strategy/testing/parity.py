@@ -88,7 +88,7 @@ OFFLOADS: dict[str, dict[str, Any]] = {
 def check_tiers(c: Cell, stats: dict[str, int], swap_files: list[str] | None = None) -> None:
     """Where the bytes are, from ``memory_stats()``: on a machine without a GPU parity alone
     would pass even if nothing moved, so every offload cell also checks the tiers (and, for
-    the disk tier, the sizes of ``swap_files`` on disk)."""
+    the disk tier, the sizes of ``swap_files`` on disk). Top-k residuals stay on the device."""
     host = stats["tier_host_pinned"] + stats["tier_host_pageable"]
     if stats["tier_device"] + host + stats["tier_disk"] != sum(stats[k] for k in KINDS):
         raise AssertionError(f"memory_stats tiers do not add up to the model state: {stats}")
@@ -101,7 +101,7 @@ def check_tiers(c: Cell, stats: dict[str, int], swap_files: list[str] | None = N
     on_host = stats["grad_shards"] + stats["masters"] + stats["optimizer_state"]
     if c.offload in ("param_nvme", "all_nvme"):  # rows in files; between steps no row and no master view in memory
         on_disk = sum(os.path.getsize(f) for f in swap_files or [])
-        want_device = stats["params"] + stats["full_grads"]
+        want_device = stats["residuals"] + stats["params"] + stats["full_grads"]
         in_memory = stats["model_state"] - stats["tier_disk"] - want_device
         rows_only = c.offload == "param_nvme"
         want_host = on_host - (stats["tier_disk"] - stats["param_shards"])  # less the optimizer state on disk
@@ -118,7 +118,7 @@ def check_tiers(c: Cell, stats: dict[str, int], swap_files: list[str] | None = N
     if c.offload == "nvme":  # the state in files of that size; in memory only Adam's step scalars
         on_disk = sum(os.path.getsize(f) for f in swap_files or [])
         in_memory = stats["optimizer_state"] - stats["tier_disk"]
-        want_device = stats["params"] + stats["param_shards"] + stats["full_grads"]
+        want_device = stats["residuals"] + stats["params"] + stats["param_shards"] + stats["full_grads"]
         if not 0 < stats["tier_disk"] == on_disk or not 0 <= in_memory <= 0.1 * stats["tier_disk"]:
             raise AssertionError(f"offload nvme: tier_disk {stats['tier_disk']}, files {on_disk} bytes, "
                                  f"state in memory {in_memory}: {stats}")  # fmt: skip
@@ -126,7 +126,7 @@ def check_tiers(c: Cell, stats: dict[str, int], swap_files: list[str] | None = N
             raise AssertionError(f"offload nvme: device bytes {stats['tier_device']} (want {want_device}): {stats}")
         return
     if c.offload == "cpu":  # the whole optimizer side on the host, the parameters on the device
-        want_device = stats["params"] + stats["param_shards"] + stats["full_grads"]
+        want_device = stats["residuals"] + stats["params"] + stats["param_shards"] + stats["full_grads"]
         if stats["tier_device"] != want_device or host != on_host:
             raise AssertionError(f"offload cpu: device bytes {stats['tier_device']} (want {want_device}), "
                                  f"host {host} (want {on_host}): {stats}")  # fmt: skip
@@ -137,7 +137,7 @@ def check_tiers(c: Cell, stats: dict[str, int], swap_files: list[str] | None = N
         if not 0.45 * on_host <= host < on_host:
             raise AssertionError(f"offload ratio 0.5: host bytes {host} of the optimizer side's {on_host}: {stats}")
     elif c.offload == "param":  # rows too: only gathered parameters and full gradients on the device
-        want_device = stats["params"] + stats["full_grads"]
+        want_device = stats["residuals"] + stats["params"] + stats["full_grads"]
         if stats["tier_device"] != want_device or host != on_host + stats["param_shards"]:
             raise AssertionError(f"offload param: device bytes {stats['tier_device']} (want {want_device}): {stats}")
 
