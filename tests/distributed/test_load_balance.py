@@ -1,9 +1,11 @@
 """Load balancing with uneven shards (``balance.py``), world size 2.
 
 - parity with DDP when rank 0 owns three quarters of every group (scores [3, 1]) at stages 1
-  and 2, with accumulation, clipping, tied and frozen parameters, offload and compression;
+  and 2, with accumulation, clipping, tied and frozen parameters, CPU and NVMe offload and
+  compression;
 - each rank's optimizer state in proportion to its score, and ``full_grad`` still DDP's;
-- checkpoints: uneven -> even -> the other uneven way, each load continuing exactly;
+- checkpoints: uneven -> even -> the other uneven way, each load continuing exactly, and the
+  offline export of an uneven checkpoint exact;
 - measured scores (``preset: compute``): positive, and the same fractions on every rank.
 """
 
@@ -20,6 +22,8 @@ PARITY = [
     {"stage": 2, "offload": "cpu"},
     {"stage": 2, "topk": 1.0},
     {"stage": 1, "impl": "native", "overlap": False},
+    {"stage": 2, "offload": "nvme"},
+    {"stage": 1, "offload": "nvme", "accum": "no_sync", "clip": 0.05},
 ]
 
 
@@ -105,7 +109,12 @@ def _reshard(rank: int, world: int, root: str) -> None:
 
     model, opt = run(2, [3, 1])
     _steps(model, opt, 0, 3, rank)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}  # full at ZeRO-2
     first = zs.save_checkpoint(root, model, opt, tag="uneven")
+    if rank == 0:  # offline, one process: the recorded offsets put every piece back in place
+        exported = torch.load(zs.export_full(first, f"{root}/uneven.pt"))
+        for k, v in weights.items():
+            assert_close(exported[k], v, rtol=0.0, atol=0.0, what=f"exported {k}")
     reference = _steps(model, opt, 3, 6, rank)
     model.zero_engine.close()
 
