@@ -1,6 +1,9 @@
 """Load balancing: step time with shards by measured rank speed against even shards.
 
-Two ranks of unequal speed: rank 0 computes with ``--fast-threads`` threads, rank 1 with one.
+Two ranks of unequal speed. ``--slow busy`` (the default): each rank is pinned to its own core
+and rank 1's core is shared with a busy-looping process, so rank 1 runs at about half speed.
+``--slow threads``: rank 0 computes with ``--fast-threads`` threads, rank 1 with one (on a
+2-core machine the three threads oversubscribe the cores, so rank 0 is not faster there).
 The model is a wide MLP trained with AdamW on a small batch, so the optimizer step (which
 load balancing makes uneven) is a large part of the step. Each configuration trains
 ``--warmup`` unmeasured and ``--steps`` measured steps at ZeRO-2; printed per run: the fractions
@@ -23,14 +26,27 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 
-def _worker(rank: int, world: int, balance: str | None, warmup: int, steps: int, fast: int, width: int) -> dict:
+def _worker(rank: int, world: int, balance: str | None, warmup: int, steps: int, fast: int, width: int,
+            slow: str) -> dict:  # fmt: skip
+    import os
+    import subprocess
     import time
 
     import torch
 
     import zero_strategy as zs
 
-    torch.set_num_threads(fast if rank == 0 else 1)
+    busy = None
+    if slow == "busy":
+        torch.set_num_threads(1)
+        cores = sorted(os.sched_getaffinity(0))
+        core = cores[rank % len(cores)]
+        os.sched_setaffinity(0, {core})
+        if rank == 1:  # a neighbour that wants the whole core
+            busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            os.sched_setaffinity(busy.pid, {core})
+    else:
+        torch.set_num_threads(fast if rank == 0 else 1)
     torch.manual_seed(0)
     layers = [m for _ in range(6) for m in (torch.nn.Linear(width, width), torch.nn.GELU())]
     model = torch.nn.Sequential(*layers)
@@ -53,6 +69,9 @@ def _worker(rank: int, world: int, balance: str | None, warmup: int, steps: int,
     fractions = model.zero_engine.groups[0].layout.fractions
     stats = model.zero_engine.memory_stats()
     model.zero_engine.close()
+    if busy is not None:
+        busy.kill()
+        busy.wait()
     return {
         "step": sum(step_times) / steps,
         "opt": sum(opt_times) / steps,
@@ -67,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--slow", default="busy", choices=("busy", "threads"), help="how rank 1 is made slower")
     ap.add_argument("--fast-threads", type=int, default=2)
     ap.add_argument("--width", type=int, default=1536)
     ap.add_argument("--repeats", type=int, default=2, help="alternate even and balanced runs this many times")
@@ -76,10 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.repeats):
         for name in rows:
             balance = None if name == "even" else name
-            res = launch(_worker, 2, args=(balance, args.warmup, args.steps, args.fast_threads, args.width),
+            res = launch(_worker, 2, args=(balance, args.warmup, args.steps, args.fast_threads, args.width, args.slow),
                          timeout=1800, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
             rows[name].append(res)
-    print(f"\n2 ranks (rank 0: {args.fast_threads} threads, rank 1: 1), 6x{args.width}^2 MLP, AdamW, ZeRO-2, "
+    how = ("one core each, rank 1's shared with a busy loop" if args.slow == "busy"
+           else f"rank 0: {args.fast_threads} threads, rank 1: 1")  # fmt: skip
+    print(f"\n2 ranks ({how}), 6x{args.width}^2 MLP, AdamW, ZeRO-2, "
           f"{args.steps} measured steps, best of {args.repeats}\n")  # fmt: skip
     print("| shards | fractions | step s | vs even | opt.step s rank 0 / 1 | optimizer state MB rank 0 / 1 |")
     print("|---|---|---:|---:|---:|---:|")
