@@ -1,4 +1,4 @@
-"""Load balancing: uneven shards by rank speed (ZeRO-1/2).
+"""Load balancing: uneven shards by rank speed.
 
 ZeRO gives every rank the same share of the optimizer state, so the optimizer step takes as
 long as on the slowest rank, and the others wait for it in the next gather. When ranks differ
@@ -17,14 +17,19 @@ What becomes uneven: each rank's piece of every parameter (contiguous, ``layout.
 master pieces, optimizer state and optimizer step. The forward and backward stay the same on
 every rank (full parameters and full local gradients at ZeRO-1/2), and so do the collectives,
 whose rows are padded to the largest piece (the gradient shard too is that size).
+ZeRO-3 gathers each unit's padded rows the same way, so its forward and backward compute on
+the same full parameters on every rank too.
 
-ZeRO-3 refuses it: its units' rows, gathers and disk tier are laid out evenly.
+At ZeRO-3 the units' rows are cut the same way (their gathers are padded like the
+collectives above); refused there: NVMe offload (its swap files are laid out for even shards)
+and models built under ``sharded_init`` (cut into even pieces before the engine exists).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,19 +41,30 @@ __all__ = ["check_load_balance", "measure_speed", "shard_fractions"]
 _SECONDS = 0.02  # per trial of a micro-benchmark (three trials each)
 
 
-def check_load_balance(config: LoadBalanceConfig, stage: int, world_size: int) -> None:
-    """Refuse what cannot be balanced (before the engine changes anything)."""
-    if not config.enabled:
+def check_load_balance(config: Any, world_size: int, *, built_sharded: bool) -> None:
+    """Refuse what cannot be balanced (before the engine changes anything). ``config``: the
+    engine's ``ZeroConfig``; ``built_sharded``: some parameter was built under ``sharded_init``."""
+    lb: LoadBalanceConfig = config.load_balance
+    if not lb.enabled:
         return
-    if stage == 3:
+    if lb.scores is not None and len(lb.scores) != world_size:
         raise ValueError(
-            "load_balance works at ZeRO stages 1 and 2 (ZeRO-3's units are gathered and offloaded in even "
-            "rows); use stage 1 or 2, or remove load_balance"
-        )
-    if config.scores is not None and len(config.scores) != world_size:
-        raise ValueError(
-            f"load_balance.scores has {len(config.scores)} entries for {world_size} ranks; give one score per "
+            f"load_balance.scores has {len(lb.scores)} entries for {world_size} ranks; give one score per "
             "rank (in rank order), or measure them with {preset: compute}"
+        )
+    if config.stage != 3:
+        return
+    for name in ("offload_optimizer", "offload_param"):
+        if getattr(config, name).device == "nvme":
+            raise ValueError(
+                f"load_balance at stage 3 with {name}: {{device: nvme}} is not supported (ZeRO-3's swap files are "
+                f"laid out for even shards); offload to the CPU ({name}: {{device: cpu}}), use stage 1 or 2, or "
+                "remove load_balance"
+            )
+    if built_sharded:
+        raise ValueError(
+            "load_balance at stage 3 with a model built under sharded_init is not supported (sharded_init cut "
+            "even pieces); build the model without sharded_init, or remove load_balance"
         )
 
 

@@ -59,6 +59,7 @@ from zero_strategy.checkpoint_files import (
 )
 from zero_strategy.dcp_pieces import UnevenPiece
 from zero_strategy.engine import ZeroEngine, persistent_buffers
+from zero_strategy.layout import ShardLayout
 from zero_strategy.module import get_engine
 
 __all__ = [
@@ -181,7 +182,11 @@ def _state(
             continue
         # frozen: flattened too, so a ZeRO-3 run's pieces and a ZeRO-1/2 run's full tensor reshard
         flat = engine.flat_value(p)
-        sd[f"model.{fqn}"] = _piece(engine, mesh, flat, p.numel()) if engine.config.stage == 3 else flat
+        if engine.config.stage == 3:  # its piece of the unit's row: a piece's cut depends only on its size
+            cut = ShardLayout((p.numel(),), engine.ctx.world_size, engine.ctx.rank, engine.fractions)
+            sd[f"model.{fqn}"] = _piece(engine, mesh, flat, p.numel(), None if cut.even else cut.local_range(0)[0])
+        else:
+            sd[f"model.{fqn}"] = flat
     for fqn, b in persistent_buffers(engine.module).items():  # what state_dict() holds
         sd[f"model.{fqn}"] = b
     sd.update(engine.progress_state())

@@ -84,6 +84,7 @@ class ZeroEngine:
     zero3: UnitScheduler | None  # ZeRO-3's unit lifecycle, None at ZeRO-1/2
     offload_optimizer: OffloadPolicy  # where masters, their gradients and the optimizer state live
     offload_params: OffloadPolicy  # where ZeRO-3's persistent rows live
+    fractions: tuple[float, ...] | None  # each rank's share of every shard group (load_balance), None: even
 
     def __init__(
         self, module: nn.Module, config: ZeroConfig, process_group: Any = None, policy: UnitPolicy = None
@@ -104,7 +105,8 @@ class ZeroEngine:
             config.collective_impl,
             device=first.device if first is not None else None,
         )
-        check_load_balance(config.load_balance, config.stage, self.ctx.world_size)
+        built_sharded = any(sharded_init_piece(p) is not None for p in module.parameters())
+        check_load_balance(config, self.ctx.world_size, built_sharded=built_sharded)
         # swap directories: an unusable nvme_path fails here, before any change
         self.disk = DiskTier(self.offload_optimizer, self.offload_params, self.ctx)
         weakref.finalize(self, self.disk.remove)  # a dropped engine takes its files along
@@ -197,12 +199,13 @@ class ZeroEngine:
         C.broadcast_coalesced(self.ctx, full_params + list(module.buffers()), what="initial module state")
         if self.precision.low_params:
             refuse_norm_layers_with_running_stats(module, config)
+        fractions = self.fractions = shard_fractions(config.load_balance, self.ctx)  # None: even shards
         if config.stage == 3:
             self._plan = find_units(module, policy)
             storage = ShardedParams(
                 module, self._plan.units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-                row_swap=self.disk.row_swap,
+                row_swap=self.disk.row_swap, fractions=fractions,
             )  # fmt: skip
             self.params, self.groups = storage, storage.groups
             forget_pieces(built_sharded)  # their pieces live in the unit rows now
@@ -215,7 +218,7 @@ class ZeroEngine:
             master_policy=SeparateMasters() if self.precision.low_params else InPlaceMasters(),
             offload=self.offload_optimizer,
             total_numel=sum(p.numel() for _, p in named if p.requires_grad),
-            fractions=shard_fractions(config.load_balance, self.ctx),
+            fractions=fractions,
         )
         trainable = [(n, p) for n, p in named if p.requires_grad]
         bucket = bucket_numel(

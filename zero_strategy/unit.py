@@ -271,6 +271,7 @@ class UnitStorage:
         host_masters: HostMasters | None = None,
         row_swap: RowSwap | None = None,
         checks: GatherChecks | None = None,
+        fractions: tuple[float, ...] | None = None,
     ) -> None:
         self.label, self.tag, self.ctx, self.meter = label, tag, ctx, meter
         self.checks = checks or GatherChecks({})
@@ -285,7 +286,7 @@ class UnitStorage:
                 "unit needs one dtype); cast the model to one dtype before initialize()"
             )
         self.dtype = dtypes.pop()
-        self.layout = ShardLayout(tuple(p.numel() for p in self.params), ctx.world_size, ctx.rank)
+        self.layout = ShardLayout(tuple(p.numel() for p in self.params), ctx.world_size, ctx.rank, fractions)
         lay = self.layout
         t_numel = sum(lay.chunks[: self.n_trainable])
         master_dtype = precision.master_dtype_for(self.params[0]) if trainable else self.dtype
@@ -307,7 +308,7 @@ class UnitStorage:
         self.group: ShardGroup | None = None
         self.separate_masters = False
         if trainable:
-            t_layout = ShardLayout(tuple(p.numel() for _, p in trainable), ctx.world_size, ctx.rank)
+            t_layout = ShardLayout(tuple(p.numel() for _, p in trainable), ctx.world_size, ctx.rank, fractions)
             if separate and host_masters is not None:  # the fp32 pieces on the host, the row on the device
                 with torch.no_grad():
                     masters = [
@@ -538,6 +539,7 @@ class ShardedParams(ParamStorage):
         offload_optimizer: OffloadPolicy | None = None,
         offload_params: OffloadPolicy | None = None,
         row_swap: RowSwap | None = None,
+        fractions: tuple[float, ...] | None = None,
     ) -> None:
         """One unit per module of ``units`` (in that order) plus the root unit (label
         ``<root>``, last) for the parameters outside every unit. A parameter reachable from two
@@ -580,7 +582,8 @@ class ShardedParams(ParamStorage):
                 offloaded += sum(p.numel() for _, p in trainable)
             u = UnitStorage(labels[k], len(self.units) + 1, trainable, frozen, ctx, precision, self.meter,
                             persistence_threshold, group_index=len(self.groups), row_policy=offload_params,
-                            host_masters=host, row_swap=row_swap, checks=self.checks)  # fmt: skip
+                            host_masters=host, row_swap=row_swap, checks=self.checks,
+                            fractions=fractions)  # fmt: skip
             self.units.append(u)
             if u.group is not None:
                 self.groups.append(u.group)

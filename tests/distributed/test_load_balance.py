@@ -1,15 +1,17 @@
 """Load balancing with uneven shards (``balance.py``), world size 2.
 
-- parity with DDP when rank 0 owns three quarters of every group (scores [3, 1]) at stages 1
-  and 2, with accumulation, clipping, tied and frozen parameters, CPU and NVMe offload and
-  compression;
+- parity with DDP when rank 0 owns three quarters of every group (scores [3, 1]) at stages 1,
+  2 and 3, with accumulation, clipping, tied and frozen parameters, CPU and NVMe offload (ZeRO-3:
+  CPU) and compression;
 - each rank's optimizer state in proportion to its score, and ``full_grad`` still DDP's;
-- checkpoints: uneven -> even -> the other uneven way, each load continuing exactly, and the
-  offline export of an uneven checkpoint exact;
+- checkpoints: uneven -> even -> the other uneven way at ZeRO-3 -> back, each load continuing
+  exactly, and the offline export of an uneven checkpoint exact;
 - measured scores (``preset: compute``): positive, and the same fractions on every rank.
 """
 
 from __future__ import annotations
+
+import math
 
 from zero_strategy.testing import run_subtests
 
@@ -24,6 +26,9 @@ PARITY = [
     {"stage": 1, "impl": "native", "overlap": False},
     {"stage": 2, "offload": "nvme"},
     {"stage": 1, "offload": "nvme", "accum": "no_sync", "clip": 0.05},
+    {"stage": 3},
+    {"stage": 3, "accum": "no_sync", "clip": 0.05, "tied": True, "frozen": True},
+    {"stage": 3, "policy": "blocks", "offload": "param", "dtype": "float32"},
 ]
 
 
@@ -58,7 +63,7 @@ def _config(stage: int, scores: list[float] | None) -> dict:
     return cfg
 
 
-def _shares(rank: int, world: int) -> None:
+def _shares(rank: int, world: int, stage: int) -> None:
     """Optimizer state in proportion to the scores; full_grad equal to the averaged gradient."""
     import torch
     import torch.distributed as dist
@@ -66,7 +71,7 @@ def _shares(rank: int, world: int) -> None:
     import zero_strategy as zs
     from zero_strategy.testing.compare import assert_close
 
-    model, opt = zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p), config=_config(2, [3, 1]))
+    model, opt = zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p), config=_config(stage, [3, 1]))
     _steps(model, opt, 0, 2, rank)
     state = torch.tensor([float(model.zero_engine.memory_stats()["optimizer_state"])], dtype=torch.float64)
     every = [torch.zeros_like(state) for _ in range(world)]
@@ -85,7 +90,7 @@ def _shares(rank: int, world: int) -> None:
 
     x, y = synthetic_batch(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layer=2, n_head=4), 4, 9, seed=rank)
     ref = _gpt()  # a plain replica of the current weights: this rank's own gradient, for the check
-    ref.load_state_dict(model.state_dict())
+    ref.load_state_dict(zs.full_state_dict(model, rank0_only=False))
     ref.loss(x, y).backward()
     local = ref.blocks[1].mlp.fc.weight.grad.clone()
     dist.all_reduce(local)
@@ -125,10 +130,20 @@ def _reshard(rank: int, world: int, root: str) -> None:
     second = zs.save_checkpoint(root, model, opt, tag="even")
     model.zero_engine.close()
 
-    model, opt = run(2, [1, 3])  # uneven the other way
+    model, opt = run(3, [1, 3])  # uneven the other way, at ZeRO-3
     zs.load_checkpoint(second, model, opt)
     back = _steps(model, opt, 5, 6, rank)
-    assert_close(back, reference[2:], rtol=1e-12, atol=0.0, what=f"rank {rank}: even -> uneven [1, 3]")
+    assert_close(back, reference[2:], rtol=1e-12, atol=0.0, what=f"rank {rank}: even -> ZeRO-3 uneven [1, 3]")
+    third = zs.save_checkpoint(root, model, opt, tag="zero3-uneven")
+    model.zero_engine.close()
+
+    model, opt = run(2, [3, 1])  # and from ZeRO-3's uneven pieces back to the first split
+    zs.load_checkpoint(third, model, opt)
+    with zs.gathered_parameters(model):
+        pass
+    last = _steps(model, opt, 6, 7, rank)
+    if not all(math.isfinite(v) for v in last):
+        raise AssertionError(f"rank {rank}: loss after ZeRO-3 uneven -> ZeRO-2 uneven: {last}")
     model.zero_engine.close()
 
 
@@ -157,11 +172,11 @@ def _worker(rank: int, world: int, root: str) -> int:
     from zero_strategy.testing.parity import Cell, compare
 
     run_subtests(lambda **kw: compare(Cell(scores=(3.0, 1.0), **kw), rank, world), PARITY, label="uneven parity")
-    run_subtests(lambda: _shares(rank, world), [{}], label="shares")
+    run_subtests(lambda stage: _shares(rank, world, stage), [{"stage": 2}, {"stage": 3}], label="shares")
     run_subtests(lambda: _reshard(rank, world, root), [{}], label="reshard")
     run_subtests(lambda: _measured(rank, world), [{}], label="measured scores")
-    return len(PARITY) + 3
+    return len(PARITY) + 4
 
 
 def test_load_balance(launch, tmp_path) -> None:
-    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + 3] * 2
+    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + 4] * 2

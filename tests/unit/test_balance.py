@@ -35,7 +35,8 @@ def test_config_forms_and_errors() -> None:
 @pytest.mark.parametrize(
     "config,match",
     [
-        ({"stage": 3, "load_balance": "compute"}, "stages 1 and 2"),
+        ({"stage": 3, "load_balance": {"scores": [1]}, "offload_param": "nvme"}, "offload_param: {device: nvme}"),
+        ({"stage": 3, "load_balance": {"scores": [1]}, "offload_optimizer": "nvme"}, "offload_optimizer"),
         ({"stage": 2, "load_balance": {"scores": [3, 1]}}, "2 entries for 1 ranks"),
     ],
 )
@@ -53,3 +54,11 @@ def test_speed_is_measured() -> None:
     flops, bandwidth = measure_speed(torch.device("cpu"), seconds=0.01)
     assert flops > 1e6 and bandwidth > 1e6, (flops, bandwidth)
     assert LoadBalanceConfig(preset="compute").enabled
+
+
+def test_stage3_refuses_a_model_built_sharded() -> None:
+    with zs.sharded_init():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="sharded_init"):
+        zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      config={"stage": 3, "load_balance": {"scores": [1]}})  # fmt: skip
