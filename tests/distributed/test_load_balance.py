@@ -147,6 +147,39 @@ def _reshard(rank: int, world: int, root: str) -> None:
     model.zero_engine.close()
 
 
+def _frozen_zero3(rank: int, world: int, root: str) -> None:
+    """A frozen parameter's uneven ZeRO-3 piece is saved at its real offset: it loads into even
+    and into the other uneven split unchanged."""
+    import torch
+
+    import zero_strategy as zs
+
+    def build(scores: list[float] | None):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Linear(33, 5), torch.nn.Linear(5, 3)).double()
+        m[0].weight.requires_grad_(False)
+        cfg = _config(3, scores)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        return zs.initialize(m, lambda p: torch.optim.AdamW([q for q in p if q.requires_grad], lr=1e-2), config=cfg)
+
+    model, opt = build([3, 1])
+    x = torch.randn(4, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    want = zs.full_state_dict(model, rank0_only=False)
+    path = zs.save_checkpoint(root, model, opt, tag="frozen-zero3")
+    model.zero_engine.close()
+    for scores in (None, [1, 3]):
+        model, opt = build(scores)
+        zs.load_checkpoint(path, model, opt)
+        got = zs.full_state_dict(model, rank0_only=False)
+        for k, v in want.items():
+            if not torch.equal(got[k], v):
+                raise AssertionError(f"rank {rank}: {k} after loading into scores {scores}")
+        model.zero_engine.close()
+
+
 def _measured(rank: int, world: int) -> None:
     import torch
     import torch.distributed as dist
@@ -174,9 +207,10 @@ def _worker(rank: int, world: int, root: str) -> int:
     run_subtests(lambda **kw: compare(Cell(scores=(3.0, 1.0), **kw), rank, world), PARITY, label="uneven parity")
     run_subtests(lambda stage: _shares(rank, world, stage), [{"stage": 2}, {"stage": 3}], label="shares")
     run_subtests(lambda: _reshard(rank, world, root), [{}], label="reshard")
+    run_subtests(lambda: _frozen_zero3(rank, world, root), [{}], label="frozen ZeRO-3 pieces")
     run_subtests(lambda: _measured(rank, world), [{}], label="measured scores")
-    return len(PARITY) + 4
+    return len(PARITY) + 5
 
 
 def test_load_balance(launch, tmp_path) -> None:
-    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + 4] * 2
+    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + 5] * 2
