@@ -29,22 +29,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from zero_strategy import collectives as C
 from zero_strategy.comm_config import LoadBalanceConfig
+from zero_strategy.config import ZeroConfig
 
 __all__ = ["check_load_balance", "measure_speed", "shard_fractions"]
 
 _SECONDS = 0.02  # per trial of a micro-benchmark (three trials each)
 
 
-def check_load_balance(config: Any, world_size: int, *, built_sharded: bool) -> None:
-    """Refuse what cannot be balanced (before the engine changes anything). ``config``: the
-    engine's ``ZeroConfig``; ``built_sharded``: some parameter was built under ``sharded_init``."""
-    lb: LoadBalanceConfig = config.load_balance
+def check_load_balance(config: ZeroConfig, world_size: int, *, built_sharded: bool) -> None:
+    """Refuse what cannot be balanced (before the engine changes anything). ``built_sharded``:
+    some parameter was built under ``sharded_init``."""
+    lb = config.load_balance
     if not lb.enabled:
         return
     if lb.scores is not None and len(lb.scores) != world_size:

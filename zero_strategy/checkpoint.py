@@ -59,7 +59,6 @@ from zero_strategy.checkpoint_files import (
 )
 from zero_strategy.dcp_pieces import UnevenPiece
 from zero_strategy.engine import ZeroEngine, persistent_buffers
-from zero_strategy.layout import ShardLayout
 from zero_strategy.module import get_engine
 
 __all__ = [
@@ -182,9 +181,8 @@ def _state(
             continue
         # frozen: flattened too, so a ZeRO-3 run's pieces and a ZeRO-1/2 run's full tensor reshard
         flat = engine.flat_value(p)
-        if engine.config.stage == 3:  # its piece of the unit's row: a piece's cut depends only on its size
-            cut = ShardLayout((p.numel(),), engine.ctx.world_size, engine.ctx.rank, engine.fractions)
-            sd[f"model.{fqn}"] = _piece(engine, mesh, flat, p.numel(), None if cut.even else cut.local_range(0)[0])
+        if engine.config.stage == 3:  # its piece of the unit's row
+            sd[f"model.{fqn}"] = _piece(engine, mesh, flat, p.numel(), engine.flat_offset(p))
         else:
             sd[f"model.{fqn}"] = flat
     for fqn, b in persistent_buffers(engine.module).items():  # what state_dict() holds
@@ -202,24 +200,24 @@ def _residuals(engine: ZeroEngine, mesh: _Meshes, saved: set[str] | None) -> dic
     if fb is None:
         return {}
     names = engine.param_names()
-    world = engine.ctx.world_size
     if saved is not None:
         in_file = {k for k in saved if k.startswith("compression.")}
         if not in_file:
             fb.reset()  # saved without residuals (dense, or in the warm-up): none carried over
             return {}
         fb.allocate()
-        if not set(fb.state_keys(lambda p: names[id(p)])) <= in_file:
-            fb.reset()
-            warnings.warn(
-                "load_checkpoint(): the checkpoint's top-k residuals were saved at another world size or bucket "
-                "layout (reduce_bucket_size, parameters); they start from zero here, as error feedback does at "
-                "the start of training",
-                UserWarning,
-                stacklevel=3,
-            )
-            return {}
-    return {k: _piece(engine, mesh, r, world * r.numel()) for k, r in fb.state_keys(lambda p: names[id(p)]).items()}
+    state = fb.state_keys(lambda p: names[id(p)])
+    if saved is not None and not set(state) <= in_file:
+        fb.reset()
+        warnings.warn(
+            "load_checkpoint(): the checkpoint's top-k residuals were saved at another world size or bucket "
+            "layout (reduce_bucket_size, parameters); they start from zero here, as error feedback does at "
+            "the start of training",
+            UserWarning,
+            stacklevel=3,
+        )
+        return {}
+    return {k: _piece(engine, mesh, r, engine.ctx.world_size * r.numel()) for k, r in state.items()}
 
 
 def _pointer_name(engine: ZeroEngine) -> str:

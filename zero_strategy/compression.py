@@ -206,9 +206,8 @@ def check_compression(config: CompressionConfig, stage: int) -> None:
 
 
 def build_compression(
-    config: CompressionConfig, groups: Sequence[ShardGroup], ctx: C.CommContext, *, stage: int,
-    steps: Callable[[], int],
-) -> ErrorFeedback | None:  # fmt: skip
-    """The error-feedback state for ``config`` (None without compression)."""
-    check_compression(config, stage)
+    config: CompressionConfig, groups: Sequence[ShardGroup], ctx: C.CommContext, *, steps: Callable[[], int]
+) -> ErrorFeedback | None:
+    """The error-feedback state for ``config`` (None without compression); the engine refused
+    what top-k cannot do with :func:`check_compression` before it changed anything."""
     return ErrorFeedback(config, groups, ctx, steps) if config.enabled else None

@@ -84,7 +84,6 @@ class ZeroEngine:
     zero3: UnitScheduler | None  # ZeRO-3's unit lifecycle, None at ZeRO-1/2
     offload_optimizer: OffloadPolicy  # where masters, their gradients and the optimizer state live
     offload_params: OffloadPolicy  # where ZeRO-3's persistent rows live
-    fractions: tuple[float, ...] | None  # each rank's share of every shard group (load_balance), None: even
 
     def __init__(
         self, module: nn.Module, config: ZeroConfig, process_group: Any = None, policy: UnitPolicy = None
@@ -161,9 +160,7 @@ class ZeroEngine:
             max_in_flight=2 if config.overlap_comm else 0,
             grad_factor=lambda: 1.0 / (self.ctx.world_size * self.scaler.scale),
             describe_step=self._step_label,
-            compression=build_compression(
-                config.compression, self.groups, self.ctx, stage=config.stage, steps=lambda: self.step_count
-            ),
+            compression=build_compression(config.compression, self.groups, self.ctx, steps=lambda: self.step_count),
         )
         if isinstance(self.params, ShardedParams):
             settings = Zero3Settings(
@@ -199,7 +196,7 @@ class ZeroEngine:
         C.broadcast_coalesced(self.ctx, full_params + list(module.buffers()), what="initial module state")
         if self.precision.low_params:
             refuse_norm_layers_with_running_stats(module, config)
-        fractions = self.fractions = shard_fractions(config.load_balance, self.ctx)  # None: even shards
+        fractions = shard_fractions(config.load_balance, self.ctx)  # None: even shards
         if config.stage == 3:
             self._plan = find_units(module, policy)
             storage = ShardedParams(
@@ -684,6 +681,10 @@ class ZeroEngine:
     def flat_value(self, p: torch.Tensor) -> torch.Tensor:
         """What this rank holds of a parameter without a master (frozen), flattened."""
         return self.params.flat_value(p)
+
+    def flat_offset(self, p: torch.Tensor) -> int | None:
+        """Where :meth:`flat_value` starts, when not where ``torch.chunk`` puts it (uneven)."""
+        return self.params.flat_offset(p)
 
     def progress_state(self) -> dict[str, torch.Tensor]:
         """The engine's own training progress, as tensors a checkpoint saves beside the shards."""

@@ -198,8 +198,8 @@ class GradReducer:
     def _launch(self, g: ShardGroup) -> None:
         self._launched[g.index] = True
         lay, n = g.layout, self.ctx.world_size
-        sparse = self.compression is not None and self.compression.active()
-        inp = self.ctx.pool.get(n * lay.shard_numel, g.master_dtype if sparse else g.reduce_dtype, g.device)
+        fb = self.compression if self.compression is not None and self.compression.active() else None
+        inp = self.ctx.pool.get(n * lay.shard_numel, g.reduce_dtype if fb is None else g.master_dtype, g.device)
         grads: list[torch.Tensor | None] = []
         for p in g.params:
             if p.grad is not None:
@@ -208,16 +208,16 @@ class GradReducer:
             else:
                 grads.append(None)
         lay.pack_full(grads, inp)
-        if _narrow(g) and not sparse:  # as DDP's compress hooks: divided before the 16-bit sum (no overflow)
+        if _narrow(g) and fb is None:  # as DDP's compress hooks: divided before the 16-bit sum (no overflow)
             inp.div_(n)
         for p in g.params:
             p.grad = None  # the full gradient is not kept once it is in the bucket
         while self._in_flight and len(self._in_flight) >= max(self.max_in_flight, 1):  # bounded scratch
             self._complete(self._in_flight.popleft())
         what = f"gradients of {g.name} ({self._describe_step()})"
-        if self.compression is not None and sparse:
+        if fb is not None:
             skip = [i for i, x in enumerate(grads) if x is None]
-            exchange = self.compression.launch(g, inp, self._grad_factor(), skip, what)
+            exchange = fb.launch(g, inp, self._grad_factor(), skip, what)
             self.ctx.pool.put(inp)  # added into the residual already
             self._in_flight.append(_InFlight(g, exchange.handle, sparse=exchange))
         else:
@@ -396,11 +396,8 @@ class GradReducer:
         piece = lay.local_view(g.grad_shard, i)
         row[: piece.numel()].copy_(piece)
         C.all_gather(self.ctx, buf, row, what=f"full_grad of {name}").wait()
-        if lay.even:  # torch.chunk's pieces: the rows, side by side, are the flat tensor
-            return buf[: p.numel()].view(p.shape).clone()
-        rows = buf.view(n, c)
-        parts = [rows[r, : hi - lo] for r in range(n) for lo, hi in [lay.local_range(i, r)]]
-        return torch.cat(parts).view(p.shape)
+        rows = buf.view(n, c)  # each rank's piece, padded: joined, they are the flat tensor
+        return torch.cat([rows[r, : hi - lo] for r in range(n) for lo, hi in [lay.local_range(i, r)]]).view(p.shape)
 
     def all_reduce_full(self) -> None:
         """DDP's reduction of full gradients: ``p.grad`` becomes the average over the ranks. A

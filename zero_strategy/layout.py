@@ -87,12 +87,8 @@ class ShardLayout:
     def local_range(self, i: int, rank: int | None = None) -> tuple[int, int]:
         """Range of parameter ``i``'s flat elements that ``rank`` (default: this rank) owns."""
         r = self.rank if rank is None else rank
-        if self.fractions is not None:
-            b = self.bounds[i]
-            return b[r], b[r + 1]
-        c, n = self.chunks[i], self.numels[i]
-        lo = min(r * c, n)
-        return lo, min(lo + c, n)
+        b = self.bounds[i]
+        return b[r], b[r + 1]
 
     def local_numel(self, i: int) -> int:
         lo, hi = self.local_range(i)

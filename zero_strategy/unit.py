@@ -75,6 +75,11 @@ class ParamStorage:
         at ZeRO-3, the whole tensor otherwise."""
         raise NotImplementedError(f"{type(self).__name__}.flat_value")
 
+    def flat_offset(self, p: torch.Tensor) -> int | None:
+        """Where :meth:`flat_value` starts in the flattened tensor when that is not where
+        ``torch.chunk`` would put it (uneven, load-balanced pieces); None otherwise."""
+        return None
+
     def masters_resident(self, g: ShardGroup) -> contextlib.AbstractContextManager[object]:
         """Group ``g``'s master pieces in memory inside the block (they always are, unless they
         are views of ZeRO-3 rows on disk); what the block changes is kept."""
@@ -677,6 +682,10 @@ class ShardedParams(ParamStorage):
     def flat_value(self, p: torch.Tensor) -> torch.Tensor:
         u, i = self._unit_of_or_raise(p, "flat_value")
         return u.piece(i)
+
+    def flat_offset(self, p: torch.Tensor) -> int | None:
+        u, i = self._unit_of_or_raise(p, "flat_offset")
+        return None if u.layout.even else u.layout.local_range(i)[0]
 
     def _unit_of_or_raise(self, p: torch.Tensor, what: str) -> tuple[UnitStorage, int]:
         where = self.unit_of(p)
