@@ -24,6 +24,7 @@ from zero_strategy.config import ZeroConfig, resolve_overrides
 from zero_strategy.construction import sharded_init
 from zero_strategy.export import export_full, full_state_dict
 from zero_strategy.loading import load_full_state_dict
+from zero_strategy.optimizer import UnknownOptimizerWarning
 from zero_strategy.partition import zero_auto_partition
 from zero_strategy.profiling import profile
 from zero_strategy.unit import UnitDivergence
@@ -32,6 +33,7 @@ __all__ = [
     "__version__",
     "CollectiveError",
     "UnitDivergence",
+    "UnknownOptimizerWarning",
     "ZeroConfig",
     "backward",
     "begin_versioned_save",

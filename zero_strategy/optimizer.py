@@ -15,10 +15,20 @@ on the outermost pair):
 
 An overflowing step is skipped by leaving every master gradient ``None``, which every
 ``torch.optim`` optimizer treats as "no update".
+
+Which optimizers give DDP's numbers: those whose update of an element reads only that element
+(and scalars such as the step count), since each rank steps only its 1-D pieces. An update
+that reads a whole parameter (factored or orthogonalised updates, a LAMB/LARS trust ratio, a
+NovoGrad norm) would be computed on a piece and silently differ. ``check_optimizer`` sorts by
+class: torch's element-wise optimizers (and subclasses) and bitsandbytes' 8-bit Adam pass; the
+known whole-parameter families are refused by the words of the class name (``FusedLAMB``,
+``Lars``, ``NovoGrad``, ``Adafactor``, ...); anything else passes with a warning, once per class.
 """
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -29,7 +39,15 @@ from zero_strategy._swap import swap_class, swapped_by
 if TYPE_CHECKING:
     from zero_strategy.engine import ZeroEngine
 
-__all__ = ["ZeroOptimizer", "bind_optimizer", "build_optimizer", "check_optimizer", "engine_of", "use_host_kernel"]
+__all__ = [
+    "UnknownOptimizerWarning",
+    "ZeroOptimizer",
+    "bind_optimizer",
+    "build_optimizer",
+    "check_optimizer",
+    "engine_of",
+    "use_host_kernel",
+]
 
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -97,21 +115,81 @@ def build_optimizer(
     )
 
 
-# Optimizers whose update of a parameter depends on its shape (factored or orthogonalised
-# updates) or that re-evaluate a closure: 1-D shards cannot reproduce them.
-_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon", "Shampoo", "SOAP", "DistributedShampoo")
+# torch's optimizers whose update of each element reads only that element (and scalars such as
+# the step count): stepped on 1-D pieces they give DDP's numbers. Their subclasses count too.
+_ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Adadelta,
+    torch.optim.Rprop,
+)  # fmt: skip
+# bitsandbytes' 8-bit Adam, recognised by module and name (the core never imports it)
+_ELEMENTWISE_BNB = frozenset({"Adam8bit", "AdamW8bit", "PagedAdam8bit", "PagedAdamW8bit"})
+# Refused, matched against the words of the class's name and its bases' (``FusedLAMB``: fused,
+# lamb): a 1-D piece cannot reproduce an update that reads the whole parameter.
+_WHOLE_SHAPE = frozenset({"lbfgs", "adafactor", "muon", "shampoo", "soap"})  # factored, orthogonalised, closure
+_WHOLE_NORM = frozenset({"lamb", "lars", "novograd"})  # trust ratio or normalisation by a parameter's norm
+_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+_WARNED: set[type] = set()
+
+
+class UnknownOptimizerWarning(UserWarning):
+    """``initialize`` got an optimizer it cannot tell to be element-wise (see ``check_optimizer``)."""
+
+
+def _words(name: str) -> set[str]:
+    words = [w.lower() for w in _WORDS.findall(name)]
+    return {*words, *(a + b for a, b in zip(words, words[1:]))}  # "NovoGrad" -> novo, grad, novograd
+
+
+def _refusal(cls: type) -> str | None:
+    """Why ``cls`` (or one of its bases) cannot be stepped on 1-D pieces; None if nothing is known."""
+    for base in cls.__mro__:
+        if base is torch.optim.Optimizer or base is object:
+            continue
+        words = _words(base.__name__)
+        if words & _WHOLE_SHAPE:
+            return f"{cls.__name__} updates a parameter from its whole shape (or re-runs a closure)"
+        if words & _WHOLE_NORM:
+            return (
+                f"{cls.__name__} scales each parameter's update by that parameter's norm (a LAMB/LARS-style "
+                "trust ratio or a NovoGrad-style normalisation)"
+            )
+    return None
+
+
+def _is_elementwise(cls: type) -> bool:
+    if issubclass(cls, _ELEMENTWISE):
+        return True
+    return cls.__module__.split(".")[0] == "bitsandbytes" and cls.__name__ in _ELEMENTWISE_BNB
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> None:
-    """Validate before anything is changed: element-wise update, parameters of ``module``."""
+    """Validate before anything is changed: an element-wise update, parameters of ``module``.
+
+    Each rank steps only its 1-D pieces of the parameters, so an update that reads a whole
+    parameter (its shape, its norm, other elements) silently differs from DDP. Known ones are
+    refused; torch's element-wise optimizers (and their subclasses) and bitsandbytes' 8-bit Adam
+    pass silently; any other class passes with one :class:`UnknownOptimizerWarning` per class
+    and process."""
     if swapped_by(optimizer) is ZeroOptimizer:
         raise RuntimeError("initialize(): this optimizer is already bound to a zero_strategy engine; build a new one")
-    name = type(optimizer).__name__
-    if name in _NOT_ELEMENTWISE:
+    cls = type(optimizer)
+    refusal = _refusal(cls)
+    if refusal is not None:
         raise TypeError(
-            f"initialize(): {name} updates a parameter from its whole shape (or re-runs a closure), but ZeRO "
-            "gives each rank 1-D pieces of parameters, so the numbers would differ from DDP. Use an "
-            "element-wise optimizer (AdamW, Adam, SGD, Adagrad, RMSprop, ...)."
+            f"initialize(): {refusal}, but ZeRO gives each rank 1-D pieces of parameters, so the numbers would "
+            "differ from DDP. Use an element-wise optimizer (AdamW, Adam, SGD, Adagrad, RMSprop, ...)."
+        )
+    if not _is_elementwise(cls) and cls not in _WARNED:
+        _WARNED.add(cls)
+        warnings.warn(
+            f"initialize(): {cls.__module__}.{cls.__qualname__} is not an optimizer zero_strategy knows to be "
+            "element-wise. ZeRO steps it on each rank's 1-D pieces of the parameters, so if its update reads a "
+            "whole parameter (a norm, a trust ratio, the shape) the numbers differ from DDP without an error. "
+            "If it updates each element from that element alone, ignore this warning "
+            "(warnings.filterwarnings('ignore', category=zero_strategy.UnknownOptimizerWarning)).",
+            UnknownOptimizerWarning,
+            stacklevel=3,
         )
     names = {id(p): n for n, p in module.named_parameters()}
     seen: set[int] = set()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -147,6 +148,62 @@ def test_optimizers_that_need_whole_shapes_or_closures_are_refused() -> None:
     _loss(model, 0).backward()
     with pytest.raises(RuntimeError, match=r"step\(closure\) is not supported"):
         opt.step(lambda: _loss(model, 0))
+
+
+class _TrustRatio(torch.optim.Optimizer):
+    """A LAMB-style update: each parameter's step is scaled by ||p|| / ||grad|| of the WHOLE
+    parameter, which a 1-D piece cannot compute (2 ranks differ from one process by ~1e-2)."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    ratio = p.norm() / p.grad.norm().clamp_min(1e-12)
+                    p.add_(p.grad, alpha=-group["lr"] * float(ratio))
+
+
+def _optimizer_warnings(build) -> list[warnings.WarningMessage]:
+    """The warnings ``initialize`` gives about the optimizer ``build`` makes (a fresh model each time)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        _, opt = zs.initialize(model, build(model.parameters()))
+        model.zero_engine.close()
+    return [w for w in seen if type(opt).__name__ in str(w.message) or "element-wise" in str(w.message)]
+
+
+def test_optimizers_are_sorted_by_whether_their_update_is_elementwise() -> None:
+    # known per-parameter-norm families are refused, by the words of the class name (apex's
+    # FusedLAMB, timm's Lamb/Lars, torch_optimizer's NovoGrad, bitsandbytes' LAMB8bit), also as
+    # subclasses of a torch optimizer
+    for name in ("Lamb", "FusedLAMB", "Lars", "LARS", "NovoGrad", "FusedNovoGrad", "LAMB8bit", "OnebitLamb"):
+        cls = type(name, (_TrustRatio,), {})
+        model = GPT(CFG)
+        with pytest.raises(TypeError, match=f"{name} scales each parameter's update by that parameter's norm"):
+            zs.initialize(model, cls(model.parameters()))
+        assert type(model) is GPT and getattr(model, "zero_engine", None) is None  # nothing was changed
+    sub = type("LarsSGD", (torch.optim.SGD,), {})
+    with pytest.raises(TypeError, match="LarsSGD scales"):
+        zs.initialize(GPT(CFG), lambda p: sub(p, lr=0.1))
+    with pytest.raises(TypeError, match="AdafactorBigVision updates a parameter from its whole shape"):
+        zs.initialize(GPT(CFG), lambda p: type("AdafactorBigVision", (_TrustRatio,), {})(p))
+    # an unknown class (here the same trust-ratio math under another name): one warning per class
+    unknown = type("TrustRatioSGD", (_TrustRatio,), {})
+    first = _optimizer_warnings(lambda p: unknown(p))
+    assert len(first) == 1, [str(w.message) for w in first]
+    assert issubclass(first[0].category, zs.UnknownOptimizerWarning)
+    assert "TrustRatioSGD is not an optimizer zero_strategy knows to be element-wise" in str(first[0].message)
+    assert _optimizer_warnings(lambda p: unknown(p)) == []  # once per class and process
+    # torch's element-wise optimizers and their subclasses are silent; 'Scalars' is not 'lars'
+    quiet = [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+             torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD, torch.optim.Adadelta,
+             torch.optim.Rprop, type("Scalars", (torch.optim.AdamW,), {})]  # fmt: skip
+    for cls in quiet:
+        assert _optimizer_warnings(lambda p, cls=cls: cls(p, lr=0.1)) == [], cls.__name__
 
 
 def test_bad_parameters_are_named() -> None:
