@@ -33,7 +33,7 @@ import os
 import shutil
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -143,18 +143,20 @@ def _piece(
 def _state(
     engine: ZeroEngine,
     optimizer: torch.optim.Optimizer | None,
-    want_optim: set[str] | None,
+    want_optim: Mapping[str, Any] | None,
     swapped: dict[int, dict[str, torch.Tensor]],
     saved: set[str] | None = None,
 ) -> dict[str, Any]:
     """The DCP state dict; its tensors alias the engine's own storage where possible.
 
-    ``want_optim``: on load, the optimizer keys present in the checkpoint, created (zeros) where
-    the optimizer has no state yet, so DCP can load into them. ``swapped``: per master, its
-    state on disk (memory maps of the swap files, ``engine.swapped_state``)."""
+    ``want_optim``: on load, the optimizer keys present in the checkpoint with their DCP
+    metadata, created (zeros, see :func:`_fresh_state`) where the optimizer has no state yet, so
+    DCP can load into them. ``swapped``: per master, its state on disk (memory maps of the swap
+    files, ``engine.swapped_state``)."""
     mesh = _Meshes(engine)
     sd: dict[str, Any] = {}
     names = engine.param_names()
+    group_of = {id(m): group for group in optimizer.param_groups for m in group["params"]} if optimizer else {}
     for g in engine.groups:
         for i, (p, m) in enumerate(zip(g.params, g.masters)):
             fqn, numel = names[id(p)], g.layout.numels[i]
@@ -170,7 +172,7 @@ def _state(
                 prefix = f"optim.{fqn}."
                 for key in [k[len(prefix) :] for k in want_optim if k.startswith(prefix)]:
                     if key not in state and key not in on_disk:
-                        state[key] = torch.zeros((), dtype=torch.float32) if key == "step" else torch.zeros_like(m.data)
+                        state[key] = _fresh_state(key, m, want_optim[prefix + key], group_of[id(m)], numel)
             for key, value in {**state, **on_disk}.items():
                 if not isinstance(value, torch.Tensor):
                     continue
@@ -190,6 +192,23 @@ def _state(
     sd.update(engine.progress_state())
     sd.update(_residuals(engine, mesh, saved))
     return sd
+
+
+def _fresh_state(key: str, master: torch.Tensor, saved: Any, group: dict[str, Any], numel: int) -> torch.Tensor:
+    """A tensor to load a state value into that the optimizer does not have yet (a fresh
+    optimizer), placed as torch's ``Optimizer.load_state_dict`` places a loaded value: ``step``
+    keeps its saved dtype on the host, unless the group is ``fused`` or ``capturable``, whose
+    kernels want it in float32 on the parameter's device; anything else takes the master's
+    dtype and device, per element (``numel`` elements saved: this rank's piece) or in its saved
+    shape (a scalar such as ASGD's ``eta``). ``saved``: the key's DCP metadata."""
+    size = torch.Size(getattr(saved, "size", ()))
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return torch.zeros(size, dtype=torch.float32, device=master.device)
+        return torch.zeros(size, dtype=getattr(getattr(saved, "properties", None), "dtype", None) or torch.float32)
+    if size == torch.Size([numel]):
+        return torch.zeros_like(master.data)
+    return torch.zeros(size, dtype=master.dtype, device=master.device)
 
 
 def _residuals(engine: ZeroEngine, mesh: _Meshes, saved: set[str] | None) -> dict[str, Any]:
@@ -667,11 +686,11 @@ def load_checkpoint(
     failure: BaseException | None = None
     resolved = os.fspath(path)
     meta: dict[str, Any] = {}
+    in_file: dict[str, Any] = {}  # key -> its DCP metadata (size, dtype)
     try:
         resolved, meta = read_meta(path, "load_checkpoint()", _pointer_name(engine))
         _validate_for_load(engine, resolved, meta, optimizer)
-        reader = SafeFileSystemReader(resolved)
-        saved = set(reader.read_metadata().state_dict_metadata)
+        in_file = dict(SafeFileSystemReader(resolved).read_metadata().state_dict_metadata)
     except Exception as exc:
         failure = exc
     errors = C.all_gather_objects(
@@ -686,9 +705,9 @@ def load_checkpoint(
             f"load_checkpoint(): another rank refused the checkpoint: {text}"
         )
     engine.wait_for_reductions()
-    want = {k for k in saved if k.startswith("optim.")} if optimizer is not None else None
+    want = {k: v for k, v in in_file.items() if k.startswith("optim.")} if optimizer is not None else None
     with engine.swapped_state(writable=True) as swapped:
-        sd = _state(engine, optimizer, want, swapped, saved)
+        sd = _state(engine, optimizer, want, swapped, set(in_file))
         if int(meta.get("format", 1)) < 4:
             del sd["engine.loss_scaler_counters"]  # an older checkpoint: the schedule restarts its window
         dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))

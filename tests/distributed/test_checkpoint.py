@@ -208,6 +208,64 @@ def test_truncated_shard_and_other_model_are_named(launch, tmp_path) -> None:
         assert "parameter '0.weight' has shape [3, 3] in the model" in msg, msg
 
 
+def _check_fresh_optimizer_state(rank: int, world: int, tmp: str) -> int:
+    """Resuming into a fresh optimizer creates each state tensor the checkpoint has where torch's
+    own ``Optimizer.load_state_dict`` puts a loaded value (``_process_value_according_to_param_
+    policy``): ``step`` as saved unless the group is fused or capturable (then float32 on the
+    parameter's device), the rest in the parameter's dtype and device. Under a float64 default
+    dtype a plain Adam saves a float64 ``step``, and ASGD saves scalar ``eta``/``mu``. One AdamW
+    with a plain, a fused and a capturable group (capturable cannot step on CPU: the saving run's
+    third group is plain). Returns the number of tensors checked."""
+    import time
+
+    import torch
+    from torch.optim.optimizer import Optimizer
+
+    import zero_strategy as zs
+    from zero_strategy.testing.parity import Cell, Net
+
+    def build(cls, flags: list[dict]):
+        torch.manual_seed(0)
+
+        def make(params):
+            params = list(params)
+            cut = [0, len(params) // 3, 2 * len(params) // 3, len(params)]
+            return cls([{"params": params[a:b], **f} for a, b, f in zip(cut, cut[1:], flags)], lr=0.1)
+
+        return zs.initialize(Net(Cell()), make, config=zs.ZeroConfig(stage=2))
+
+    start, checked = time.perf_counter(), 0
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cases = [(torch.optim.AdamW, [{}, {"fused": True}, {"capturable": True}]), (torch.optim.ASGD, [{}, {}, {}])]
+        for i, (cls, flags) in enumerate(cases):
+            model, opt = build(cls, [{} if "capturable" in f else f for f in flags])
+            _run(model, opt, None, rank, world, range(1))
+            zs.save_checkpoint(f"{tmp}/fresh{i}", model, opt)
+            fresh_model, fresh = build(cls, flags)
+            zs.load_checkpoint(f"{tmp}/fresh{i}", fresh_model, fresh)
+            for flag, group, saved_group in zip(flags, fresh.param_groups, opt.param_groups, strict=True):
+                policy = [{"params": [0], "fused": group.get("fused"), "capturable": group.get("capturable")}]
+                for m, saved_m in zip(group["params"], saved_group["params"], strict=True):
+                    where = f"{cls.__name__}({flag})"
+                    assert fresh.state[m].keys() == opt.state[saved_m].keys(), (where, list(fresh.state[m]))
+                    for key, value in fresh.state[m].items():
+                        want = Optimizer._process_value_according_to_param_policy(
+                            m, opt.state[saved_m][key], 0, policy, key=key
+                        )
+                        got = (value.dtype, value.device)
+                        assert got == (want.dtype, want.device), (f"{where} state[{key!r}]", got, want.dtype)
+                        assert torch.equal(value, want), f"{where} state[{key!r}]"
+                        checked += 1
+            model.zero_engine.close()
+            fresh_model.zero_engine.close()
+    finally:
+        torch.set_default_dtype(previous)
+    print(f"fresh optimizer state checks: {time.perf_counter() - start:.1f}s", flush=True)
+    return checked
+
+
 def _export_worker(rank: int, world: int, tmp: str) -> dict:
     import torch
 
@@ -229,6 +287,8 @@ def _export_worker(rank: int, world: int, tmp: str) -> dict:
         assert full == {}, list(full)
     everywhere = zs.full_state_dict(model, rank0_only=False, dtype=torch.float32)
     assert all(everywhere[k].dtype == torch.float32 and torch.equal(everywhere[k], v.float()) for k, v in state.items())
+    fresh = _check_fresh_optimizer_state(rank, world, tmp)
+    assert fresh > 0, fresh
     return state
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import zero_strategy as zs
 from zero_strategy.models import GPT, GPTConfig, synthetic_batch
+from zero_strategy.testing import assert_close
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layer=2, n_head=2, qkv_bias=False)
 
@@ -559,6 +560,38 @@ def test_load_checkpoint_leaves_non_persistent_buffers_alone(tmp_path) -> None:
         assert torch.equal(fresh.inv_freq, expected) and fresh.kept.tolist() == [7.0, 7.0]
         zs.load_full_state_dict(fresh, {k: v for k, v in Rope(1.0).state_dict().items()})  # strict: no inv_freq needed
         assert torch.equal(fresh.inv_freq, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flag", ["capturable", "fused"])
+def test_resume_into_a_fresh_capturable_or_fused_adam_on_cuda(tmp_path, flag: str) -> None:
+    """A fresh capturable/fused Adam gets ``step`` on the parameter's device (float32) from
+    load_checkpoint, as torch's load_state_dict gives it, so its first step runs and continues
+    the saved run exactly. (The CPU rule is checked in test_checkpoint's export test.)"""
+
+    def build():
+        torch.manual_seed(0)
+        model = GPT(CFG).cuda()
+        return zs.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2, **{flag: True}))
+
+    def train(model, opt, steps: range) -> None:
+        for step in steps:
+            x, y = synthetic_batch(CFG, 2, step)
+            F.cross_entropy(model(x.cuda()).view(-1, CFG.vocab_size), y.cuda().reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    train(model, opt, range(2))
+    zs.save_checkpoint(tmp_path, model, opt)
+    train(model, opt, range(2, 4))
+    fresh, fresh_opt = build()
+    zs.load_checkpoint(tmp_path, fresh, fresh_opt)
+    for state in fresh_opt.state.values():
+        assert state["step"].device.type == "cuda" and state["step"].dtype == torch.float32, state["step"]
+    train(fresh, fresh_opt, range(2, 4))  # raised before the fix: step on the CPU
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):  # full at stage 1/2
+        assert_close(b.detach(), a.detach(), rtol=1e-6, atol=1e-7, what=name)
 
 
 def test_save_never_writes_into_an_existing_checkpoint_and_checks_objects(tmp_path) -> None:
