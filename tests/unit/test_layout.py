@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -90,8 +93,33 @@ def test_uneven_pieces_follow_the_fractions_and_round_trip(fractions: tuple[floa
     row = torch.full((layouts[1].shard_numel,), float("nan"))
     layouts[1].pack_local([f[slice(*layouts[1].local_range(i))] for i, f in enumerate(flats)], row)
     assert torch.equal(row, rows[1])
-    even = ShardLayout(numels, world, 0)
-    assert even.even and not layouts[0].even and even.bounds[2][1] == even.local_range(2)[1]
+    assert not layouts[0].even and ShardLayout(numels, world, 0).even
+
+
+@pytest.mark.parametrize("fractions", [None, (0.75, 0.25), (0.2, 0.3, 0.5), (0.1, 0.4, 0.4, 0.1), (0.7, 0.3)])
+def test_every_ranks_range_is_the_cut_computed_independently(fractions: tuple[float, ...] | None) -> None:
+    """Each rank's range, recomputed without the layout: even, torch.chunk's pieces; uneven, the
+    exact cumulative fractions (as decimals) times numel, rounded down. So the ranks' ranges
+    are disjoint, in rank order and cover every element; the padded chunk is the largest."""
+    world = 3 if fractions is None else len(fractions)
+    numels = (1, 2, 3, 7, 10, 101, 4096)
+    layouts = [ShardLayout(numels, world, r, fractions) for r in range(world)]
+    for i, n in enumerate(numels):
+        if fractions is None:
+            sizes = [len(c) for c in torch.chunk(torch.arange(n), world)]
+            sizes += [0] * (world - len(sizes))
+        else:
+            cuts = [0] + [math.floor(n * sum(Fraction(str(f)) for f in fractions[:r])) for r in range(1, world)] + [n]
+            sizes = [hi - lo for lo, hi in zip(cuts, cuts[1:])]
+        starts = [sum(sizes[:r]) for r in range(world)]
+        expected = [(lo, lo + k) for lo, k in zip(starts, sizes)]
+        assert [lay.local_range(i) for lay in layouts] == expected, (n, fractions)
+        assert [layouts[0].local_range(i, r) for r in range(world)] == expected  # asked of another rank
+        owner = torch.zeros(n, dtype=torch.int64)
+        for lo, hi in expected:
+            owner[lo:hi] += 1
+        assert bool((owner == 1).all()), (n, fractions)  # every element owned exactly once
+        assert all(lay.chunks[i] == max(sizes) for lay in layouts), (n, layouts[0].chunks[i], sizes)
 
 
 def test_bad_fractions_are_refused() -> None:
