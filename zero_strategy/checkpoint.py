@@ -172,7 +172,7 @@ def _state(
                 prefix = f"optim.{fqn}."
                 for key in [k[len(prefix) :] for k in want_optim if k.startswith(prefix)]:
                     if key not in state and key not in on_disk:
-                        state[key] = _fresh_state(key, m, want_optim[prefix + key], group_of[id(m)], numel)
+                        state[key] = _fresh_state(key, m, want_optim[prefix + key], group_of.get(id(m), {}), numel)
             for key, value in {**state, **on_disk}.items():
                 if not isinstance(value, torch.Tensor):
                     continue
