@@ -153,7 +153,7 @@ def test_optimizers_that_need_whole_shapes_or_closures_are_refused() -> None:
 
 class _TrustRatio(torch.optim.Optimizer):
     """A LAMB-style update: each parameter's step is scaled by ||p|| / ||grad|| of the WHOLE
-    parameter, which a 1-D piece cannot compute (2 ranks differ from one process by ~1e-2)."""
+    parameter, which a rank holding a 1-D piece of it cannot compute."""
 
     def __init__(self, params, lr: float = 0.1) -> None:
         super().__init__(params, {"lr": lr})
