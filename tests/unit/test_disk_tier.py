@@ -4,8 +4,10 @@ exception, a killed run found at the next start), checked (size, owner, free spa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +19,7 @@ from torch import nn
 import zero_strategy as zs
 from zero_strategy.disk import (
     OWNER,
+    DiskFile,
     SwapDir,
     _is_tmpfs,
     _machine,
@@ -103,6 +106,33 @@ def test_too_small_a_disk_fails_before_the_first_step(tmp_path, monkeypatch) -> 
     ):
         _train(model, opt, 1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was stepped
+
+
+def test_space_is_reserved_where_fallocate_is_unsupported(tmp_path, monkeypatch) -> None:
+    """NFS and some FUSE filesystems cannot allocate ahead: glibc's fallback then writes through
+    the ``O_DIRECT`` descriptor and fails with EINVAL. The file must still take its space (not
+    stay sparse, for a full disk to fail mid-step), or the reservation fails naming the file."""
+    d = SwapDir(str(tmp_path), rank=0)
+
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    f = DiskFile(os.path.join(d.path, "group0.swap"), 3 * 2**20 + 100, d.direct)
+    d.reserve(f)
+    st = os.stat(f.path)
+    assert st.st_size == f.nbytes and st.st_blocks * 512 >= f.nbytes, (st.st_size, st.st_blocks * 512, f.nbytes)
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    g = DiskFile(os.path.join(d.path, "group1.swap"), 2**20, d.direct)
+    with pytest.raises(RuntimeError, match=f"no space for the swap file {re.escape(g.path)} \\(1048576 bytes"):
+        d.reserve(g)
+    f.close()
+    g.close()
+    d.remove()
 
 
 def test_a_killed_runs_files_are_removed_at_the_next_start_and_an_exception_removes_ours(tmp_path) -> None:
