@@ -12,8 +12,10 @@ from torch import nn
 from zero_strategy.config import ZeroConfig
 from zero_strategy.engine import ZeroEngine, live_engines
 from zero_strategy.module import get_engine, swap_module_class
+from zero_strategy.offload import OnDisk, optimizer_offload
 from zero_strategy.optimizer import bind_optimizer, build_optimizer, check_optimizer
 from zero_strategy.partition import UnitPolicy
+from zero_strategy.swapped_state import base_step
 
 __all__ = [
     "backward",
@@ -65,6 +67,8 @@ def initialize(
     opt = None if optimizer is None else build_optimizer(optimizer, model)
     if opt is not None:
         check_optimizer(opt, model)  # before anything is changed
+        if isinstance(optimizer_offload(cfg), OnDisk):
+            base_step(opt)  # an optimizer subclass whose step the disk tier cannot split is refused now
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 "initialize(): the model has no parameter with requires_grad=True, so the optimizer has nothing to "
@@ -92,6 +96,8 @@ def replace_optimizer(
             "replace_optimizer(optimizer=...): this optimizer is already bound to a zero_strategy model; build a new one"
         )
     check_optimizer(opt, model)
+    if isinstance(engine.offload_optimizer, OnDisk):
+        base_step(opt)
     engine.set_optimizer(bind_optimizer(opt, engine))
     return opt
 

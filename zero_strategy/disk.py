@@ -211,21 +211,30 @@ class SwapDir:
         atexit.register(self.remove)
 
     def reserve(self, f: DiskFile) -> None:
-        """Take the file's space now (``posix_fallocate``), so that a disk that fills up fails
-        before the first step, not in the middle of one (a plain size where the filesystem
-        cannot allocate ahead)."""
+        """Take the file's space now, so that a disk that fills up fails before the first step,
+        not in the middle of one (after some masters were updated): ``posix_fallocate``, or,
+        where the filesystem cannot allocate ahead (NFS, some FUSE; glibc's fallback then writes
+        through the ``O_DIRECT`` descriptor and fails with EINVAL), zeros written through a
+        buffered descriptor and synced. Never a sparse file; a failure names the file."""
         try:
-            os.posix_fallocate(f.fd, 0, max(f.nbytes, 1))
+            try:
+                os.posix_fallocate(f.fd, 0, max(f.nbytes, 1))
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                _write_zeros(f.path, f.nbytes)
+            os.ftruncate(f.fd, f.nbytes)
         except OSError as e:
-            if e.errno == errno.ENOSPC:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 free = shutil.disk_usage(self.path).free
                 raise RuntimeError(
                     f"offload: no space for the swap file {f.path} ({f.nbytes} bytes; {free} bytes free in "
                     f"{self.path}); free space there, or {self._fix}"
                 ) from e
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                raise
-        os.ftruncate(f.fd, f.nbytes)
+            raise RuntimeError(
+                f"offload: cannot reserve {f.nbytes} bytes for the swap file {f.path} ({type(e).__name__}: {e}); "
+                f"point {self.field}.nvme_path at a local disk"
+            ) from e
 
     def check_owner(self) -> None:
         """Refuse a directory that another run marked (files must be this run's)."""
@@ -256,6 +265,23 @@ class SwapDir:
         self._removed = True
         shutil.rmtree(self.path, ignore_errors=True)
         atexit.unregister(self.remove)
+
+
+def _write_zeros(path: str, nbytes: int) -> None:
+    """Allocate ``nbytes`` of ``path`` by writing zeros (a buffered descriptor: no alignment
+    needed), synced so that a filesystem that reports a full disk late (NFS) reports it here."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        zeros = memoryview(bytes(min(nbytes, 8 << 20)))
+        pos = 0
+        while pos < nbytes:
+            n = os.pwrite(fd, zeros[: nbytes - pos], pos)
+            if n <= 0:
+                raise OSError(errno.EIO, f"wrote {n} bytes at offset {pos}")
+            pos += n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def aligned_empty(nbytes: int, pinned: bool) -> torch.Tensor:

@@ -16,6 +16,7 @@ files (:meth:`DiskTier.mapped`).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -64,7 +65,9 @@ class DiskTier:
         guard: Callable[[], contextlib.AbstractContextManager[None]],
     ) -> None:
         """A new optimizer (or none): the previous one's swap files go; groups not on the device
-        get their state on disk when the optimizer policy says so."""
+        get their state on disk when the optimizer policy says so. ``guard`` (the engine's
+        method) is held weakly: the engine's finalizer holds this tier, so a strong reference
+        back would keep a dropped engine, its I/O threads and its files alive until exit."""
         if self.swapped is not None:
             self.swapped.close()
             self.swapped = None
@@ -72,7 +75,7 @@ class DiskTier:
         if optimizer is not None and isinstance(policy, OnDisk) and self.opt_dir is not None:
             self.swapped = SwappedOptimizerState(
                 groups, self.opt_dir, buffer_count=policy.buffer_count, pinned=policy.pinned(self.ctx.device),
-                guard=guard,
+                guard=_weakly(guard),
             )  # fmt: skip
 
     def check_owner(self) -> None:
@@ -157,3 +160,16 @@ class DiskTier:
     def remove(self) -> None:
         for d in self.dirs:
             d.remove()
+
+
+def _weakly(
+    method: Callable[[], contextlib.AbstractContextManager[None]],
+) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """``method`` (bound) without a reference to its object; a no-op once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> contextlib.AbstractContextManager[None]:
+        live = ref()
+        return live() if live is not None else contextlib.nullcontext()
+
+    return call

@@ -108,7 +108,7 @@ class ZeroEngine:
         check_load_balance(config, self.ctx.world_size, built_sharded=built_sharded)
         # swap directories: an unusable nvme_path fails here, before any change
         self.disk = DiskTier(self.offload_optimizer, self.offload_params, self.ctx)
-        weakref.finalize(self, self.disk.remove)  # a dropped engine takes its files along
+        weakref.finalize(self, self.disk.close)  # a dropped engine takes its I/O threads and files along
         self.precision = select_precision(config.precision)
         self.scaler = select_scaler(config.loss_scale, self.precision, explicit=config.explicitly_set("loss_scale"))
         self.optimizer = None

@@ -4,7 +4,10 @@ The user's optimizer stays the one they built. At each step the engine hands it 
 group at a time: the group's state is read from its swap file into an aligned buffer, installed
 in ``optimizer.state`` as views of that buffer, the optimizer steps only that group's master
 pieces (its ``param_groups`` are narrowed for the call; hyperparameters and LR schedules are
-the group's own), and the buffer is written back while the next group steps. Between steps
+the group's own), and the buffer is written back while the next group steps. What steps a
+group is the update of the optimizer's most basic class (:func:`base_step`: torch's ``AdamW``
+under a user's subclass of it), so a subclass's own ``step`` code runs once per step, not
+once per group. Between steps
 ``optimizer.state`` keeps only the small entries (Adam's ``step``); the per-element tensors are
 on disk. Element-wise optimizers give the same numbers stepped in pieces as whole, so the
 result is DDP's.
@@ -21,11 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -33,22 +37,56 @@ from zero_strategy._swap import original_class
 from zero_strategy.disk import ALIGN, DiskFile, Region, SwapDir, SwapPool, views
 from zero_strategy.group import ShardGroup
 
-__all__ = ["SwappedOptimizerState", "step_subset"]
+__all__ = ["SwappedOptimizerState", "base_step", "step_subset"]
+
+
+def _unhooked(fn: Any) -> Any:
+    """``fn`` without torch's step-hook wrapper: ``torch.optim.Optimizer`` wraps the ``step`` of
+    each optimizer class it builds, once, in a function that runs the step hooks."""
+    while getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def base_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
+    """The update that the disk tier runs group by group: the ``step`` of the most basic class
+    of ``optimizer`` that defines one (torch's ``AdamW`` under a user's subclass of it; the
+    user's own class when it derives from ``torch.optim.Optimizer`` directly), without the hook
+    wrapper. A subclass's ``step`` on top of it is not run per group: its own code (a counter,
+    an EMA after ``super().step()``) runs once, in the user's ``step()`` call, around the whole
+    step. A subclass ``step`` that does not call ``super().step()`` replaces the update, so it
+    cannot be split this way: refused, naming it."""
+    cls = original_class(optimizer)  # the user's class, not the swapped one
+    steps: list[Any] = []  # distinct step functions, most derived first
+    for klass in cls.__mro__:
+        fn = vars(klass).get("step")
+        if fn is None or klass is torch.optim.Optimizer:
+            continue
+        fn = _unhooked(fn)
+        if fn not in steps:
+            steps.append(fn)
+    if not steps:
+        raise TypeError(
+            f"offload_optimizer nvme: {cls.__name__} defines no step() of its own; use offload_optimizer device 'cpu'"
+        )
+    base, *_ = reversed(steps)
+    for fn in steps[:-1]:
+        code = getattr(inspect.unwrap(fn), "__code__", None)
+        if code is None or not {"super", "step"} & set(code.co_names):
+            raise TypeError(
+                f"offload_optimizer nvme: {fn.__qualname__} does not call super().step(), so it replaces "
+                f"{base.__qualname__}; the disk tier steps the base class's update group by group and runs a "
+                "subclass's own step code once per step. Call super().step() in it, or use offload_optimizer "
+                "device 'cpu'"
+            )
+    return cast(Callable[[torch.optim.Optimizer], Any], base)
 
 
 def unhooked_step(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.step()`` without the step hooks (the engine's, the user's, the global ones):
-    torch wraps every optimizer class's ``step`` once in a function that runs the hooks; the
-    engine steps a group of the disk tier through the function it wraps, so a user's hook (an
+    """The base class's update (:func:`base_step`) over the current param groups, without the
+    step hooks (the engine's, the user's, the global ones): a user's hook or subclass code (an
     EMA update, a logger) runs once per step, around the whole step, as without offload."""
-    step = getattr(original_class(optimizer), "step", None)  # the class's own (hooked) step, not the mixin's
-    inner = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
-    if inner is None:
-        raise TypeError(
-            f"offload_optimizer nvme: {type(optimizer).__name__}.step is not the hooked step torch.optim.Optimizer "
-            "installs, so it cannot be stepped group by group; use offload_optimizer device 'cpu'"
-        )
-    inner(optimizer)
+    base_step(optimizer)(optimizer)
 
 
 @contextlib.contextmanager

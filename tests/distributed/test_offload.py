@@ -27,6 +27,10 @@ def _cells(world: int) -> list[dict]:
             {"stage": stage, "offload": "nvme", "accum": "no_sync", "clip": 0.05},
             {"stage": stage, "offload": "nvme", "dtype": "float32", "optim": "adam", "frozen": True},
         ]
+    cells += [  # other state than Adam's: SGD's momentum buffer, Adagrad's sum (filled at construction)
+        {"stage": 2, "offload": "nvme", "optim": "sgd", "accum": "no_sync", "steps": 6},
+        {"stage": 3, "offload": "nvme", "optim": "adagrad", "groups": True, "steps": 6},
+    ]
     cells += [  # ZeRO-3's rows on disk: with the optimizer on the host (the design notes' template), and both on disk
         {"stage": 3, "offload": "param_nvme", "accum": "no_sync", "clip": 0.05},
         {"stage": 3, "offload": "param_nvme", "dtype": "float32", "optim": "adam", "frozen": True, "tied": True},
@@ -43,7 +47,65 @@ def _offload_worker(rank: int, world: int) -> int:
 
     cells = _cells(world)
     run_subtests(lambda **kw: compare(Cell(**kw), rank, world), cells, label=f"offload parity, world {world}")
+    if world == 2:
+        run_subtests(lambda stage: _subclass_runs_once_per_step(stage, rank), [{"stage": s} for s in (1, 2, 3)],
+                     label="an optimizer subclass with the optimizer on NVMe")  # fmt: skip
     return len(cells)
+
+
+def _ema_adamw() -> type:
+    import torch
+
+    class EmaAdamW(torch.optim.AdamW):
+        """A subclass with code after ``super().step()``: a step counter and an EMA of every
+        parameter it steps (a common pattern). Both must run once per ``step()`` call."""
+
+        def __init__(self, params, **kw) -> None:
+            super().__init__(params, **kw)
+            self.count = 0
+            self.ema: dict[int, torch.Tensor] = {}
+
+        def step(self, closure=None):
+            loss = super().step(closure)
+            self.count += 1
+            for group in self.param_groups:
+                for p in group["params"]:
+                    k = id(p)
+                    self.ema[k] = p.detach().clone() if k not in self.ema else self.ema[k].lerp(p.detach(), 0.5)
+            return loss
+
+    return EmaAdamW
+
+
+def _subclass_runs_once_per_step(stage: int, rank: int) -> None:
+    """The counter and the EMA of :func:`_ema_adamw` with the optimizer state on disk equal
+    their values without offload (the disk tier steps torch's AdamW group by group, and the
+    subclass's own code runs once, around the whole step)."""
+    import torch
+    import torch.nn.functional as F
+
+    import zero_strategy as zs
+    from zero_strategy.testing import assert_close
+    from zero_strategy.testing.parity import OFFLOADS, VOCAB, Cell, Net, batch
+
+    got = {}
+    for off in ("none", "nvme"):
+        torch.manual_seed(0)
+        model = Net(Cell()).double()
+        opt = _ema_adamw()(model.parameters(), lr=1e-2, weight_decay=0.1)
+        cfg = zs.ZeroConfig(stage=stage, reduce_bucket_size=700, stage3_param_persistence_threshold=0, **OFFLOADS[off])
+        model, opt = zs.initialize(model, opt, config=cfg)
+        for step in range(3):
+            x, y = batch(step, 0, rank)
+            F.cross_entropy(model(x).view(-1, VOCAB), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad()
+        if off == "nvme":
+            assert len(model.zero_engine.swapped.files) > 1, "want several groups on disk"
+        got[off] = (opt.count, [opt.ema[id(p)] for g in opt.param_groups for p in g["params"]])
+        zs.destroy(model)
+    assert got["nvme"][0] == got["none"][0] == 3, f"post-step code ran {got['nvme'][0]} times in 3 steps"
+    assert_close(got["nvme"][1], got["none"][1], rtol=1e-12, what=f"rank {rank}: the EMA with the state on disk")
 
 
 @pytest.mark.parametrize("world", [1, 2])

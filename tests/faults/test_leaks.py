@@ -97,3 +97,66 @@ def test_destroy_hands_back_a_plain_module_with_its_trained_values() -> None:
             raise AssertionError("the destroyed engine's optimizer stepped")
         except RuntimeError as e:
             assert "was destroyed" in str(e)
+
+
+def _swap_dirs(root: Path) -> int:
+    from zero_strategy.disk import swap_root_name
+
+    base = root / swap_root_name()
+    return len(list(base.iterdir())) if base.is_dir() else 0
+
+
+NVME_CELLS = [  # (stage, where on disk); each built, trained and dropped with and without destroy()
+    (2, "optimizer"),
+    (3, "param"),
+    (3, "both"),
+]
+
+
+def _nvme_engine(root: Path, stage: int, where: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    nvme = {"device": "nvme", "nvme_path": str(root)}
+    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if where in ("optimizer", "both"):
+        zero["offload_optimizer"] = nvme
+    if where in ("param", "both"):
+        zero["offload_param"] = nvme
+    model, opt = zs.initialize(_model(), lambda p: torch.optim.AdamW(p, lr=1e-2), config={"zero_optimization": zero})
+    for _ in range(2):
+        model(torch.ones(2, 16)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _light_count() -> dict[str, int]:
+    gc.collect()  # after gc.freeze(): only what came since (a full collection costs half a second here)
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
+
+
+def test_a_dropped_nvme_engine_takes_its_threads_files_and_directories_along(tmp_path: Path) -> None:
+    """With the optimizer or the parameters on disk, an engine that is dropped without
+    ``destroy()`` (as Lightning's teardown leaves it, so that ``test()`` may follow ``fit()``)
+    is collected, and its I/O threads, file descriptors and swap directories go with it."""
+    model, opt = _nvme_engine(tmp_path, 3, "both")  # lazy imports and first uses settle first
+    zs.destroy(model)
+    del model, opt
+    gc.collect()
+    gc.freeze()
+    try:
+        baseline = _light_count()
+        for stage, where in NVME_CELLS:
+            for destroy in (True, False):
+                model, opt = _nvme_engine(tmp_path, stage, where)
+                ref = weakref.ref(model.zero_engine)
+                assert _swap_dirs(tmp_path) >= 1
+                if destroy:
+                    zs.destroy(model)
+                del model, opt
+                after = _light_count()
+                cell = (stage, where, "destroy" if destroy else "dropped")
+                assert ref() is None, f"{cell}: the engine is still alive"
+                assert after["threads"] <= baseline["threads"], (cell, baseline, after)
+                assert after["fds"] <= baseline["fds"], (cell, baseline, after)
+                assert _swap_dirs(tmp_path) == 0, f"{cell}: swap directories left: {_swap_dirs(tmp_path)}"
+    finally:
+        gc.unfreeze()

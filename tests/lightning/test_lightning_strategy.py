@@ -147,6 +147,10 @@ def _trainer(strategy, devices: int, **kw):
 
 
 def _parity_worker(rank: int, world: int) -> dict:
+    import gc
+    import threading
+    import weakref
+
     import torch
 
     import lightning_zero
@@ -202,6 +206,7 @@ def _parity_worker(rank: int, world: int) -> dict:
             host = stats["tier_host_pinned"] + stats["tier_host_pageable"]
             on_host = stats["masters"] + stats["grad_shards"] + stats["optimizer_state"]
             if name == "zero3_offload_nvme":  # rows and optimizer state in swap files, gradient shards in memory
+                nvme_engine, swap_dirs = weakref.ref(engine), [d.path for d in engine.disk.dirs]
                 assert stats["param_shards"] > 0 and stats["tier_disk"] > stats["param_shards"], stats
                 assert stats["masters"] == 0 and host == on_host - (stats["tier_disk"] - stats["param_shards"]), stats
             elif name.endswith("offload"):  # the optimizer side (and at zero3 the rows) in host memory
@@ -227,6 +232,12 @@ def _parity_worker(rank: int, world: int) -> dict:
         model = LitGPT.Manual()
         trainer.fit(model, _data(80, 2))
         out[f"manual_{name}"] = rec.losses
+    # the NVMe model was dropped (Lightning's teardown does not destroy an engine: test() may follow
+    # fit()) and two more were fit: its engine, I/O threads and swap files went with it
+    del engine, model, trainer
+    gc.collect()
+    out["nvme_left"] = {"engine": nvme_engine() is not None, "dirs": [d for d in swap_dirs if os.path.exists(d)],
+                        "io_threads": [t.name for t in threading.enumerate() if t.name.startswith("zero-swap")]}  # fmt: skip
     return out
 
 
@@ -247,6 +258,9 @@ def test_ddp_parity_with_accumulation_clipping_and_scheduler(launch) -> None:
             assert_close(got["preds"], ref["preds"], rtol=1e-5, atol=1e-6, what=f"rank {rank} {name} predictions")
             assert got["lr"] == ref["lr"] == pytest.approx(1e-2 * 0.5**3)
             assert_state_close(got["params"], ref["params"], rtol=1e-5, atol=1e-6, what=f"rank {rank} {name} weights")
+    assert all(res["nvme_left"] == {"engine": False, "dirs": [], "io_threads": []} for res in results), [
+        res["nvme_left"] for res in results
+    ]
     manual, manual_ddp = results[0]["manual_zero3"], results[0]["manual_ddp"]
     assert len(manual_ddp) == 20  # 10 optimizer steps, 2 batches each
     assert_close(manual, manual_ddp, rtol=1e-6, what="manual optimization losses")

@@ -4,8 +4,10 @@ exception, a killed run found at the next start), checked (size, owner, free spa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,17 @@ import torch
 from torch import nn
 
 import zero_strategy as zs
-from zero_strategy.disk import OWNER, SwapDir, _is_tmpfs, _machine, _proc_start, clean_stale_runs, swap_root_name
+from zero_strategy.disk import (
+    OWNER,
+    DiskFile,
+    SwapDir,
+    _is_tmpfs,
+    _machine,
+    _proc_start,
+    clean_stale_runs,
+    swap_root_name,
+)
+from zero_strategy.testing import assert_close
 
 
 def _model() -> nn.Module:
@@ -96,6 +108,33 @@ def test_too_small_a_disk_fails_before_the_first_step(tmp_path, monkeypatch) -> 
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was stepped
 
 
+def test_space_is_reserved_where_fallocate_is_unsupported(tmp_path, monkeypatch) -> None:
+    """NFS and some FUSE filesystems cannot allocate ahead: glibc's fallback then writes through
+    the ``O_DIRECT`` descriptor and fails with EINVAL. The file must still take its space (not
+    stay sparse, for a full disk to fail mid-step), or the reservation fails naming the file."""
+    d = SwapDir(str(tmp_path), rank=0)
+
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    f = DiskFile(os.path.join(d.path, "group0.swap"), 3 * 2**20 + 100, d.direct)
+    d.reserve(f)
+    st = os.stat(f.path)
+    assert st.st_size == f.nbytes and st.st_blocks * 512 >= f.nbytes, (st.st_size, st.st_blocks * 512, f.nbytes)
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    g = DiskFile(os.path.join(d.path, "group1.swap"), 2**20, d.direct)
+    with pytest.raises(RuntimeError, match=f"no space for the swap file {re.escape(g.path)} \\(1048576 bytes"):
+        d.reserve(g)
+    f.close()
+    g.close()
+    d.remove()
+
+
 def test_a_killed_runs_files_are_removed_at_the_next_start_and_an_exception_removes_ours(tmp_path) -> None:
     # a run killed by SIGKILL: its directory stays, with an owner marker naming a dead process
     script = textwrap.dedent(f"""
@@ -163,22 +202,89 @@ def test_one_step_per_step_for_user_hooks_and_gradients_kept_until_zero_grad(tmp
         assert got is not None and torch.equal(got, want), n
 
 
-def test_an_optimizer_with_per_group_state_is_refused(tmp_path) -> None:
-    class CountingSGD(torch.optim.SGD):
-        """Keeps a counter in its param group, as schedule-free AdamW keeps ``k``."""
+class _CountingSGD(torch.optim.SGD):
+    """A subclass that keeps a counter in its param groups before ``super().step()``: its own
+    code runs once per step (torch's SGD is what the disk tier steps group by group)."""
 
-        def step(self, closure=None):
-            for g in self.param_groups:
-                g["k"] = g.get("k", 0) + 1
-            return super().step(closure)
+    def step(self, closure=None):
+        for g in self.param_groups:
+            g["k"] = g.get("k", 0) + 1
+        return super().step(closure)
 
-    model, opt = _setup(tmp_path, opt=lambda p: CountingSGD(p, lr=0.1))
+
+class _GroupCountingSGD(torch.optim.Optimizer):
+    """Its own update (no torch base class to step instead) keeps a counter in its param group,
+    as schedule-free AdamW keeps ``k``: stepped in pieces, it would advance once per piece."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            g["k"] = g.get("k", 0) + 1
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+
+class _MomentumSGD(torch.optim.Optimizer):
+    """A user's own element-wise optimizer with per-element state, derived from
+    ``torch.optim.Optimizer`` directly: its step is the update, stepped group by group."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                    buf.mul_(0.9).add_(p.grad)
+                    p.add_(buf, alpha=-g["lr"])
+
+
+class _ReplacingSGD(torch.optim.SGD):
+    """Overrides ``step`` without calling ``super().step()``: its own update, not SGD's."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-g["lr"])
+
+
+def test_optimizer_subclasses_and_own_optimizers_step_as_without_offload(tmp_path) -> None:
+    for make, state in ((lambda p: _CountingSGD(p, lr=0.1, momentum=0.9), "momentum_buffer"),
+                        (lambda p: _MomentumSGD(p, lr=0.1), "buf")):  # fmt: skip
+        model, opt = _setup(tmp_path, opt=make)
+        ref_model, ref_opt = zs.initialize(_model(), make, config={"zero_optimization": {"stage": 2}})
+        assert_close(_train(model, opt), _train(ref_model, ref_opt), rtol=1e-6, what=type(opt).__name__)
+        assert all(set(st) == set() for st in opt.state.values())  # the per-element state is on disk
+        assert {state} == {k for st in ref_opt.state.values() for k in st}
+        assert len(model.zero_engine.swapped.files) > 1
+        if isinstance(opt, _CountingSGD):
+            assert [g["k"] for g in opt.param_groups] == [g["k"] for g in ref_opt.param_groups] == [3]
+        zs.destroy(model)
+
+
+def test_an_optimizer_with_per_group_state_or_a_replaced_step_is_refused(tmp_path) -> None:
+    model, opt = _setup(tmp_path, opt=lambda p: _GroupCountingSGD(p, lr=0.1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model(torch.randn(4, 8)).sum().backward()
     with pytest.raises(ValueError, match=r"changes its param group's \['k'\].*use offload_optimizer device 'cpu'"):
         opt.step()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert "k" not in opt.param_groups[0]  # refused before the optimizer's own step; the probe left no trace
+    model = _model()  # a subclass step that replaces the update: refused in initialize, before any change
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    with pytest.raises(TypeError, match=r"_ReplacingSGD.step does not call super\(\).step\(\), so it replaces "
+                       r"SGD.step.*Call super\(\).step\(\) in it, or use offload_optimizer device 'cpu'"):  # fmt: skip
+        zs.initialize(model, lambda p: _ReplacingSGD(p, lr=0.1), config=cfg)
+    assert type(model) is nn.Sequential and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_an_unusable_nvme_path_is_named_before_anything_changes(tmp_path) -> None:
