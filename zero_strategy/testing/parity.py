@@ -26,7 +26,7 @@ from zero_strategy.comm_config import CompressionConfig, LoadBalanceConfig
 from zero_strategy.config import DTYPES, PrecisionConfig
 from zero_strategy.memory import KINDS
 from zero_strategy.models.gpt import Block, GPTConfig
-from zero_strategy.module import ZeroModule
+from zero_strategy.module import ZeroModule, get_engine
 from zero_strategy.optimizer import ZeroOptimizer
 from zero_strategy.testing.compare import assert_close
 
@@ -341,3 +341,26 @@ def compare(c: Cell, rank: int, world: int) -> None:
 
 def world_info() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
+
+
+def residuals_by_parameter(model: nn.Module) -> tuple[dict[str, torch.Tensor], float]:
+    """This rank's top-k residual of every trainable parameter in parameter coordinates (flat,
+    by name), read out of the per-destination padded rows through the bucket's layout, and the
+    residual mass left in those rows' padding (zero when every residual is where it belongs)."""
+    engine = get_engine(model)
+    fb = engine.reducer.compression
+    if fb is None:
+        raise AssertionError("residuals_by_parameter(): the model runs without top-k compression")
+    out: dict[str, torch.Tensor] = {}
+    padding = 0.0
+    for g in engine.groups:
+        r, lay = fb.residuals[g.index], g.layout
+        flats = [torch.zeros(n, dtype=r.dtype) for n in lay.numels]
+        lay.unpack_full(r, flats)
+        out.update(zip(g.fqns, flats))
+        for i, b in enumerate(lay.bounds):
+            for row in range(lay.world_size):
+                padding += float(
+                    r[row, lay.offsets[i] + b[row + 1] - b[row] : lay.offsets[i] + lay.chunks[i]].abs().sum()
+                )
+    return out, padding
