@@ -364,3 +364,20 @@ def residuals_by_parameter(model: nn.Module) -> tuple[dict[str, torch.Tensor], f
                     r[row, lay.offsets[i] + b[row + 1] - b[row] : lay.offsets[i] + lay.chunks[i]].abs().sum()
                 )
     return out, padding
+
+
+def load_residuals_in_place(path: str, model: nn.Module, opt: torch.optim.Optimizer, want: dict[str, torch.Tensor],
+                            what: str) -> None:  # fmt: skip
+    """Load the checkpoint at ``path`` and check, without any warning, that every residual is
+    ``want`` (:func:`residuals_by_parameter` of the saved run), element for element, with
+    nothing in the padding."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # residuals that follow their elements: no warning
+        zs.load_checkpoint(path, model, opt)
+    got, padding = residuals_by_parameter(model)
+    if got.keys() != want.keys() or padding != 0.0:
+        raise AssertionError(f"{what}: residuals of {sorted(got)} loaded, mass {padding} in the padding")
+    for k, v in want.items():
+        assert_close(got[k], v, rtol=0.0, atol=0.0, what=f"{what}: residual of {k}")
