@@ -57,7 +57,7 @@ from zero_strategy.checkpoint_files import (
     verify_checksums,
     write_atomic,
 )
-from zero_strategy.dcp_pieces import UnevenPiece
+from zero_strategy.dcp_pieces import ScatteredPiece, UnevenPiece
 from zero_strategy.engine import ZeroEngine, persistent_buffers
 from zero_strategy.module import get_engine
 
@@ -74,8 +74,8 @@ META = "zero_meta.json"
 LATEST = "latest"
 COMPLETE = ".zero_complete"  # a versioned directory that a front-end's save filled (commit_versioned_save)
 # 2: frozen parameters saved flattened (sharded at ZeRO-3); 3: CRC32 of every file; 4: the fp16
-# loss scaler's counters
-FORMAT = 4
+# loss scaler's counters; 5: top-k residuals per parameter (``compression.world<N>.<fqn>``)
+FORMAT = 5
 
 # Fault injection for tests: called as FAULT_HOOK(point, rank) at "before_write",
 # "after_write" and "before_latest"; a test can kill the process there.
@@ -212,9 +212,11 @@ def _fresh_state(key: str, master: torch.Tensor, saved: Any, group: dict[str, An
 
 
 def _residuals(engine: ZeroEngine, mesh: _Meshes, saved: set[str] | None) -> dict[str, Any]:
-    """Top-k compression's residuals (``compression.py``), each rank's own piece of one tensor
-    per bucket. On load (``saved``: the checkpoint's keys) they are read only into the same
-    world size and buckets; otherwise they start from zero, with a warning."""
+    """Top-k compression's residuals (``compression.py``) in parameter coordinates: per
+    parameter, every rank's residual side by side, each rank's read from (and loaded into) its
+    padded rows in place. So they load under other buckets, another load-balance split and
+    another stage 1/2. On load (``saved``: the checkpoint's keys) a parameter whose residuals
+    were saved at another world size (or not at all) starts from zero, with a warning."""
     fb = engine.reducer.compression
     if fb is None:
         return {}
@@ -225,18 +227,25 @@ def _residuals(engine: ZeroEngine, mesh: _Meshes, saved: set[str] | None) -> dic
             fb.reset()  # saved without residuals (dense, or in the warm-up): none carried over
             return {}
         fb.allocate()
-    state = fb.state_keys(lambda p: names[id(p)])
+        fb.reset()  # what the checkpoint does not cover (the rows' padding too) is zero
+    state = fb.checkpoint_pieces(lambda p: names[id(p)])
     if saved is not None and not set(state) <= in_file:
-        fb.reset()
+        missing = set(state) - in_file
         warnings.warn(
-            "load_checkpoint(): the checkpoint's top-k residuals were saved at another world size or bucket "
-            "layout (reduce_bucket_size, parameters); they start from zero here, as error feedback does at "
-            "the start of training",
+            f"load_checkpoint(): the checkpoint has no top-k residuals for {len(missing)} of {len(state)} parameters "
+            f"at world size {engine.ctx.world_size} (saved at another world size, or before they were kept per "
+            "parameter); those start from zero here, as error feedback does at the start of training",
             UserWarning,
             stacklevel=3,
         )
-        return {}
-    return {k: _piece(engine, mesh, r, engine.ctx.world_size * r.numel()) for k, r in state.items()}
+        state = {k: v for k, v in state.items() if k not in missing}
+    out: dict[str, Any] = {}
+    for key, (numel, pieces) in state.items():
+        pieces = [(offset, _compact(local)) for offset, local in pieces]  # views, saved without a clone
+        like = pieces[0][1]
+        # one process without a group: its only piece is the whole tensor
+        out[key] = like if mesh(like.device.type) is None else ScatteredPiece(pieces, numel, like)
+    return out
 
 
 def _pointer_name(engine: ZeroEngine) -> str:

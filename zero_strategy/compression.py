@@ -4,14 +4,17 @@ Dense reduction sends every gradient element: a reduce-scatter of the whole buck
 sends only the largest ones and keeps the rest for later:
 
 - Each rank keeps a *residual* ``e`` of the full flattened model (4 bytes per parameter,
-  **not** sharded: every rank's own unsent gradient). At each reduction of a bucket the rank
+  **not** sharded: every rank's own unsent gradient; laid out in the padded rows below, so
+  under load balancing it is ``world`` times the largest piece: 6 bytes per parameter at 3:1 on
+  2 ranks). At each reduction of a bucket the rank
   forms the compensated gradient ``c = e + g / (world * loss_scale)`` (its share of the
   averaged gradient plus what it has not sent yet).
 - ``c`` is laid out like the bucket's reduce-scatter input: one row per destination rank, the
   row being that rank's shard (``layout.py``). From each row the ``k = ceil(ratio * row)``
   entries of largest magnitude are chosen (top-k per destination, so every rank sends exactly
   ``k`` pairs to every other rank: equal-size exchange, no size negotiation, no host sync).
-- The chosen (index, value) pairs go to their destination in one all-to-all of bytes; each
+- The chosen (index, value) pairs go to their destination in one all-to-all of bytes (int32
+  indices, int64 for a row longer than int32 reaches); each
   rank adds what it receives into its gradient shard, which is then the average of what every
   rank sent. What was sent (after rounding to the wire dtype) is subtracted from ``c``; the
   rest is the new residual, so *sent + residual = dense compensated gradient* exactly.
@@ -25,27 +28,30 @@ reduce densely (no residual yet). ``ratio=1.0`` sends everything: DDP's numbers.
 fp16: a step whose gradients overflowed is skipped, and the residuals, which hold the same
 infinities, start again from zero. A NaN or inf is always chosen first and sent, so the
 receiver's overflow check sees it. With a 16-bit ``communication_data_type`` the values travel
-in 16 bits at the magnitude of the raw loss-scaled gradients (as DDP's compress hooks send
-them), are summed in the master dtype, and their rounding stays in the residual; so at ratio
-1.0 the numbers are those of a 16-bit wire with an fp32 sum, not of DDP's 16-bit sum.
+in 16 bits at the magnitude DDP's compress hooks send (the loss-scaled gradient divided by the
+world size, before the cast), are summed in the master dtype, and their rounding stays in the
+residual; so at ratio 1.0 the numbers are those of a 16-bit wire with an fp32 sum, not of
+DDP's 16-bit sum. A value held back for many steps can outgrow the 16-bit range where no
+gradient did: a finite value is sent saturated to the wire dtype's largest, and the excess
+stays in the residual (only a real inf or NaN arrives as one).
 
 The residuals are in the master dtype (4 bytes per parameter in fp32), on the device the
 gradients are reduced on (also with an offloaded optimizer), allocated at the first compressed
 step. Each received row is added in rank order, one source at a time: the sum is the same on
 every run, on a GPU too.
 
-Checkpoints save each rank's residual (``compression.<layout>.<bucket>``) and a resumed run
-continues exactly when world size and buckets are the same. Loaded at another world size or
-bucket layout the residuals cannot be placed: they start from zero (a warning says so), which
-drops at most the gradient mass not yet sent, as a fresh start of error feedback does.
+Checkpoints save the residuals in parameter coordinates (``compression.world<N>.<fqn>``: every
+rank's residual of the parameter side by side, :meth:`ErrorFeedback.checkpoint_pieces`), so
+they follow their elements into other buckets or another load-balance split, and a resumed run
+with the same buckets and split continues exactly. Loaded at another world size they cannot be
+placed (each rank's residual is its own unsent gradient): they start from zero (a warning says
+so), which drops at most the gradient mass not yet sent, as a fresh start of error feedback does.
 
 ZeRO-3 reduces each unit's gradients while its backward runs; top-k is refused there.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Callable, Sequence
 
@@ -60,10 +66,18 @@ __all__ = [
     "SparseExchange",
     "build_compression",
     "check_compression",
+    "index_dtype",
     "select_top_k",
 ]
 
-_INDEX = torch.int32
+_INT32_MAX = 2**31 - 1  # the largest column index int32 carries
+Piece = tuple[int, torch.Tensor]  # (offset in the flat checkpoint tensor, a view of the residual)
+
+
+def index_dtype(row: int) -> torch.dtype:
+    """The dtype of a bucket's column indices on the wire: int32 while a row's last index fits in
+    it, int64 for rows longer than that (so an index never wraps)."""
+    return torch.int32 if row - 1 <= _INT32_MAX else torch.int64
 
 
 def select_top_k(
@@ -74,14 +88,15 @@ def select_top_k(
     skip: Sequence[tuple[int, int]],
     wire_dtype: torch.dtype,
     wire_scale: float = 1.0,
+    index: torch.dtype = torch.int32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add ``factor * packed`` to ``residual`` (both ``[world, row]``), choose the ``k`` entries
     of largest magnitude in each row outside the ``skip`` column ranges, and take what is sent
-    out of the residual. Returns the chosen column indices (int32) and values, both
-    ``[world, k]``: the values times ``wire_scale`` in ``wire_dtype`` (a 16-bit wire carries them
-    at the loss-scaled magnitude it was chosen for). Afterwards ``residual`` + sent (divided by
-    ``wire_scale`` again) = the compensated gradient, rounding included. A NaN or inf is chosen
-    first and sent, so the receiver's overflow check sees it."""
+    out of the residual. Returns the chosen column indices (``index`` dtype) and values, both
+    ``[world, k]``: the values times ``wire_scale`` in ``wire_dtype``, a finite value beyond the
+    wire dtype's range saturated to its largest (the excess stays in the residual). Afterwards
+    ``residual`` + sent (divided by ``wire_scale`` again) = the compensated gradient, rounding
+    included. A NaN or inf is chosen first and sent, so the receiver's overflow check sees it."""
     residual.add_(packed, alpha=factor)
     score = residual.abs()
     blocked = torch.zeros(residual.shape[1], dtype=torch.bool, device=residual.device)
@@ -91,18 +106,23 @@ def select_top_k(
     idx = torch.topk(score, k, dim=1, sorted=False).indices
     chosen = residual.gather(1, idx)
     values = torch.where(blocked[idx], torch.zeros((), dtype=chosen.dtype, device=chosen.device), chosen)
-    wire = (values * wire_scale if wire_scale != 1.0 else values).to(wire_dtype)
+    scaled = values * wire_scale if wire_scale != 1.0 else values
+    top = torch.finfo(wire_dtype).max
+    if top < torch.finfo(scaled.dtype).max:  # saturate what would overflow the narrower wire
+        scaled = torch.where(torch.isfinite(scaled), scaled.clamp(-top, top), scaled)
+    wire = scaled.to(wire_dtype)
     back = wire.to(residual.dtype) / wire_scale if wire_scale != 1.0 else wire.to(residual.dtype)
     residual.scatter_(1, idx, chosen - back)  # what was not sent (or rounded off) stays
-    return idx.to(_INDEX), wire
+    return idx.to(index), wire
 
 
 class SparseExchange:
     """One bucket's (index, value) exchange in flight; :meth:`finish` gives the summed shard."""
 
     def __init__(self, ctx: C.CommContext, g: ShardGroup, k: int, wire: torch.dtype, wire_scale: float,
-                 send: torch.Tensor, recv: torch.Tensor, handle: C.Handle) -> None:  # fmt: skip
+                 index: torch.dtype, send: torch.Tensor, recv: torch.Tensor, handle: C.Handle) -> None:  # fmt: skip
         self.ctx, self.group, self.k, self.wire, self.wire_scale = ctx, g, k, wire, wire_scale
+        self.index = index
         self.send, self.recv, self.handle = send, recv, handle
 
     def finish(self) -> torch.Tensor:
@@ -111,8 +131,9 @@ class SparseExchange:
         self.handle.wait()
         g, n, k = self.group, self.ctx.world_size, self.k
         rows = self.recv.view(n, -1)
-        idx = rows[:, : 4 * k].contiguous().view(_INDEX).to(torch.int64)
-        values = rows[:, 4 * k :].contiguous().view(self.wire).to(g.master_dtype)
+        cut = k * self.index.itemsize
+        idx = rows[:, :cut].contiguous().view(self.index).to(torch.int64)
+        values = rows[:, cut:].contiguous().view(self.wire).to(g.master_dtype)
         if self.wire_scale != 1.0:
             values.div_(self.wire_scale)
         out = self.ctx.pool.get(g.layout.shard_numel, g.master_dtype, g.device)
@@ -170,29 +191,42 @@ class ErrorFeedback:
         n, lay, k = self.ctx.world_size, g.layout, self.k(g)
         residual = self.residuals[g.index]
         cols = [(lay.offsets[i], lay.offsets[i] + lay.chunks[i]) for i in skip]
-        # a 16-bit wire carries the values at the magnitude of the raw (loss-scaled) gradients
-        scale = 1.0 / factor if g.reduce_dtype in (torch.float16, torch.bfloat16) else 1.0
-        idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale)
-        width = k * (idx.element_size() + values.element_size())
+        # a 16-bit wire carries what DDP's compress hooks send: the loss-scaled gradient / world
+        scale = 1.0 / (factor * n) if g.reduce_dtype in (torch.float16, torch.bfloat16) else 1.0
+        index = index_dtype(lay.shard_numel)
+        idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale, index)
+        cut = k * idx.element_size()
+        width = cut + k * values.element_size()
         send = self.ctx.pool.get(n * width, torch.uint8, g.device).view(n, width)
-        send[:, : 4 * k].copy_(idx.view(torch.uint8))
-        send[:, 4 * k :].copy_(values.view(torch.uint8))
+        send[:, :cut].copy_(idx.view(torch.uint8))
+        send[:, cut:].copy_(values.view(torch.uint8))
         recv = self.ctx.pool.get(n * width, torch.uint8, g.device)
         handle = C.all_to_all(self.ctx, recv, send.view(-1), what=f"top-k {what}")
-        return SparseExchange(self.ctx, g, k, g.reduce_dtype, scale, send, recv, handle)
+        return SparseExchange(self.ctx, g, k, g.reduce_dtype, scale, index, send, recv, handle)
 
     # -- checkpoints ----------------------------------------------------------------------
-    def layout_key(self, fqn: Callable[[torch.Tensor], str]) -> str:
-        """A short digest of the world size and the buckets (their parameters and sizes): saved
-        residuals load only into the same layout."""
-        desc = [self.ctx.world_size] + [[[fqn(p) for p in g.params], list(g.layout.numels)] for g in self.groups]
-        return hashlib.sha1(json.dumps(desc).encode()).hexdigest()[:12]
-
-    def state_keys(self, fqn: Callable[[torch.Tensor], str]) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> this rank's residual (flat), for every bucket; empty before the
-        first compressed step."""
-        key = self.layout_key(fqn)
-        return {f"compression.{key}.{i}": r.view(-1) for i, r in sorted(self.residuals.items())}
+    def checkpoint_pieces(self, fqn: Callable[[torch.Tensor], str]) -> dict[str, tuple[int, list[Piece]]]:
+        """Checkpoint name -> (global numel, this rank's pieces) for every parameter's residual, in
+        parameter coordinates: ``compression.world<N>.<fqn>`` is a flat tensor of ``N * numel``
+        elements holding rank ``s``'s residual of the parameter at ``s * numel``. This rank's
+        part of it sits in its ``[world, row]`` residual as one piece per destination rank: the
+        parameter's columns of that row, padding left out. Pieces are views, so a save reads and
+        a load writes the residuals in place, and a load under other buckets or another
+        load-balance split puts every element where that layout keeps it. Empty before the
+        first compressed step; a parameter without elements has no entry."""
+        n, me, out = self.ctx.world_size, self.ctx.rank, {}
+        for g in self.groups:
+            r = self.residuals.get(g.index)
+            if r is None:
+                continue
+            lay = g.layout
+            for i, p in enumerate(g.params):
+                b, off, numel = lay.bounds[i], lay.offsets[i], lay.numels[i]
+                if numel == 0:
+                    continue
+                pieces = [(me * numel + b[d], r[d, off : off + b[d + 1] - b[d]]) for d in range(n) if b[d + 1] > b[d]]
+                out[f"compression.world{n}.{fqn(p)}"] = (n * numel, pieces)
+        return out
 
 
 def check_compression(config: CompressionConfig, stage: int) -> None:

@@ -7,33 +7,28 @@ another rank's elements. :class:`UnevenPiece` answers with the real range throug
 checkpointable protocol (``__create_write_items__`` when saving, ``__create_chunk_list__`` and
 ``__get_tensor_shard__`` when loading), so a checkpoint records the true offsets and loads
 into any layout: even or uneven, any world size.
+
+:class:`ScatteredPiece` is the same for several ranges held in separate tensors: top-k
+compression's residual of one parameter sits in one padded row per destination rank
+(``compression.py``), and is saved in, and loaded from, parameter coordinates in place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["UnevenPiece"]
+__all__ = ["ScatteredPiece", "UnevenPiece"]
 
 
-class UnevenPiece(torch.Tensor):
-    """Elements ``offset : offset + len(self)`` of a flat tensor of ``numel`` elements; the
-    tensor itself shares ``local``'s memory (DCP saves from it and loads into it)."""
+class _FlatPiece(torch.Tensor):
+    """A state-dict entry that DCP sees as part of a flat tensor of ``_zs_numel`` elements."""
 
-    _zs_offset: int
     _zs_numel: int
-
-    @staticmethod
-    def __new__(cls, local: torch.Tensor, offset: int, numel: int) -> UnevenPiece:
-        if local.dim() != 1 or not 0 <= offset <= offset + local.numel() <= numel:
-            raise AssertionError(f"UnevenPiece: {tuple(local.shape)} at {offset} does not fit in {numel} elements")
-        piece = torch.Tensor._make_subclass(cls, local.detach(), False)
-        piece._zs_offset, piece._zs_numel = offset, numel
-        return piece
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -46,27 +41,77 @@ class UnevenPiece(torch.Tensor):
         full = torch.Size([self._zs_numel])
         return full if dim is None else full[dim]
 
+    def _write_item(self, fqn: str, chunk: ChunkStorageMetadata, data: torch.Tensor) -> WriteItem:
+        return WriteItem(
+            index=MetadataIndex(fqn, chunk.offsets),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=chunk, properties=TensorProperties.create_from_tensor(data), size=torch.Size([self._zs_numel])
+            ),
+        )
+
+
+class UnevenPiece(_FlatPiece):
+    """Elements ``offset : offset + len(self)`` of a flat tensor of ``numel`` elements; the
+    tensor itself shares ``local``'s memory (DCP saves from it and loads into it)."""
+
+    _zs_offset: int
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, offset: int, numel: int) -> UnevenPiece:
+        if local.dim() != 1 or not 0 <= offset <= offset + local.numel() <= numel:
+            raise AssertionError(f"UnevenPiece: {tuple(local.shape)} at {offset} does not fit in {numel} elements")
+        piece = torch.Tensor._make_subclass(cls, local.detach(), False)
+        piece._zs_offset, piece._zs_numel = offset, numel
+        return piece
+
     def _chunk(self) -> ChunkStorageMetadata:
         return ChunkStorageMetadata(offsets=torch.Size([self._zs_offset]), sizes=torch.Size([self.numel()]))
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         if self.numel() == 0:  # an empty piece holds nothing to write
             return []
-        plain = self.as_subclass(torch.Tensor)
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, torch.Size([self._zs_offset])),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=self._chunk(),
-                    properties=TensorProperties.create_from_tensor(plain),
-                    size=torch.Size([self._zs_numel]),
-                ),
-            )
-        ]
+        return [self._write_item(fqn, self._chunk(), self.as_subclass(torch.Tensor))]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [self._chunk()] if self.numel() else []
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         return self.as_subclass(torch.Tensor)
+
+
+class ScatteredPiece(_FlatPiece):
+    """Ranges of a flat tensor of ``numel`` elements, each held by its own 1-D tensor: ``parts``
+    is ``[(offset, local)]``, the ranges disjoint and non-empty. DCP saves each range from its
+    tensor and loads it into it (they are views of the caller's storage); the piece's own data
+    is an empty tensor of their dtype and device."""
+
+    _zs_parts: dict[int, torch.Tensor]
+
+    @staticmethod
+    def __new__(cls, parts: Sequence[tuple[int, torch.Tensor]], numel: int, like: torch.Tensor) -> ScatteredPiece:
+        for offset, local in parts:
+            if local.dim() != 1 or local.numel() == 0 or not 0 <= offset <= offset + local.numel() <= numel:
+                raise AssertionError(
+                    f"ScatteredPiece: {tuple(local.shape)} at {offset} is not a non-empty range of {numel} elements"
+                )
+        piece = torch.Tensor._make_subclass(cls, like.detach().new_empty(0), False)
+        piece._zs_parts, piece._zs_numel = {offset: local.detach() for offset, local in parts}, numel
+        return piece
+
+    def _chunks(self) -> list[ChunkStorageMetadata]:
+        return [
+            ChunkStorageMetadata(offsets=torch.Size([offset]), sizes=torch.Size([local.numel()]))
+            for offset, local in self._zs_parts.items()
+        ]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [self._write_item(fqn, c, self._zs_parts[c.offsets[0]]) for c in self._chunks()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return self._chunks()
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        if index.offset is None or index.offset[0] not in self._zs_parts:
+            raise AssertionError(f"ScatteredPiece {index.fqn}: no range starts at {index.offset}")
+        return self._zs_parts[index.offset[0]]

@@ -5,8 +5,11 @@
   sent entries are each row's largest, every rank's gradient shard is the average of what all
   ranks sent to it, and the bytes are ``world * k * 8`` per bucket (no reduce-scatter);
 - ``warmup_steps``: dense steps first, equal to an uncompressed run;
-- checkpoints: a resumed run continues exactly; another bucket layout starts from zero residuals;
-- fp16: an overflow on one rank skips the step and clears every rank's residuals.
+- checkpoints: a resumed run continues exactly; under other buckets and another load-balance
+  split the residuals follow their elements; at another world size they start from zero;
+- fp16: an overflow on one rank skips the step and clears every rank's residuals; a 16-bit wire
+  carries DDP's magnitude, and values held back for many steps do not overflow it;
+- int64 indices for rows longer than int32 reaches.
 """
 
 from __future__ import annotations
@@ -62,8 +65,20 @@ def _step(model, opt, step: int, rank: int, *, quiet: bool = False) -> float:
     return float(loss.detach())
 
 
-def _feedback(rank: int, world: int, stage: int) -> None:
-    """One compressed step, checked piece by piece against the dense gradients it came from."""
+def _feedback(rank: int, world: int, stage: int, wide: bool = False) -> None:
+    """One compressed step, checked piece by piece against the dense gradients it came from.
+    ``wide``: every row taken as longer than int32 indices reach, so the pairs carry int64 ones."""
+    from zero_strategy import compression
+
+    if wide:
+        compression._INT32_MAX = 0  # restored below
+    try:
+        _feedback_step(rank, world, stage, 8 if wide else 4)
+    finally:
+        compression._INT32_MAX = 2**31 - 1
+
+
+def _feedback_step(rank: int, world: int, stage: int, index_bytes: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -88,7 +103,7 @@ def _feedback(rank: int, world: int, stage: int) -> None:
     n, expected_bytes = world, 0
     for g in engine.groups:
         lay, k = g.layout, fb.k(g)
-        expected_bytes += n * k * 8
+        expected_bytes += n * k * (index_bytes + 4)
         packed = torch.zeros(n * lay.shard_numel, dtype=g.master_dtype)
         lay.pack_full([dense.get(id(p)) for p in g.params], packed)
         compensated = before[g.index] + packed.view(n, -1) / world
@@ -116,7 +131,7 @@ def _feedback(rank: int, world: int, stage: int) -> None:
     if got != expected_bytes:
         raise AssertionError(f"all_to_all moved {got} bytes, expected {expected_bytes}")
     dense_bytes = sum(n * g.layout.shard_numel * 4 for g in engine.groups)
-    if not got <= (2 * ratio + 0.01) * dense_bytes:
+    if not got <= ((index_bytes + 4) / 4 * ratio + 0.01) * dense_bytes:
         raise AssertionError(f"{got} bytes against {dense_bytes} dense at ratio {ratio}")
     mem = engine.memory_stats()
     psi = sum(p.numel() for p in model.parameters())
@@ -157,9 +172,11 @@ def _warmup(rank: int, world: int, stage: int) -> None:
 
 def _checkpoint(rank: int, world: int, root: str) -> None:
     import torch
+    import torch.distributed as dist
 
     import zero_strategy as zs
     from zero_strategy.testing.compare import assert_close
+    from zero_strategy.testing.parity import load_residuals_in_place, residuals_by_parameter
 
     def run(cfg: dict):
         return zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p, lr=1e-2), config=cfg)
@@ -171,6 +188,7 @@ def _checkpoint(rank: int, world: int, root: str) -> None:
         opt.zero_grad()
     path = zs.save_checkpoint(root, model, opt, tag="resume")
     saved = {i: r.clone() for i, r in model.zero_engine.reducer.compression.residuals.items()}
+    want, _ = residuals_by_parameter(model)
     if not saved or not all(int(torch.count_nonzero(r)) > 0 for r in saved.values()):
         raise AssertionError("no residual to save: the test would not see it lost")
     uninterrupted = []
@@ -194,19 +212,27 @@ def _checkpoint(rank: int, world: int, root: str) -> None:
         opt.zero_grad()
     assert_close(resumed, uninterrupted, rtol=0.0, atol=0.0, what=f"rank {rank}: losses after resuming")
     model.zero_engine.close()
-    # other buckets: the residuals cannot be placed and start from zero, with a warning
-    model, opt = run(_config(2, 0.02, bucket=500))
+    # other buckets and another split: every residual follows its parameter's elements
+    split = _config(2, 0.02, bucket=500)
+    split["zero_strategy"]["load_balance"] = {"scores": [3, 1]}
+    model, opt = run(split)
+    load_residuals_in_place(path, model, opt, want, f"rank {rank}, other buckets, split 3:1")
+    losses = [_step(model, opt, 3, rank)]
+    opt.step()
+    if not math.isfinite(losses[0]):
+        raise AssertionError(f"loss after loading into other buckets: {losses}")
+    model.zero_engine.close()
+    # another world size (each rank alone): the residuals cannot be placed and start from zero
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    model, opt = zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p, lr=1e-2), config=_config(2, 0.02),
+                               process_group=alone)  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         zs.load_checkpoint(path, model, opt)
     if not any("start from zero" in str(w.message) for w in caught):
         raise AssertionError(f"no warning about the residuals: {[str(w.message) for w in caught]}")
     if any(int(torch.count_nonzero(r)) for r in model.zero_engine.reducer.compression.residuals.values()):
-        raise AssertionError("residuals of another layout were loaded")
-    losses = [_step(model, opt, 3, rank)]
-    opt.step()
-    if not math.isfinite(losses[0]):
-        raise AssertionError(f"loss after loading into other buckets: {losses}")
+        raise AssertionError("residuals of another world size were loaded")
     model.zero_engine.close()
 
 
@@ -243,16 +269,71 @@ def _overflow(rank: int, world: int) -> None:
     model.zero_engine.close()
 
 
+def _wire_16bit(rank: int, world: int) -> None:
+    """fp16 wire: values travel at DDP's magnitude (the loss-scaled gradient / world), and values
+    held back for 50 steps (k = 1 of 100 per row, every element's gradient the same) reach the
+    receiver finite: no step is skipped, and what was sent plus the residual is what came in."""
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy import compression
+    from zero_strategy.testing.compare import assert_close
+
+    cfg = _config(2, 0.01)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 12}
+    cfg["communication_data_type"] = "fp16"
+    model, opt = zs.initialize(torch.nn.Linear(200, 1, bias=False), lambda p: torch.optim.SGD(p, lr=0.0), config=cfg)
+    scale = model.zero_engine.scaler.scale
+    wires: list[torch.Tensor] = []
+    select = compression.select_top_k
+
+    def spy(*args, **kwargs):
+        idx, wire = select(*args, **kwargs)
+        wires.append(wire.float())
+        return idx, wire
+
+    compression.select_top_k = spy  # restored below
+    try:
+        for _ in range(50):
+            x = torch.ones(1, 200, dtype=torch.float16)
+            zs.backward(model(x).sum())  # each weight's gradient: 1, loss-scaled
+            opt.step()
+            opt.zero_grad()
+            if opt.step_was_skipped:
+                raise AssertionError(
+                    f"rank {rank}: step {len(wires)} skipped; wire maxima {[float(w.abs().max()) for w in wires]}"
+                )
+    finally:
+        compression.select_top_k = select
+    if len(wires) != 50 or model.zero_engine.scaler.scale != scale:
+        raise AssertionError(f"{len(wires)} exchanges, loss scale {model.zero_engine.scaler.scale} (was {scale})")
+    assert_close(
+        wires[0],
+        torch.full_like(wires[0], scale / world),
+        rtol=0.0,
+        atol=0.0,
+        what="first step's wire (DDP's g / world)",
+    )
+    sent = sum(float(w.sum()) for w in wires) / scale
+    residual = sum(float(r.sum()) for r in model.zero_engine.reducer.compression.residuals.values())
+    assert_close(sent + residual, 50 * 200 / world, rtol=1e-6, atol=0.0, what=f"rank {rank}: sent + residual")
+    if max(float(w.abs().max()) for w in wires) < 0.99 * torch.finfo(torch.float16).max:
+        raise AssertionError("no value was held back long enough to reach fp16's range: the test checks nothing")
+    model.zero_engine.close()
+
+
 def _worker(rank: int, world: int, root: str) -> int:
     from zero_strategy.testing.parity import Cell, compare
 
     run_subtests(lambda **kw: compare(Cell(topk=1.0, **kw), rank, world), PARITY, label="top-k ratio 1.0 parity")
-    run_subtests(lambda stage: _feedback(rank, world, stage), [{"stage": 1}, {"stage": 2}], label="error feedback")
+    run_subtests(lambda **kw: _feedback(rank, world, **kw), [{"stage": 1}, {"stage": 2}, {"stage": 2, "wide": True}],
+                 label="error feedback")  # fmt: skip
     run_subtests(lambda stage: _warmup(rank, world, stage), [{"stage": 2}], label="warm-up")
     run_subtests(lambda: _checkpoint(rank, world, root), [{}], label="checkpoint")
     run_subtests(lambda: _overflow(rank, world), [{}], label="fp16 overflow")
-    return len(PARITY) + 5
+    run_subtests(lambda: _wire_16bit(rank, world), [{}], label="16-bit wire")
+    return len(PARITY) + 7
 
 
 def test_topk_compression(launch, tmp_path) -> None:
-    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + 5] * 2
+    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + 7] * 2

@@ -5,7 +5,8 @@
   CPU) and compression;
 - each rank's optimizer state in proportion to its score, and ``full_grad`` still DDP's;
 - checkpoints: uneven -> even -> the other uneven way at ZeRO-3 -> back, each load continuing
-  exactly, and the offline export of an uneven checkpoint exact;
+  exactly, and the offline export of an uneven checkpoint exact; top-k residuals (ratio 0.05)
+  saved under [3, 1] follow their elements into [1, 3], even shards and [2, 1];
 - measured scores (``preset: compute``): positive, and the same fractions on every rank.
 """
 
@@ -182,6 +183,35 @@ def _frozen_zero3(rank: int, world: int, root: str) -> None:
         model.zero_engine.close()
 
 
+def _topk_resplit(rank: int, world: int, root: str) -> None:
+    """Top-k residuals saved under scores [3, 1] load under [1, 3] (the same padded rows), even
+    shards and [2, 1] onto the same parameter elements, with no warning, and training goes on."""
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.testing.parity import load_residuals_in_place, residuals_by_parameter
+
+    def run(scores: list[float] | None):
+        cfg = _config(2, scores)
+        cfg.setdefault("zero_strategy", {})["compression"] = {"type": "topk", "ratio": 0.05, "warmup_steps": 0}
+        return zs.initialize(_gpt(), lambda p: torch.optim.AdamW(p, lr=1e-2), config=cfg)
+
+    model, opt = run([3, 1])
+    _steps(model, opt, 0, 3, rank)
+    want, padding = residuals_by_parameter(model)
+    if padding != 0.0 or sum(int(torch.count_nonzero(v)) for v in want.values()) < 1000:
+        raise AssertionError(f"rank {rank}: residuals to save: padding mass {padding}, too few nonzero")
+    path = zs.save_checkpoint(root, model, opt, tag="topk-uneven")
+    model.zero_engine.close()
+    for scores in ([1, 3], None, [2, 1]):
+        model, opt = run(scores)
+        load_residuals_in_place(path, model, opt, want, f"rank {rank}, scores {scores}")
+        losses = _steps(model, opt, 3, 4, rank)
+        if not all(math.isfinite(v) for v in losses):
+            raise AssertionError(f"rank {rank}, scores {scores}: loss after loading {losses}")
+        model.zero_engine.close()
+
+
 def _measured(rank: int, world: int) -> None:
     import torch
     import torch.distributed as dist
@@ -210,9 +240,10 @@ def _worker(rank: int, world: int, root: str) -> int:
     run_subtests(lambda stage: _shares(rank, world, stage), [{"stage": 2}, {"stage": 3}], label="shares")
     run_subtests(lambda: _reshard(rank, world, root), [{}], label="reshard")
     run_subtests(lambda: _frozen_zero3(rank, world, root), [{}], label="frozen ZeRO-3 pieces")
+    run_subtests(lambda: _topk_resplit(rank, world, root), [{}], label="top-k residuals under another split")
     run_subtests(lambda: _measured(rank, world), [{}], label="measured scores")
-    return len(PARITY) + 5
+    return len(PARITY) + 6
 
 
 def test_load_balance(launch, tmp_path) -> None:
-    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + 5] * 2
+    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + 6] * 2

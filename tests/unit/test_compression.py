@@ -7,7 +7,7 @@ import torch
 
 import zero_strategy as zs
 from zero_strategy.comm_config import CompressionConfig
-from zero_strategy.compression import select_top_k
+from zero_strategy.compression import index_dtype, select_top_k
 from zero_strategy.testing.compare import assert_close
 
 
@@ -59,6 +59,28 @@ def test_a_scaled_16bit_wire_keeps_small_values() -> None:
     assert (wire != 0).all(), wire  # unscaled, 1e-9 would be 0 in fp16
     sent = torch.zeros(1, 8).scatter_(1, idx.long(), wire.float() / 2.0**16)
     assert_close(sent + residual, packed, rtol=0.0, atol=0.0, what="scaled fp16 sent + residual")
+
+
+def test_indices_widen_past_int32() -> None:
+    """A row's column indices travel as int32 while its last index fits, as int64 past that (a
+    bucket row of more than 2**31 elements would wrap)."""
+    assert index_dtype(1) == index_dtype(2**31) == torch.int32
+    assert index_dtype(2**31 + 1) == index_dtype(2**40) == torch.int64
+    residual = torch.zeros(2, 16)
+    idx, _ = select_top_k(residual, torch.randn(2, 16), 1.0, k=3, skip=[], wire_dtype=torch.float32,
+                          index=torch.int64)  # fmt: skip
+    assert idx.dtype == torch.int64
+
+
+def test_a_16bit_wire_saturates_instead_of_overflowing() -> None:
+    """A finite value beyond fp16's range (a residual held back for long) is sent as fp16's
+    largest value, its excess kept in the residual; an inf is still sent as inf."""
+    residual = torch.tensor([[1e6, 1.0, 0.0, 0.0], [float("inf"), 0.0, 0.0, 0.0]])
+    packed = torch.zeros(2, 4)
+    idx, wire = select_top_k(residual, packed, 1.0, k=1, skip=[], wire_dtype=torch.float16)
+    top = float(torch.finfo(torch.float16).max)
+    assert float(wire[0, 0]) == top and torch.isinf(wire[1, 0]), wire
+    assert_close(residual[0], torch.tensor([1e6 - top, 1.0, 0.0, 0.0]), rtol=0.0, atol=0.0, what="excess kept")
 
 
 def test_all_skipped_sends_zeros_and_keeps_everything() -> None:

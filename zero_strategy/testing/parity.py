@@ -26,7 +26,7 @@ from zero_strategy.comm_config import CompressionConfig, LoadBalanceConfig
 from zero_strategy.config import DTYPES, PrecisionConfig
 from zero_strategy.memory import KINDS
 from zero_strategy.models.gpt import Block, GPTConfig
-from zero_strategy.module import ZeroModule
+from zero_strategy.module import ZeroModule, get_engine
 from zero_strategy.optimizer import ZeroOptimizer
 from zero_strategy.testing.compare import assert_close
 
@@ -341,3 +341,43 @@ def compare(c: Cell, rank: int, world: int) -> None:
 
 def world_info() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
+
+
+def residuals_by_parameter(model: nn.Module) -> tuple[dict[str, torch.Tensor], float]:
+    """This rank's top-k residual of every trainable parameter in parameter coordinates (flat,
+    by name), read out of the per-destination padded rows through the bucket's layout, and the
+    residual mass left in those rows' padding (zero when every residual is where it belongs)."""
+    engine = get_engine(model)
+    fb = engine.reducer.compression
+    if fb is None:
+        raise AssertionError("residuals_by_parameter(): the model runs without top-k compression")
+    out: dict[str, torch.Tensor] = {}
+    padding = 0.0
+    for g in engine.groups:
+        r, lay = fb.residuals[g.index], g.layout
+        flats = [torch.zeros(n, dtype=r.dtype) for n in lay.numels]
+        lay.unpack_full(r, flats)
+        out.update(zip(g.fqns, flats))
+        for i, b in enumerate(lay.bounds):
+            for row in range(lay.world_size):
+                padding += float(
+                    r[row, lay.offsets[i] + b[row + 1] - b[row] : lay.offsets[i] + lay.chunks[i]].abs().sum()
+                )
+    return out, padding
+
+
+def load_residuals_in_place(path: str, model: nn.Module, opt: torch.optim.Optimizer, want: dict[str, torch.Tensor],
+                            what: str) -> None:  # fmt: skip
+    """Load the checkpoint at ``path`` and check, without any warning, that every residual is
+    ``want`` (:func:`residuals_by_parameter` of the saved run), element for element, with
+    nothing in the padding."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # residuals that follow their elements: no warning
+        zs.load_checkpoint(path, model, opt)
+    got, padding = residuals_by_parameter(model)
+    if got.keys() != want.keys() or padding != 0.0:
+        raise AssertionError(f"{what}: residuals of {sorted(got)} loaded, mass {padding} in the padding")
+    for k, v in want.items():
+        assert_close(got[k], v, rtol=0.0, atol=0.0, what=f"{what}: residual of {k}")
