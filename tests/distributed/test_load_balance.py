@@ -186,6 +186,8 @@ def _frozen_zero3(rank: int, world: int, root: str) -> None:
 def _topk_resplit(rank: int, world: int, root: str) -> None:
     """Top-k residuals saved under scores [3, 1] load under [1, 3] (the same padded rows), even
     shards and [2, 1] onto the same parameter elements, with no warning, and training goes on."""
+    import math
+
     import torch
 
     import zero_strategy as zs
