@@ -257,7 +257,7 @@ def _overflow(rank: int, world: int) -> None:
     for step in range(4):
         inject[0] = step == 2
         x, y = _batch(step, rank)
-        zs.backward(F.cross_entropy(model(x).float().view(-1, 64), y.reshape(-1)))
+        zs.backward(F.cross_entropy(model(x).float().view(-1, 64), y.reshape(-1)), model=model)
         opt.step()
         opt.zero_grad()
         skipped.append(opt.step_was_skipped)
@@ -296,7 +296,7 @@ def _wire_16bit(rank: int, world: int) -> None:
     try:
         for _ in range(50):
             x = torch.ones(1, 200, dtype=torch.float16)
-            zs.backward(model(x).sum())  # each weight's gradient: 1, loss-scaled
+            zs.backward(model(x).sum(), model=model)  # each weight's gradient: 1, loss-scaled
             opt.step()
             opt.zero_grad()
             if opt.step_was_skipped:
