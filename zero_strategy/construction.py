@@ -3,9 +3,10 @@
 Inside the block, each module is sharded as soon as its own ``__init__`` returns: its
 parameters, and any its children got without an ``__init__`` of their own (``copy.deepcopy``
 of a layer, as ``nn.TransformerEncoder`` does), are cut to this rank's ``torch.chunk`` piece and
-replaced by empty placeholders, so only one block's parameters are ever full. Initial values
-equal a normal construction with the same seed, because every rank runs the same
-initialisation code with the same RNG and keeps its piece.
+replaced by empty placeholders. So only the module being built is ever full, with what its
+``__init__`` copies or views of its built children until it returns. Initial values equal a
+normal construction with the same seed, because every rank runs the same initialisation code
+with the same RNG and keeps its piece.
 
 Code that runs after a module was cut may still use its parameters: a parent's ``__init__``
 that fills a child's bias (``nn.MultiheadAttention``), a Hugging Face ``post_init`` that
@@ -43,7 +44,7 @@ from zero_strategy.pieces import (
     take_record,
 )
 
-__all__ = ["materialize_full", "sharded_init"]
+__all__ = ["materialize_full", "outside_sharded_init", "sharded_init"]
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -160,7 +161,7 @@ class _Construction(TorchFunctionMode):
     def _entry(self, t: torch.Tensor) -> Piece | None:
         """The piece ``t`` stands for, if ``t`` is (an alias of) a cut parameter's placeholder."""
         e = self.sharded.get(_address(t))
-        if e is None or recorded(e.param) is not e or t.shape != e.shape or any(t.stride()):
+        if e is None or recorded(e.param) is not e or t.shape != e.shape:
             return None
         return e
 
@@ -204,6 +205,19 @@ class _Construction(TorchFunctionMode):
                 e.param.data = value
                 self.frames[-1].append(e.param)
         return result
+
+
+_ACTIVE: list[_Construction] = []  # the sharded_init blocks open now, innermost last
+
+
+@contextlib.contextmanager
+def outside_sharded_init() -> Iterator[None]:
+    """Inside, torch operations see cut parameters as they are (placeholders), as outside every
+    ``sharded_init`` block: for ``initialize``, which takes the pieces over."""
+    with contextlib.ExitStack() as stack:
+        for state in _ACTIVE:
+            stack.enter_context(state.pause())
+        yield
 
 
 def _all_module_classes() -> list[type[nn.Module]]:
@@ -260,11 +274,13 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
 
     nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]  # patched inside the block
     nn.Module.apply = apply  # type: ignore[method-assign]  # patched inside the block
+    _ACTIVE.append(state)
     try:
         with state:
             with state.frame():
                 yield
     finally:
+        _ACTIVE.remove(state)
         nn.Module.apply = orig_apply  # type: ignore[method-assign]  # restored on exit
         if orig_subclass_hook is None:
             del nn.Module.__init_subclass__
