@@ -118,7 +118,8 @@ class _Construction(TorchFunctionMode):
         lo, hi = local_range(p.numel(), self.ctx)
         e = record_piece(p, p.detach().reshape(-1)[lo:hi].clone(), self.ctx)
         p.data = placeholder(p.shape, p.dtype, p.device)
-        self.sharded[_address(p)] = e
+        if address := _address(p):
+            self.sharded[address] = e
 
     def cut_tree(self, m: nn.Module) -> None:
         """Cut every parameter under ``m`` that holds full values."""
@@ -147,7 +148,7 @@ class _Construction(TorchFunctionMode):
         with self.pause():
             entries = [e for p in m._parameters.values() if p is not None and (e := self._entry(p)) is not None]
             for e in entries:
-                del self.sharded[_address(e.param)]
+                self.sharded.pop(_address(e.param), None)
                 e.param.data = _gather_full(e)
         try:
             yield
@@ -160,8 +161,9 @@ class _Construction(TorchFunctionMode):
 
     def _entry(self, t: torch.Tensor) -> Piece | None:
         """The piece ``t`` stands for, if ``t`` is (an alias of) a cut parameter's placeholder."""
-        e = self.sharded.get(_address(t))
-        if e is None or recorded(e.param) is not e or t.shape != e.shape:
+        address = _address(t)
+        e = self.sharded.get(address) if address else None
+        if e is None or recorded(e.param) is not e or t.shape != e.shape or _address(e.param) != address:
             return None
         return e
 
@@ -200,7 +202,7 @@ class _Construction(TorchFunctionMode):
             return next((arg for _, value, arg in full.values() if result is value), result)
         for e, value, _ in full.values():  # a view of the full value: keep it whole for now
             if any(isinstance(r, torch.Tensor) and _address(r) == _address(value) for r in tree_leaves(result)):
-                del self.sharded[_address(e.param)]
+                self.sharded.pop(_address(e.param), None)
                 take_record(e.param)
                 e.param.data = value
                 self.frames[-1].append(e.param)
