@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from zero_strategy.config import ZeroConfig
+from zero_strategy.construction import outside_sharded_init
 from zero_strategy.engine import ZeroEngine, live_engines
 from zero_strategy.module import get_engine, swap_module_class
 from zero_strategy.offload import OnDisk, optimizer_offload
@@ -64,6 +65,17 @@ def initialize(
         from zero_strategy.config import resolve_overrides
 
         cfg = resolve_overrides(cfg, source="initialize() keyword arguments", **overrides)
+    with outside_sharded_init():  # called inside a sharded_init block: take the pieces as they are
+        return _initialize(model, optimizer, cfg, process_group, policy)
+
+
+def _initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
+    cfg: ZeroConfig,
+    process_group: Any,
+    policy: UnitPolicy | None,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     opt = None if optimizer is None else build_optimizer(optimizer, model)
     if opt is not None:
         check_optimizer(opt, model)  # before anything is changed

@@ -1,12 +1,21 @@
 """Building a model that no rank ever holds whole: ``sharded_init``.
 
-Inside the block, each module is sharded as soon as its own ``__init__`` returns (its direct
-parameters are cut to this rank's ``torch.chunk`` piece and replaced by empty placeholders), so
-only one module's parameters are ever full. Initial values equal a normal construction with the
-same seed, because every rank runs the same initialisation code with the same RNG and keeps its
-piece. Post-hoc initialisation through ``module.apply(fn)`` (what ``GPT.__init__`` and Hugging
-Face's ``post_init`` do) works: inside the block, ``apply`` gathers each module's parameters,
-runs ``fn``, and shards them again. Outside that, a sharded parameter is a full-shaped
+Inside the block, each module is sharded as soon as its own ``__init__`` returns: its
+parameters, and any its children got without an ``__init__`` of their own (``copy.deepcopy``
+of a layer, as ``nn.TransformerEncoder`` does), are cut to this rank's ``torch.chunk`` piece and
+replaced by empty placeholders. So only the module being built is ever full, with what its
+``__init__`` copies or views of its built children until it returns. Initial values equal a
+normal construction with the same seed, because every rank runs the same initialisation code
+with the same RNG and keeps its piece.
+
+Code that runs after a module was cut may still use its parameters: a parent's ``__init__``
+that fills a child's bias (``nn.MultiheadAttention``), a Hugging Face ``post_init`` that
+initialises every descendant, a deep copy. Inside the block, every torch operation on a
+sharded parameter sees its full value: the parameter is gathered for that one operation, and a
+write into it (an in-place op, ``p.data = ...``) is cut into the pieces again at once. An
+operation that returns a view of it (``weight[padding_idx]``, to be written next) keeps it
+whole until the ``__init__`` it ran in returns. ``module.apply(fn)`` gathers each module's
+parameters once around ``fn``. Outside the block, a sharded parameter is a full-shaped
 placeholder that holds no memory: reading it gives NaN and writing into it raises an error, so
 no write is ever lost silently.
 
@@ -21,30 +30,51 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from zero_strategy import collectives as C
 from zero_strategy.pieces import (
     Piece,
+    is_placeholder,
     local_range,
     placeholder,
     record_piece,
     recorded,
-    sharded_init_piece,
     take_record,
 )
 
-__all__ = ["materialize_full", "sharded_init"]
+__all__ = ["materialize_full", "outside_sharded_init", "sharded_init"]
 
 _M = TypeVar("_M", bound=nn.Module)
 
+# Operations that read only a tensor's metadata, never its values: no gather for these.
+_METADATA = frozenset(
+    {
+        "__get__", "__set__", "__delete__", "__len__", "__hash__", "dim", "ndimension", "size", "stride",
+        "numel", "nelement", "element_size", "storage_offset", "untyped_storage", "data_ptr",
+        "is_contiguous", "is_floating_point", "is_complex", "get_device", "requires_grad_",
+    }
+)  # fmt: skip
+_WRITING_DUNDERS = frozenset(
+    {
+        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+        "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    }
+)  # fmt: skip
 
-def _shard_module(m: nn.Module, ctx: C.CommContext) -> None:
-    for p in m._parameters.values():
-        if p is None or sharded_init_piece(p) is not None or p.numel() == 0:
-            continue
-        lo, hi = local_range(p.numel(), ctx)
-        record_piece(p, p.detach().reshape(-1)[lo:hi].clone(), ctx)
-        p.data = placeholder(p.shape, p.dtype, p.device)
+
+def _writes(name: str, kwargs: dict[str, Any]) -> bool:
+    """Whether an operation named ``name`` writes into its tensor arguments (torch's ``op_`` names)."""
+    in_place = name.endswith("_") and not name.startswith("__")
+    return in_place or name in _WRITING_DUNDERS or kwargs.get("out") is not None
+
+
+def _address(t: torch.Tensor) -> int:
+    """The address of ``t``'s memory, 0 where it has none to compare (meta, sparse)."""
+    if t.layout != torch.strided or t.device.type == "meta":
+        return 0
+    return t.untyped_storage().data_ptr()
 
 
 def _gather_full(entry: Piece) -> torch.Tensor:
@@ -57,25 +87,139 @@ def _gather_full(entry: Piece) -> torch.Tensor:
     return buf[:numel].view(entry.shape)
 
 
-@contextlib.contextmanager
-def _materialized(m: nn.Module) -> Iterator[None]:
-    entries = [e for p in m._parameters.values() if p is not None and (e := recorded(p)) is not None]
-    for e in entries:
-        e.param.data = _gather_full(e)
-    try:
-        yield
-    finally:
-        for e in entries:
-            lo, hi = local_range(e.shape.numel(), e.ctx)
-            e.piece = e.param.detach().reshape(-1)[lo:hi].clone()
-            e.param.data = placeholder(e.shape, e.piece.dtype, e.piece.device)
-
-
 def materialize_full(p: nn.Parameter) -> None:
     """Give a parameter built under :func:`sharded_init` its full value again (collective)."""
     e = take_record(p)
     if e is not None:
         p.data = _gather_full(e)
+
+
+class _Construction(TorchFunctionMode):
+    """One ``sharded_init`` block: cuts parameters, and gives torch operations on a cut parameter
+    its full value (a torch function mode, active for the whole block)."""
+
+    def __init__(self, ctx: C.CommContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.sharded: dict[int, Piece] = {}  # placeholder address -> the piece it stands for
+        self.frames: list[list[nn.Parameter]] = [[]]  # parameters kept whole, per running __init__
+        self.paused = False  # our own bookkeeping runs without the mode
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        was, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = was
+
+    def cut(self, p: nn.Parameter) -> None:
+        """Keep this rank's piece of ``p``'s (full) value; ``p`` becomes a placeholder."""
+        lo, hi = local_range(p.numel(), self.ctx)
+        e = record_piece(p, p.detach().reshape(-1)[lo:hi].clone(), self.ctx)
+        p.data = placeholder(p.shape, p.dtype, p.device)
+        if address := _address(p):
+            self.sharded[address] = e
+
+    def cut_tree(self, m: nn.Module) -> None:
+        """Cut every parameter under ``m`` that holds full values."""
+        with self.pause():
+            for sub in m.modules():
+                for p in sub._parameters.values():
+                    if p is not None and p.numel() > 0 and recorded(p) is None and not is_placeholder(p):
+                        self.cut(p)
+
+    @contextlib.contextmanager
+    def frame(self) -> Iterator[None]:
+        """Parameters kept whole inside (a view of them was taken) are cut when it ends."""
+        self.frames.append([])
+        try:
+            yield
+        finally:
+            kept = self.frames.pop()
+            with self.pause():
+                for p in kept:
+                    if recorded(p) is None and not is_placeholder(p):
+                        self.cut(p)
+
+    @contextlib.contextmanager
+    def materialized(self, m: nn.Module) -> Iterator[None]:
+        """``m``'s own cut parameters hold full values inside (``module.apply``)."""
+        with self.pause():
+            entries = [e for p in m._parameters.values() if p is not None and (e := self._entry(p)) is not None]
+            for e in entries:
+                self.sharded.pop(_address(e.param), None)
+                e.param.data = _gather_full(e)
+        try:
+            yield
+        finally:
+            with self.pause():
+                for e in entries:
+                    if recorded(e.param) is e:
+                        take_record(e.param)
+                        self.cut(e.param)
+
+    def _entry(self, t: torch.Tensor) -> Piece | None:
+        """The piece ``t`` stands for, if ``t`` is (an alias of) a cut parameter's placeholder."""
+        address = _address(t)
+        e = self.sharded.get(address) if address else None
+        if e is None or recorded(e.param) is not e or t.shape != e.shape or _address(e.param) != address:
+            return None
+        return e
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        sets_data = name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data"
+        if self.paused or (name in _METADATA and not sets_data):
+            return func(*args, **kwargs)
+        full: dict[int, tuple[Piece, torch.Tensor, torch.Tensor]] = {}  # id(piece) -> (piece, full, arg)
+
+        def full_value(t: torch.Tensor) -> torch.Tensor:
+            e = self._entry(t)
+            if e is None:
+                return t
+            if id(e) not in full:
+                full[id(e)] = (e, _gather_full(e), t)
+            return full[id(e)][1]
+
+        if sets_data:  # `p.data = value`: a cut parameter keeps the new value as pieces
+            target, value = args[0], full_value(args[1])
+            sharded = self._entry(target) is not None
+            func(target, value)
+            if sharded:
+                take_record(target)
+                self.cut(target)
+            return None
+        new_args, new_kwargs = tree_map_only(torch.Tensor, full_value, (args, kwargs))
+        if not full:
+            return func(*args, **kwargs)
+        result = func(*new_args, **new_kwargs)
+        if _writes(name, kwargs):  # written into the full values: cut them again
+            for e, value, _ in full.values():
+                lo, hi = local_range(value.numel(), self.ctx)
+                e.piece = value.detach().reshape(-1)[lo:hi].clone()
+            return next((arg for _, value, arg in full.values() if result is value), result)
+        for e, value, _ in full.values():  # a view of the full value: keep it whole for now
+            if any(isinstance(r, torch.Tensor) and _address(r) == _address(value) for r in tree_leaves(result)):
+                self.sharded.pop(_address(e.param), None)
+                take_record(e.param)
+                e.param.data = value
+                self.frames[-1].append(e.param)
+        return result
+
+
+_ACTIVE: list[_Construction] = []  # the sharded_init blocks open now, innermost last
+
+
+@contextlib.contextmanager
+def outside_sharded_init() -> Iterator[None]:
+    """Inside, torch operations see cut parameters as they are (placeholders), as outside every
+    ``sharded_init`` block: for ``initialize``, which takes the pieces over."""
+    with contextlib.ExitStack() as stack:
+        for state in _ACTIVE:
+            stack.enter_context(state.pause())
+        yield
 
 
 def _all_module_classes() -> list[type[nn.Module]]:
@@ -93,7 +237,7 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
     """Build models inside this block so that no rank ever holds all of their parameters.
 
     Collective: every rank builds the same modules in the same order."""
-    ctx = C.make_context(process_group, comm_timeout)
+    state = _Construction(C.make_context(process_group, comm_timeout))
     patched: list[tuple[type[nn.Module], Callable]] = []
 
     def wrap(cls: type[nn.Module]) -> None:
@@ -102,9 +246,12 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
             return
 
         def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-            orig(self, *args, **kwargs)
-            if type(self).__init__ is __init__:  # the most-derived __init__ has returned
-                _shard_module(self, ctx)
+            if type(self).__init__ is not __init__:  # a base class's part of a derived __init__
+                orig(self, *args, **kwargs)
+                return
+            with state.frame():
+                orig(self, *args, **kwargs)
+            state.cut_tree(self)  # the most-derived __init__ has returned
 
         __init__.__dict__.update(_zero_sharded_init=True, __wrapped__=orig)  # marked, and what it wraps
         cls.__init__ = __init__  # type: ignore[method-assign]  # patched inside the block, restored on exit
@@ -123,15 +270,19 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
     def apply(self: _M, fn: Callable[[nn.Module], None]) -> _M:
         for child in self.children():
             child.apply(fn)
-        with _materialized(self):
+        with state.frame(), state.materialized(self):
             fn(self)
         return self
 
     nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]  # patched inside the block
     nn.Module.apply = apply  # type: ignore[method-assign]  # patched inside the block
+    _ACTIVE.append(state)
     try:
-        yield
+        with state:
+            with state.frame():
+                yield
     finally:
+        _ACTIVE.remove(state)
         nn.Module.apply = orig_apply  # type: ignore[method-assign]  # restored on exit
         if orig_subclass_hook is None:
             del nn.Module.__init_subclass__

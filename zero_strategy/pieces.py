@@ -52,8 +52,9 @@ def recorded(p: torch.Tensor) -> Piece | None:
     return entry if entry is not None and entry.param is p else None
 
 
-def record_piece(p: nn.Parameter, piece: torch.Tensor, ctx: C.CommContext) -> None:
-    _PIECES[id(p)] = Piece(p, piece, p.shape, ctx)
+def record_piece(p: nn.Parameter, piece: torch.Tensor, ctx: C.CommContext) -> Piece:
+    entry = _PIECES[id(p)] = Piece(p, piece, p.shape, ctx)
+    return entry
 
 
 def sharded_init_piece(p: torch.Tensor) -> torch.Tensor | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from zero_strategy.testing import assert_close, assert_state_close, run_subtests, subtest_grid
+
 
 def _cfg():
     from zero_strategy.models import GPTConfig
@@ -73,7 +75,101 @@ def _init_worker(rank: int, world: int, tmpdir: str) -> dict:
             with pytest.raises(ValueError, match="'ln_f.weight' has shape \\(5,\\)"):
                 zs.load_full_state_dict(model, bad)
         model.zero_engine.close()
+    # torch's layers at 2 and 3 ranks (uneven pieces); a Hugging Face model at 2 (its import is slow)
+    kinds = ["torch", "llama"] if world == 2 else ["torch"]
+    run_subtests(lambda kind: case_parent_writes_children(rank, world, kind), subtest_grid(kind=kinds))
     return out
+
+
+def _layers_model(kind: str):
+    """Models whose ``__init__`` writes or copies parameters of children that are already built:
+    torch's ``MultiheadAttention`` fills ``out_proj.bias``, ``TransformerEncoder`` deep-copies a
+    layer, a parent fills a child's one-element parameter, and a Hugging Face model's
+    ``post_init`` initialises every descendant (also a row of the embedding, through a view,
+    for the padding token)."""
+    import torch
+    from torch import nn
+
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, pad_token_id=3)  # fmt: skip
+        return LlamaForCausalLM(cfg), lambda m, idx: m(input_ids=idx).logits
+
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.g = nn.Parameter(torch.zeros(1))
+
+    class TorchLayers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.dec = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.head = nn.Linear(16, 32)
+            self.gate = Gate()
+            with torch.no_grad():
+                self.gate.g.fill_(0.5)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.emb(idx)
+            mem = self.enc(x)
+            y = self.dec(x, mem)
+            return self.head(y + self.gate.g * self.attn(y, mem, mem, need_weights=False)[0])
+
+    return TorchLayers(), lambda m, idx: m(idx)
+
+
+def case_parent_writes_children(rank: int, world: int, kind: str) -> None:
+    """Under sharded_init, equal to a normal construction with the same seed, every parameter
+    cut once construction ends; then three SGD steps at ZeRO-3 (every unit freed) equal DDP (not
+    Adam: the key biases' gradients are rounding noise, which Adam turns into full-size steps)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zero_strategy as zs
+
+    torch.manual_seed(0)
+    ref, fwd = _layers_model(kind)
+    reference = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    torch.manual_seed(0)
+
+    def setup(model):
+        return zs.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9), stage=3,
+                             stage3_param_persistence_threshold=0)  # fmt: skip
+
+    with zs.sharded_init():
+        model, _ = _layers_model(kind)
+        held = [n for n, p in model.named_parameters() if p.numel() > 1 and p.untyped_storage().nbytes() > 4]
+        assert not held, f"{kind}: parameters left whole after sharded_init: {held}"
+        if kind == "torch":  # set up inside the block too: initialize takes the pieces as they are
+            model, opt = setup(model)
+    if kind != "torch":
+        model, opt = setup(model)
+    built = zs.full_state_dict(model, rank0_only=False)
+    assert_state_close({k: built[k] for k in reference}, reference, rtol=0.0, what=f"{kind} built sharded")
+    ddp = DDP(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    losses: dict[str, list[float]] = {"ddp": [], "zero": []}
+    for step in range(3):
+        idx = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(100 * step + rank))
+        for name, m, o in (("ddp", ddp, ref_opt), ("zero", model, opt)):
+            loss = F.cross_entropy(fwd(m, idx).reshape(-1, 32), idx.reshape(-1))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses[name].append(loss.item())
+    assert_close(losses["zero"], losses["ddp"], rtol=1e-5, what=f"{kind} losses")
+    trained = zs.full_state_dict(model, rank0_only=False)
+    assert_state_close(
+        {k: trained[k] for k in reference}, ref.state_dict(), rtol=1e-4, atol=1e-6, what=f"{kind} trained"
+    )
+    model.zero_engine.close()
 
 
 def test_sharded_init_gathered_parameters_and_loading(launch, tmp_path) -> None:

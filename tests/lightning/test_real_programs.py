@@ -39,17 +39,28 @@ def _lit_transformer():
     from torch import nn
 
     class LitTransformer(pl.LightningModule):
-        """A tiny language model on ``nn.TransformerEncoder`` with dropout 0.2 everywhere."""
+        """A tiny language model on ``nn.TransformerEncoder`` with dropout 0.2 everywhere; built
+        in ``configure_model`` (under ``sharded_init`` at zero3) when ``in_configure_model``."""
 
-        def __init__(self) -> None:
+        def __init__(self, in_configure_model: bool = False) -> None:
             super().__init__()
+            self.in_configure_model = in_configure_model
+            if not in_configure_model:
+                self._build()
+            self.digests: dict[str, dict[str, int]] = {}
+            self.first_rand: float | None = None
+
+        def _build(self) -> None:
             self.emb = nn.Embedding(VOCAB, D)
             layer = nn.TransformerEncoderLayer(D, nhead=2, dim_feedforward=64, dropout=0.2, batch_first=True)
             self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
             self.drop = nn.Dropout(0.2)
             self.head = nn.Linear(D, VOCAB)
-            self.digests: dict[str, dict[str, int]] = {}
-            self.first_rand: float | None = None
+
+        def configure_model(self) -> None:
+            if self.in_configure_model and not hasattr(self, "emb"):
+                self._build()
+                self.built_bytes = sum(p.untyped_storage().nbytes() for p in self.parameters())
 
         def forward(self, x):
             mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
@@ -109,14 +120,16 @@ def _trainer_worker(rank: int, world: int) -> dict:
 
     LitTransformer = _lit_transformer()
     out: dict = {}
-    for name in ("ddp", "zero1", "zero2", "zero3"):
+    for name in ("ddp", "zero1", "zero2", "zero3", "ddp_configure_model", "zero3_configure_model"):
         pl.seed_everything(42, verbose=False)  # the user's first line; shuffling and dropout follow from it
         rec = Record()
-        trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=world, max_steps=30, gradient_clip_val=0.5,
+        trainer = pl.Trainer(strategy=name.split("_")[0], accelerator="cpu", devices=world, max_steps=30, gradient_clip_val=0.5,
                              val_check_interval=10, limit_val_batches=2, num_sanity_val_steps=1, callbacks=[rec],
                              logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
-        model = LitTransformer()
+        model = LitTransformer(in_configure_model=name.endswith("configure_model"))
         trainer.fit(model, _data(30 * 2 * world, 2, seed=1), _data(8, 2, seed=2))
+        if name == "zero3_configure_model":  # sharded as it was built: no rank held the whole model
+            out["built_bytes"] = (model.built_bytes, sum(p.numel() * 4 for p in model.parameters()))
         test = trainer.test(model, _data(8, 2, seed=3), verbose=False)[0]["test_loss"]
         out[name] = {"train": rec.train, "val": rec.val, "test": test, "digest": model.digests["fit_start"],
                      "first_rand": model.first_rand, "engine": getattr(model, "zero_engine", None) is not None}  # fmt: skip
@@ -212,9 +225,11 @@ def test_batchnorm_clipping_by_value_and_sync_batchnorm(launch) -> None:
 
 def test_trainer_with_dropout_and_seed_everything_equals_ddp(launch) -> None:
     for rank, res in enumerate(launch(_trainer_worker, 2, timeout=600)):
-        ref = res["ddp"]
-        assert len(ref["train"]) == 30 and len(ref["val"]) == 3, ref
-        for name in ("zero1", "zero2", "zero3"):
+        assert len(res["ddp"]["train"]) == 30 and len(res["ddp"]["val"]) == 3, res["ddp"]
+        # built in configure_model (torch's TransformerEncoderLayer under sharded_init at zero3):
+        # against DDP building it there too, as Lightning re-seeds before configure_model
+        for name in ("zero1", "zero2", "zero3", "zero3_configure_model"):
+            ref = res["ddp_configure_model" if name.endswith("configure_model") else "ddp"]
             got = res[name]
             assert got["engine"], name
             # setup leaves every random stream exactly where DDP's setup leaves it
@@ -223,6 +238,8 @@ def test_trainer_with_dropout_and_seed_everything_equals_ddp(launch) -> None:
             assert_close(got["train"], ref["train"], rtol=1e-6, what=f"rank {rank} {name} train_loss")
             assert_close(got["val"], ref["val"], rtol=1e-6, what=f"rank {rank} {name} val_loss")
             assert_close([got["test"]], [ref["test"]], rtol=1e-6, what=f"rank {rank} {name} test_loss")
+        built, full = res["built_bytes"]
+        assert built < full / 10, f"rank {rank}: configure_model left {built} of {full} bytes whole"
 
 
 def _fabric_worker(rank: int, world: int) -> dict:
