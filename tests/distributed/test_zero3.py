@@ -365,7 +365,7 @@ def test_a_changed_unit_order_falls_back_and_logs_once(launch) -> None:
         assert "prefetching is off" in r["text"][0]
 
 
-def _t5(rank: int = 0):
+def _t5():
     """A tiny T5 (no download), in float64, dropout off: the same weights on every call."""
     import torch
     import transformers
