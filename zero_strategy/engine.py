@@ -2,8 +2,9 @@
 
 It owns the communication context, the parameter storage (full parameters at ZeRO-1/2, unit
 rows at ZeRO-3), the shard groups, the gradient reducer, the precision policy and every hook:
-module hooks around the model's forward (and each unit's at ZeRO-3), tensor hooks where
-gradients reach a unit, post-accumulate-grad hooks (ZeRO-2) and the end-of-backward callback.
+module hooks around the model's forward (at ZeRO-3 also each unit's and each submodule's, made
+by ``zero3_hooks.py``), tensor hooks where gradients reach a unit or an output,
+post-accumulate-grad hooks (ZeRO-2) and the end-of-backward callback.
 Layers below it never see the engine: it calls their lifecycle methods (``GradReducer``,
 ``UnitScheduler``, ``ParamStorage``) and pushes settings down. States are explicit enums that
 change in one method each, which checks the state they leave.
@@ -58,8 +59,9 @@ from zero_strategy.precision import select_precision, select_scaler
 from zero_strategy.setup_checks import agree_on_setup, check_params, refuse_norm_layers_with_running_stats
 from zero_strategy.states import GRAD_TRANSITIONS, TRAINING_TRANSITIONS, GradState, TrainingState, check_transition
 from zero_strategy.swapped_state import SwappedOptimizerState
-from zero_strategy.unit import ParamStorage, ReplicatedParams, ShardedParams, UnitStorage, refresh_masters
+from zero_strategy.unit import ParamStorage, ReplicatedParams, ShardedParams, refresh_masters
 from zero_strategy.zero3 import UnitScheduler, Zero3Settings
+from zero_strategy.zero3_hooks import Zero3Hooks
 
 __all__ = ["GradState", "TrainingState", "ZeroEngine", "live_engines", "persistent_buffers"]
 
@@ -273,6 +275,8 @@ class ZeroEngine:
         forward it redirects to ``training_step``, after a backward that ended there."""
         if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
             self._abort_backward()  # the last backward raised before its end: nothing runs now
+        if self._calls is not None:
+            self._calls.drop_stale()  # a submodule call outside the forward that was interrupted
         allowed = (TrainingState.IDLE, TrainingState.FORWARD) if forward_ok else (TrainingState.IDLE,)
         if self.training_state not in allowed:
             raise RuntimeError(f"{call} during {self.training_state.name.lower()} ({self._step_label()}); {fix}")
@@ -308,10 +312,12 @@ class ZeroEngine:
         self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
         self._hooks.append(m.register_forward_hook(self._post_forward, always_call=True))
         self._schedule_hooks = self._install_schedule_hooks()
-        if self.zero3 is not None:
-            for module, u in self.zero3.module_units:
-                self._hooks.append(module.register_forward_pre_hook(functools.partial(self._unit_pre_forward, u)))
-                self._hooks.append(module.register_forward_hook(functools.partial(self._unit_post_forward, u)))
+        self._calls: Zero3Hooks | None = None
+        if self.zero3 is not None:  # each unit's forward, and submodules called outside the model's forward
+            self._calls = Zero3Hooks(self.zero3, in_root_call=lambda: self._root_depth > 0,
+                                     backward_coming=self._queue_end_of_backward,
+                                     call_started=self._outside_call_started, call_done=self._outside_call_done)  # fmt: skip
+            self._hooks += self._calls.install(m)
             self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
             sharded = {id(p) for u in self.zero3.all_units for p in u.params}
             for sub in m.modules():
@@ -386,6 +392,8 @@ class ZeroEngine:
             )
         if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
             self._abort_backward()  # the last backward raised before its end: start clean
+        if self._calls is not None:
+            self._calls.drop_stale()  # a submodule call outside the forward that was interrupted
         if self._sync_buffers_next and module.training:
             buffers = list(module.buffers())
             if buffers:  # like DDP's broadcast_buffers: rank 0's buffers win
@@ -404,35 +412,31 @@ class ZeroEngine:
         self._sync_buffers_next = torch.is_grad_enabled() and self._sync
         if self.training_state is TrainingState.FORWARD:
             self._set_training(TrainingState.IDLE, "the end of forward")
-        if not torch.is_grad_enabled():
-            return output
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._on_output_grad)
+        self._hook_outputs(output)
         return output
 
-    def _unit_scheduler(self) -> UnitScheduler:
-        """ZeRO-3's scheduler, for the unit hooks (registered at ZeRO-3 only)."""
-        if self.zero3 is None:
-            raise RuntimeError(
-                "zero_strategy: a ZeRO-3 unit hook ran on an engine at stage 1 or 2; this is a bug in zero_strategy"
-            )
-        return self.zero3
-
-    def _unit_pre_forward(self, u: UnitStorage, module: nn.Module, args: Any) -> None:
-        self._unit_scheduler().pre_forward(u)
-
-    def _unit_post_forward(self, u: UnitStorage, module: nn.Module, args: Any, output: Any) -> Any:
-        self._unit_scheduler().post_forward(u)
-        if torch.is_grad_enabled():  # gradients reaching an output start the unit's backward
+    def _hook_outputs(self, output: Any) -> None:
+        """Gradients reaching an output of the model (or of an outside call) start a backward."""
+        if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(functools.partial(self._unit_pre_backward, u))
-        return output
+                    t.register_hook(self._on_output_grad)
 
-    def _unit_pre_backward(self, u: UnitStorage, grad: torch.Tensor) -> None:
-        self._queue_end_of_backward()
-        self._unit_scheduler().pre_backward(u)
+    def _outside_call_started(self) -> None:
+        """ZeRO-3: a submodule is called outside the model's forward (``zero3_hooks.py``); the
+        states move as for a forward, and a backward through it reduces as after a forward."""
+        if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
+            self._abort_backward()  # the last backward raised before its end: start clean
+        if self.training_state is TrainingState.IDLE:
+            self._set_training(TrainingState.FORWARD, "a submodule called outside the forward")
+        if torch.is_grad_enabled() and self._sync:
+            self._backward_sync = True
+
+    def _outside_call_done(self, ok: bool, output: Any) -> None:
+        if self.training_state is TrainingState.FORWARD:
+            self._set_training(TrainingState.IDLE, "the end of a submodule called outside the forward")
+        if ok:
+            self._hook_outputs(output)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._queue_end_of_backward()

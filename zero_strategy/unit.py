@@ -334,6 +334,7 @@ class UnitStorage:
             self._detach()
         # a small unit stays gathered from its first use until the optimizer step changes it
         self.persistent = sum(lay.numels) <= persistence_threshold
+        self.holds = 0  # open gathered_parameters() blocks that gathered this unit: release() leaves it
         # Each parameter gets a full-shaped tensor with a storage of its own that is resized to
         # 0 bytes while sharded; ``p.data`` points at it only while the unit is gathered and is
         # a memory-less placeholder otherwise (reads give NaN, writes raise), so touching a
@@ -469,8 +470,9 @@ class UnitStorage:
         self._to(ShardedState.UNSHARDED, "wait_unshard")
 
     def release(self) -> None:
-        """Done with the parameters for now: free them unless the unit is persistent."""
-        if not self.persistent:
+        """Done with the parameters for now: free them unless the unit is persistent or a
+        ``gathered_parameters`` block holds it (a forward inside the block frees nothing)."""
+        if not self.persistent and not self.holds:
             self.reshard()
 
     def reshard(self) -> None:
@@ -628,9 +630,13 @@ class ShardedParams(ParamStorage):
                 u.unshard_async(where)
             for u in units:
                 u.wait_unshard(self.names)
+        for u in units:
+            u.holds += 1
         try:
             yield
         finally:
+            for u in units:
+                u.holds -= 1
             if modifier_rank is not None:
                 flat = [p.detach() for u in units for p in u.params]
                 C.broadcast_coalesced(self.ctx, flat, src=modifier_rank, what="gathered_parameters(modifier_rank=...)")

@@ -52,8 +52,9 @@ class Zero3Settings:
 class UnitScheduler:
     """Lifecycle of the ZeRO-3 units. The engine owns every hook and calls these methods:
     ``root_pre_forward``/``root_post_forward`` around the model's forward, ``pre_forward``/
-    ``post_forward`` around each unit's, ``backward_started``, ``pre_backward`` when gradients
-    reach a unit's outputs, and ``end_of_backward``/``abort_backward``. It never sees the
+    ``post_forward`` around each unit's, ``outside_pre_forward``/``outside_post_forward`` around
+    a submodule called outside the model's forward, ``backward_started``, ``pre_backward`` when
+    gradients reach a unit's outputs, and ``end_of_backward``/``abort_backward``. It never sees the
     engine: the engine pushes down the step label (``step``) and whether the backward reduces."""
 
     def __init__(self, storage: ShardedParams, plan: UnitPlan, reducer: GradReducer, settings: Zero3Settings) -> None:
@@ -81,6 +82,7 @@ class UnitScheduler:
         self._on_path = True  # this step still follows the recorded order
         self._training = True  # the root module's mode in this forward
         self._in_backward = False
+        self._outside = False  # a submodule called outside the model's forward is running (zero3_hooks.py)
         self._sync = True  # whether the running backward reduces
         self._active: UnitStorage | None = None  # unit whose backward runs now
         self._fwd_pos: int | None = None  # position in the recorded order of the unit in forward
@@ -130,7 +132,7 @@ class UnitScheduler:
         return False
 
     def _recording(self) -> bool:
-        return torch.is_grad_enabled() and self._training and not self._in_backward
+        return torch.is_grad_enabled() and self._training and not self._in_backward and not self._outside
 
     # -- agreement on lists that might run conditionally ------------------------------------
     def _checking(self) -> bool:
@@ -200,6 +202,24 @@ class UnitScheduler:
             for u in self.all_units:  # eval / no_grad: nothing but persistent units stays gathered
                 if ok or u.state is not ShardedState.UNSHARDING:
                     u.release()
+
+    def outside_pre_forward(self, enclosing: UnitStorage | None) -> None:
+        """A submodule is called outside the model's forward: gather what a forward would have
+        gathered by then (the root unit, the pinned units) and ``enclosing``, the unit the
+        module is part of. The units it runs are not recorded as the forward order."""
+        self._outside = True
+        units = ([self.root] if self.root is not None else []) + [u for u in self.all_units if u.tag in self.pinned]
+        if enclosing is not None and enclosing not in units:
+            units.append(enclosing)
+        for u in units:
+            self._gather(u)
+        for u in units:
+            u.wait_unshard(self.names)
+
+    def outside_post_forward(self, *, ok: bool) -> None:
+        """The outside call returned (``ok``) or raised: as at the end of a forward."""
+        self._outside = False
+        self.root_post_forward(ok=ok)
 
     # -- units -----------------------------------------------------------------------------
     def pre_forward(self, u: UnitStorage) -> None:

@@ -365,7 +365,115 @@ def test_a_changed_unit_order_falls_back_and_logs_once(launch) -> None:
         assert "prefetching is off" in r["text"][0]
 
 
-def _generate_worker(rank: int, world: int) -> list[list[int]]:
+def _t5():
+    """A tiny T5 (no download), in float64, dropout off: the same weights on every call."""
+    import torch
+    import transformers
+
+    cfg = transformers.T5Config(
+        vocab_size=64, d_model=64, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=32,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg).double()
+    with torch.no_grad():  # small embeddings (tied to the head): the greedy ids follow the encoder's input
+        model.shared.weight.mul_(0.05)
+    return model
+
+
+def _zero3(model, persist: int | None, lr: float = 1e-2):
+    import torch
+
+    import zero_strategy as zs
+
+    kw = {} if persist is None else {"stage3_param_persistence_threshold": persist}
+    return zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), stage=3, **kw)
+
+
+def _ddp_against_zero3(build, loss_of, rank: int, persist: int | None, steps: int = 3) -> None:
+    """Train ``build()`` for a few steps under DDP and under ZeRO-3: equal losses and weights."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zero_strategy as zs
+
+    ref = build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ddp = DDP(ref)
+    model, opt = _zero3(build(), persist)
+    if persist == 0:
+        assert not any(u.persistent for u in model.zero_engine.params.units), "units must be freed"
+    runs: dict[str, list[float]] = {"ddp": [], "zero": []}
+    for step in range(steps):
+        for name, net, o in (("ddp", ddp, ref_opt), ("zero", model, opt)):
+            loss = loss_of(net, step, rank)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            runs[name].append(loss.item())
+    assert_close(runs["zero"], runs["ddp"], rtol=1e-9, what="losses")
+    with zs.gathered_parameters(model):
+        got = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        assert_close(got[k], v, rtol=1e-7, atol=1e-12, what=k)
+
+
+def case_t5_trains(rank: int, persist: int | None) -> None:
+    """T5 blocks pass ``position_bias`` through unchanged: a later block must not claim it."""
+    import torch
+
+    def loss_of(net, step: int, rank: int):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.randint(2, 64, (2, 6), generator=g)
+        return net(input_ids=ids, labels=ids.flip(1)).loss
+
+    _ddp_against_zero3(_t5, loss_of, rank, persist)
+
+
+def case_pass_through_block(rank: int, persist: int | None) -> None:
+    """Plain torch: the first block makes a bias, the others return it unchanged (positional
+    and keyword inputs), one of them after changing it in place (then it made it)."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, first: bool) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.make = nn.Linear(8, 8) if first else None
+
+        def forward(self, x, extra, bias=None, scale=None):
+            if bias is None:
+                bias = self.make(x)
+            if scale is not None:
+                bias = bias.mul_(scale)
+            return torch.tanh(self.lin(x) + bias + extra), extra, bias
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 8)
+            self.blocks = nn.ModuleList(Block(i == 0) for i in range(4))
+
+        def forward(self, x):
+            h = self.inp(x)
+            extra, bias = h * 0.5, None
+            for i, blk in enumerate(self.blocks):
+                h, extra, bias = blk(h, extra, bias=bias, scale=0.9 if i == 2 else None)
+            return h
+
+    def build():
+        torch.manual_seed(0)
+        return Net().double()
+
+    def loss_of(net, step: int, rank: int):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + rank), dtype=torch.float64)
+        return net(x).pow(2).mean()
+
+    _ddp_against_zero3(build, loss_of, rank, persist)
+
+
+def case_gpt2_generate() -> None:
     import copy
 
     import torch
@@ -385,9 +493,82 @@ def _generate_worker(rank: int, world: int) -> list[list[int]]:
     with torch.no_grad():
         got = model.generate(prompt, **kw)
         ref = plain.generate(prompt, **kw)
-    return [got[0].tolist(), ref[0].tolist()]
+    assert got[0].tolist() == ref[0].tolist() and len(got[0]) == 10, (got, ref)
+
+
+def case_t5_outside_calls(rank: int, persist: int | None) -> None:
+    """``generate`` calls the encoder outside the model's forward; so does a user calling a block
+    or a module inside a unit: each gathers what it reads, as a forward does."""
+    import torch
+
+    import zero_strategy as zs
+
+    plain = _t5().eval()
+    model, _ = _zero3(_t5(), persist)
+    model.eval()
+    prompt = torch.tensor([[25, 36, 47, 8, 9, 10], [31, 12, 53, 14, 15, 1]])
+    kw = dict(max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    with torch.no_grad():
+        got, ref = model.generate(prompt, **kw), plain.generate(prompt, **kw)
+    assert got.tolist() == ref.tolist() and got.shape == (2, 6), (got.tolist(), ref.tolist())
+    assert len(set(ref[:, 1:].reshape(-1).tolist())) > 2, ref  # not a degenerate (all-pad) answer
+    with torch.no_grad():
+        hidden = plain.shared(prompt)
+        calls = [
+            lambda m: m.encoder.block[0](hidden)[0],  # a unit called directly
+            lambda m: m.encoder.block[1].layer[1](hidden),  # a module inside a unit
+            lambda m: m.encoder.final_layer_norm(hidden),  # a module of the root unit
+            lambda m: m.encoder(input_ids=prompt).last_hidden_state,  # a module holding units
+        ]
+        for k, call in enumerate(calls):
+            assert_close(call(model), call(plain), rtol=1e-12, atol=1e-12, what=f"outside call {k}")
+        # a call that raises leaves nothing behind, also an interrupt (torch then skips its always-called hooks)
+        for exc in (ValueError, KeyboardInterrupt):
+
+            def stop(module, args, exc=exc):
+                raise exc("stop")
+
+            handle = model.encoder.block[1].register_forward_pre_hook(stop)
+            with pytest.raises(exc):
+                model.encoder(input_ids=prompt)
+            handle.remove()
+            with zs.gathered_parameters(model.shared.weight):  # between steps again
+                pass
+            start = torch.zeros(2, 1, dtype=torch.long)
+            assert_close(model(prompt, decoder_input_ids=start).logits, plain(prompt, decoder_input_ids=start).logits,
+                         rtol=1e-12, atol=1e-12, what=f"forward after {exc.__name__}")  # fmt: skip
+            assert_close(calls[3](model), calls[3](plain), rtol=1e-12, atol=1e-12, what=f"call after {exc.__name__}")
+            assert model.zero_engine.training_state.name == "IDLE"
+        with zs.gathered_parameters(model):  # calls inside the block free nothing the block gathered
+            model.encoder(input_ids=prompt)
+            for name in ("shared.weight", "encoder.block.1.layer.0.SelfAttention.q.weight"):
+                value = model.get_parameter(name)
+                assert_close(value, plain.get_parameter(name), rtol=0, atol=0, what=f"{name} in gathered_parameters")
+    # with gradients: the encoder alone, backward, gradients as the plain model's (same input on every rank)
+    model.train()
+    plain.train()
+    model.encoder(input_ids=prompt).last_hidden_state.pow(2).sum().backward()
+    plain.encoder(input_ids=prompt).last_hidden_state.pow(2).sum().backward()
+    for name, p in plain.named_parameters():
+        if p.grad is not None:
+            got = zs.full_grad(model, model.get_parameter(name))
+            assert_close(got, p.grad, rtol=1e-9, atol=1e-12, what=f"gradient of {name}")
+    assert not any(u.state.name != "SHARDED" and not u.persistent for u in model.zero_engine.params.units)
+
+
+def _hugging_face_worker(rank: int, world: int) -> int:
+    cases = [
+        ("generate", case_gpt2_generate, [{}]),
+        ("t5 trains", lambda **kw: case_t5_trains(rank, **kw), [{"persist": 0}]),
+        ("pass-through", lambda **kw: case_pass_through_block(rank, **kw), [{"persist": 0}]),
+        ("outside calls", lambda **kw: case_t5_outside_calls(rank, **kw), [{"persist": 0}, {"persist": None}]),
+    ]
+    for label, fn, grid in cases:
+        run_subtests(fn, grid, label=label)
+    return len(cases)
 
 
 def test_hugging_face_generate_under_zero3(launch) -> None:
-    for got, ref in launch(_generate_worker, 2, timeout=180):
-        assert got == ref and len(got) == 10
+    """GPT-2 and T5 ``generate``, T5 training against DDP (a block passes ``position_bias``
+    through), a plain-torch pass-through block, and submodules called outside the forward."""
+    assert launch(_hugging_face_worker, 2, timeout=300) == [4, 4]

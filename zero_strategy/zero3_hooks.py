@@ -1,0 +1,159 @@
+"""ZeRO-3's module hooks: around each unit's forward, and around calls of the model's
+submodules made outside the model's forward. The engine creates them, keeps their handles
+(``close()`` removes them) and gives them its side of the work as callables; the scheduler
+(``zero3.py``) gathers and frees.
+
+Unit hooks. Before a unit's forward its parameters are gathered, after it they are freed, and
+each tensor the unit *produced* gets a hook that starts the unit's backward when its gradient
+arrives. A tensor the unit returns unchanged from its inputs (a T5 block hands ``position_bias``
+on to the next) was produced elsewhere: its gradient is complete only once every user of it is
+done, in the middle of its producer's backward, and a hook of the unit that passed it on would
+finish (and free) the producer then, while the producer's backward still reads its
+parameters. Such a tensor gets no hook; one the unit changed in place (its version moved) did
+come out of the unit, and gets one.
+
+Outside calls. Code may call a submodule without calling the model: Hugging Face's
+``generate`` runs ``model.get_encoder()(...)`` before the decoding loop, a user may call one
+block. Such a call reads parameters that the model's forward would have gathered: the root
+unit (embeddings, final norms), the pinned units, and the unit that encloses the called module.
+The outermost such call gathers them, and the units inside it gather through their own hooks,
+as in a forward. Without gradients everything is freed when the call returns (persistent units
+stay); with gradients it stays gathered until the end of the backward, as after a forward. The
+unit order is not recorded from such calls (prefetch follows the model's forward). A call inside
+the model's forward, or inside a backward (activation checkpointing recomputes there), is not
+an outside call: the hooks only check two counters then.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from zero_strategy.unit import UnitStorage
+from zero_strategy.zero3 import UnitScheduler
+
+__all__ = ["Zero3Hooks"]
+
+
+def _tensors(*trees: Any) -> list[torch.Tensor]:
+    return [t for tree in trees for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+class Zero3Hooks:
+    """The module hooks of one ZeRO-3 engine. The engine's callables: ``in_root_call`` (a call
+    of the model is running), ``backward_coming`` (gradients reached a unit: queue the end of
+    backward), ``call_started``/``call_done(ok, output)`` (an outside call began or ended, for
+    the engine's states and the hooks on its outputs)."""
+
+    def __init__(
+        self,
+        scheduler: UnitScheduler,
+        *,
+        in_root_call: Callable[[], bool],
+        backward_coming: Callable[[], None],
+        call_started: Callable[[], None],
+        call_done: Callable[[bool, Any], None],
+    ) -> None:
+        self.scheduler = scheduler
+        self._in_root_call = in_root_call
+        self._backward_coming = backward_coming
+        self._call_started = call_started
+        self._call_done = call_done
+        self._depth = 0  # module calls running inside the outside call in progress (0: none)
+        self._frame: FrameType | None = None  # the frame of the outermost call, while it runs
+        self._inputs: dict[int, dict[int, int]] = {}  # per unit tag: version of each input tensor (by id)
+
+    def install(self, root: nn.Module) -> list[RemovableHandle]:
+        """Hooks on every submodule of ``root`` that holds parameters (the root has its own):
+        the outside-call hooks around each, the unit hooks inside them on the units."""
+        units = {id(m): u for m, u in self.scheduler.module_units}
+        enclosing: dict[int, UnitStorage] = {}
+        for m, u in self.scheduler.module_units:
+            for sub in m.modules():
+                if sub is not m:
+                    enclosing.setdefault(id(sub), u)
+        handles: list[RemovableHandle] = []
+        for sub in root.modules():
+            if sub is root or next(sub.parameters(), None) is None:
+                continue
+            pre = functools.partial(self._outside_pre_forward, enclosing.get(id(sub)))
+            handles.append(sub.register_forward_pre_hook(pre))
+            unit = units.get(id(sub))
+            if unit is not None:
+                pre_unit = functools.partial(self._unit_pre_forward, unit)
+                post_unit = functools.partial(self._unit_post_forward, unit)
+                handles.append(sub.register_forward_pre_hook(pre_unit, with_kwargs=True))
+                handles.append(sub.register_forward_hook(post_unit, with_kwargs=True))
+            handles.append(sub.register_forward_hook(self._outside_post_forward, always_call=True))
+        return handles
+
+    # -- units -----------------------------------------------------------------------------
+    def _unit_pre_forward(self, u: UnitStorage, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.is_grad_enabled():  # which tensors come in, and as which version (see the module doc)
+            self._inputs[u.tag] = {id(t): t._version for t in _tensors(args, kwargs)}
+        self.scheduler.pre_forward(u)
+
+    def _unit_post_forward(self, u: UnitStorage, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        self.scheduler.post_forward(u)
+        seen = self._inputs.pop(u.tag, None)
+        if torch.is_grad_enabled():  # gradients reaching an output the unit produced start its backward
+            inputs = _tensors(args, kwargs) if seen else []
+            for t in _tensors(output):
+                if not t.requires_grad:
+                    continue
+                if seen is not None and seen.get(id(t)) == t._version and any(t is i for i in inputs):
+                    continue  # passed through unchanged: its producer's hook covers it
+                t.register_hook(functools.partial(self._unit_pre_backward, u))
+        return output
+
+    def _unit_pre_backward(self, u: UnitStorage, grad: torch.Tensor) -> None:
+        self._backward_coming()
+        self.scheduler.pre_backward(u)
+
+    # -- outside calls ---------------------------------------------------------------------
+    def _outside_pre_forward(self, enclosing: UnitStorage | None, module: nn.Module, args: Any) -> None:
+        if self._depth:
+            if self._frame_running():  # a module called inside the outside call in progress
+                self._depth += 1
+                return
+            self.drop_stale()
+        if self._in_root_call() or torch._C._current_graph_task_id() != -1:
+            return  # inside the model's forward, or a recomputation inside backward
+        self._depth = 1  # first: the post hook (always called) closes the call even if what follows raises
+        self._frame = sys._getframe(1)  # the module call's own frame: it runs the forward too
+        self._call_started()
+        self.scheduler.outside_pre_forward(enclosing)
+
+    def _outside_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._depth:
+            return
+        self._depth -= 1
+        if self._depth:
+            return
+        self._frame = None
+        # torch calls this hook with no output when the forward raised (the exception is being handled)
+        ok = output is not None or sys.exc_info()[0] is None
+        self._call_done(ok, output)
+        self.scheduler.outside_post_forward(ok=ok)
+
+    def _frame_running(self) -> bool:
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None and frame is not self._frame:
+            frame = frame.f_back
+        return frame is not None
+
+    def drop_stale(self) -> None:
+        """An outside call that a ``KeyboardInterrupt`` left open (torch skips its always-called
+        hooks on a ``BaseException``) is closed as one that raised; one still running is not."""
+        if self._depth and not self._frame_running():
+            self._depth, self._frame = 0, None
+            self._call_done(False, None)
+            self.scheduler.outside_post_forward(ok=False)
