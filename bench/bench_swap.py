@@ -1,6 +1,6 @@
 """Swap bandwidth of the disk tier against ``dd`` with ``O_DIRECT`` on the same path.
 
-The disk tier (``zero_strategy/disk.py``) writes and reads each group's optimizer state whole,
+The disk tier (``zero_strategy/storage/disk.py``) writes and reads each group's optimizer state whole,
 through aligned host buffers and a thread pool calling ``os.pwritev``/``os.preadv`` (with
 ``O_DIRECT`` where the filesystem allows it). This script moves ``--gib`` GiB as ``--files``
 group files of equal size, the way a step does (write all, then read all), and times
@@ -27,7 +27,7 @@ import subprocess
 import tempfile
 import time
 
-from zero_strategy.disk import DiskFile, SwapPool, direct_io_works
+from zero_strategy.storage.disk import DiskFile, SwapPool, direct_io_works
 
 
 def _dd(path: str, gib: float, repeats: int) -> tuple[float, float]:

@@ -19,15 +19,15 @@ from zero_strategy.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from zero_strategy.collectives import CollectiveError, comm_report, comm_stats, reset_comm_stats
+from zero_strategy.checkpoint.export import export_full, full_state_dict
+from zero_strategy.checkpoint.loading import load_full_state_dict
+from zero_strategy.comm.collectives import CollectiveError, comm_report, comm_stats, reset_comm_stats
+from zero_strategy.comm.profiling import profile
 from zero_strategy.config import ZeroConfig, resolve_overrides
-from zero_strategy.construction import sharded_init
-from zero_strategy.export import export_full, full_state_dict
-from zero_strategy.loading import load_full_state_dict
-from zero_strategy.optimizer import UnknownOptimizerWarning
-from zero_strategy.partition import zero_auto_partition
-from zero_strategy.profiling import profile
-from zero_strategy.unit import UnitDivergence
+from zero_strategy.runtime.optimizer import UnknownOptimizerWarning
+from zero_strategy.sharding.construction import sharded_init
+from zero_strategy.sharding.partition import zero_auto_partition
+from zero_strategy.sharding.unit import UnitDivergence
 
 __all__ = [
     "__version__",

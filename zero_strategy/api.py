@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from zero_strategy.config import ZeroConfig
-from zero_strategy.construction import outside_sharded_init
-from zero_strategy.engine import ZeroEngine, live_engines
-from zero_strategy.module import get_engine, swap_module_class
-from zero_strategy.offload import OnDisk, optimizer_offload
-from zero_strategy.optimizer import bind_optimizer, build_optimizer, check_optimizer
-from zero_strategy.partition import UnitPolicy
-from zero_strategy.swapped_state import base_step
+from zero_strategy.offload.swapped_state import base_step
+from zero_strategy.runtime.engine import ZeroEngine, live_engines
+from zero_strategy.runtime.module import get_engine, swap_module_class
+from zero_strategy.runtime.optimizer import bind_optimizer, build_optimizer, check_optimizer
+from zero_strategy.sharding.construction import outside_sharded_init
+from zero_strategy.sharding.partition import UnitPolicy
+from zero_strategy.storage.offload import OnDisk, optimizer_offload
 
 __all__ = [
     "backward",

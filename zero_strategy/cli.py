@@ -26,7 +26,7 @@ def export(checkpoint: str, out: str, dtype: Optional[str] = None) -> str:
         dtype: cast floating tensors to fp32, bf16 or fp16, or another name in
             :data:`zero_strategy.config.DTYPES` (default: as saved).
     """
-    from zero_strategy.export import export_full
+    from zero_strategy.checkpoint.export import export_full
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")

@@ -52,8 +52,8 @@ from torch import nn
 
 import zero_strategy as zs
 from zero_strategy.frontend import accumulation_to_adopt, frontend_engine_config
-from zero_strategy.module import get_engine
-from zero_strategy.optimizer import engine_of
+from zero_strategy.runtime.module import get_engine
+from zero_strategy.runtime.optimizer import engine_of
 
 __all__ = ["CHECKPOINT_DIR", "OPTIMIZER_MARKER", "ZeroAcceleratedOptimizer", "check_accelerator", "prepare_with_zero"]
 

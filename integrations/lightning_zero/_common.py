@@ -23,7 +23,7 @@ from typing_extensions import override
 import lightning_zero._settings as S
 import zero_strategy as zs
 from zero_strategy.frontend import format_precision_flags, frontend_engine_config
-from zero_strategy.optimizer import ZeroOptimizer, engine_of
+from zero_strategy.runtime.optimizer import ZeroOptimizer, engine_of
 
 if TYPE_CHECKING:
     # Typing only (Lightning is imported where a namespace's classes are built): the mixins are

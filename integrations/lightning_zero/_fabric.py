@@ -15,7 +15,7 @@ from typing_extensions import override
 
 import zero_strategy as zs
 from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
-from zero_strategy.module import get_engine
+from zero_strategy.runtime.module import get_engine
 
 FABRIC_OBJECT = "fabric"  # the non-model entries of Fabric's state dict (fabric.pt)
 

@@ -23,7 +23,7 @@ from typing_extensions import override
 import zero_strategy as zs
 from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
 from zero_strategy.frontend import accumulation_to_adopt
-from zero_strategy.module import get_engine
+from zero_strategy.runtime.module import get_engine
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule

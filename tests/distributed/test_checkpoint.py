@@ -124,7 +124,7 @@ def _crash_worker(rank: int, world: int, root: str, phase: str) -> list[float] |
     import torch
 
     import zero_strategy as zs
-    import zero_strategy.checkpoint as ckpt
+    import zero_strategy.checkpoint.state as ckpt
     from zero_strategy.testing.parity import Cell, Net
 
     torch.manual_seed(0)

@@ -68,7 +68,7 @@ def _step(model, opt, step: int, rank: int, *, quiet: bool = False) -> float:
 def _feedback(rank: int, world: int, stage: int, wide: bool = False) -> None:
     """One compressed step, checked piece by piece against the dense gradients it came from.
     ``wide``: every row taken as longer than int32 indices reach, so the pairs carry int64 ones."""
-    from zero_strategy import compression
+    from zero_strategy.reduction import compression
 
     if wide:
         compression._INT32_MAX = 0  # restored below
@@ -276,7 +276,7 @@ def _wire_16bit(rank: int, world: int) -> None:
     import torch
 
     import zero_strategy as zs
-    from zero_strategy import compression
+    from zero_strategy.reduction import compression
     from zero_strategy.testing.compare import assert_close
 
     cfg = _config(2, 0.01)

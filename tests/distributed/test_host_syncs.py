@@ -149,7 +149,7 @@ def _diverging_worker(rank: int, world: int, checks: str) -> str:
     from torch import nn
 
     import zero_strategy as zs
-    from zero_strategy.collectives import CollectiveError
+    from zero_strategy.comm.collectives import CollectiveError
 
     class Blk(nn.Module):
         def __init__(self) -> None:

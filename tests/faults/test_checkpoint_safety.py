@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
-from zero_strategy.checkpoint_files import CheckpointFileError
+from zero_strategy.checkpoint.files import CheckpointFileError
 
 
 def _model(seed: int = 0):
@@ -46,7 +46,7 @@ class _Payload:
 
 def _rewrite_meta_record(version: Path, name: str) -> None:
     """Record ``name``'s current size and checksum, so only the unpickler can stop it."""
-    from zero_strategy.checkpoint_files import crc32_file
+    from zero_strategy.checkpoint.files import crc32_file
 
     meta_path = version / "zero_meta.json"
     meta = json.loads(meta_path.read_text())
@@ -135,7 +135,7 @@ def test_a_flipped_byte_is_named(tmp_path: Path) -> None:
 
 
 def test_a_full_disk_removes_the_partial_save_and_keeps_the_last_good_one(tmp_path: Path, monkeypatch) -> None:
-    from zero_strategy import checkpoint_files
+    from zero_strategy.checkpoint import files as checkpoint_files
 
     model, opt = _model()
     _train(model, opt)
@@ -175,7 +175,7 @@ def test_a_full_disk_removes_the_partial_save_and_keeps_the_last_good_one(tmp_pa
 
 
 def test_pruning_touches_only_our_complete_or_abandoned_directories(tmp_path: Path) -> None:
-    from zero_strategy.checkpoint_files import OWNER
+    from zero_strategy.checkpoint.files import OWNER
 
     root = tmp_path / "ck"
     model, opt = _model()
@@ -294,8 +294,8 @@ def test_metadata_files_are_not_followed_out_and_damaged_records_are_named(tmp_p
 def test_pruning_spares_what_any_pointer_names_and_other_subgroups_saves(tmp_path: Path) -> None:
     """Pipeline stages share a root, each with its own ``latest-<ranks>`` pointer: one stage's
     keep_last counts its own saves only, and no directory a pointer names is removed."""
-    from zero_strategy.checkpoint import COMPLETE
-    from zero_strategy.checkpoint_files import OWNER
+    from zero_strategy.checkpoint.files import OWNER
+    from zero_strategy.checkpoint.state import COMPLETE
 
     root = tmp_path / "ck"
     model, opt = _model()

@@ -20,7 +20,7 @@ def _dying_worker(rank: int, world: int, root: str, stage: int, phase: str) -> d
     import torch
 
     import zero_strategy as zs
-    import zero_strategy.checkpoint as ckpt
+    import zero_strategy.checkpoint.state as ckpt
 
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import zero_strategy as zs
-from zero_strategy.engine import ZeroEngine, live_engines
+from zero_strategy.runtime.engine import ZeroEngine, live_engines
 
 
 def _hooks(model: torch.nn.Module) -> int:
@@ -100,7 +100,7 @@ def test_destroy_hands_back_a_plain_module_with_its_trained_values() -> None:
 
 
 def _swap_dirs(root: Path) -> int:
-    from zero_strategy.disk import swap_root_name
+    from zero_strategy.storage.disk import swap_root_name
 
     base = root / swap_root_name()
     return len(list(base.iterdir())) if base.is_dir() else 0

@@ -675,7 +675,7 @@ def test_fp16_deepspeed_schedule_hysteresis_and_window_at_runtime() -> None:
 def test_fp16_mixed_follows_grad_scaler_schedule() -> None:
     """fp16 mixed (fp32 parameters under autocast) follows torch.amp.GradScaler: no hysteresis, the
     scale halves at every overflow and can fall below 1; 2000 good steps double it."""
-    from zero_strategy.precision import GradScalerSchedule, LossScaler
+    from zero_strategy.sharding.precision import GradScalerSchedule, LossScaler
 
     scaler = LossScaler(GradScalerSchedule(init_scale=4.0, growth_interval=2), enabled=True)
     seen = []

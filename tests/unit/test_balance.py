@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zero_strategy as zs
-from zero_strategy.balance import measure_speed
-from zero_strategy.comm_config import LoadBalanceConfig
+from zero_strategy.comm.balance import measure_speed
+from zero_strategy.config.comm import LoadBalanceConfig
 
 
 def test_config_forms_and_errors() -> None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zero_strategy as zs
-from zero_strategy.comm_config import CompressionConfig
-from zero_strategy.compression import index_dtype, select_top_k
+from zero_strategy.config.comm import CompressionConfig
+from zero_strategy.reduction.compression import index_dtype, select_top_k
 from zero_strategy.testing.compare import assert_close
 
 

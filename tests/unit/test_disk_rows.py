@@ -15,9 +15,9 @@ from torch import nn
 
 import zero_strategy as zs
 from tests.unit.test_disk_tier import _train
-from zero_strategy.disk import ALIGN
-from zero_strategy.disk_rows import RowSwap
-from zero_strategy.pieces import is_placeholder
+from zero_strategy.sharding.pieces import is_placeholder
+from zero_strategy.storage.disk import ALIGN
+from zero_strategy.storage.disk_rows import RowSwap
 
 
 class Net(nn.Module):

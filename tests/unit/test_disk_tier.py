@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import zero_strategy as zs
-from zero_strategy.disk import (
+from zero_strategy.storage.disk import (
     OWNER,
     DiskFile,
     SwapDir,
@@ -169,7 +169,7 @@ def test_a_killed_runs_files_are_removed_at_the_next_start_and_an_exception_remo
 
 
 def test_tmpfs_is_named_and_the_default_path_is_logged(tmp_path) -> None:
-    from zero_strategy import disk
+    from zero_strategy.storage import disk
 
     disk._LOGGED.clear()  # logged once per process and root
     if os.path.isdir("/dev/shm") and _is_tmpfs("/dev/shm"):

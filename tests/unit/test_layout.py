@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from zero_strategy.layout import ShardLayout
+from zero_strategy.sharding.layout import ShardLayout
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

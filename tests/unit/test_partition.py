@@ -10,7 +10,7 @@ from torch import nn
 
 from zero_strategy import zero_auto_partition
 from zero_strategy.models import GPT, Block, GPTConfig
-from zero_strategy.partition import find_units
+from zero_strategy.sharding.partition import find_units
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layer=3, n_head=2)
 

@@ -22,12 +22,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import zero_strategy as zs
-from zero_strategy.comm_config import CompressionConfig, LoadBalanceConfig
 from zero_strategy.config import DTYPES, PrecisionConfig
-from zero_strategy.memory import KINDS
+from zero_strategy.config.comm import CompressionConfig, LoadBalanceConfig
 from zero_strategy.models.gpt import Block, GPTConfig
-from zero_strategy.module import ZeroModule, get_engine
-from zero_strategy.optimizer import ZeroOptimizer
+from zero_strategy.runtime.module import ZeroModule, get_engine
+from zero_strategy.runtime.optimizer import ZeroOptimizer
+from zero_strategy.sharding.memory import KINDS
 from zero_strategy.testing.compare import assert_close
 
 VOCAB, SEQ, BATCH = 32, 8, 2

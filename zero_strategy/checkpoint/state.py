@@ -42,9 +42,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from zero_strategy import collectives as C
 from zero_strategy._version import __version__
-from zero_strategy.checkpoint_files import (
+from zero_strategy.checkpoint.dcp_pieces import ScatteredPiece, UnevenPiece
+from zero_strategy.checkpoint.files import (
     OWNER,
     CheckpointFileError,
     SafeFileSystemReader,
@@ -57,9 +57,9 @@ from zero_strategy.checkpoint_files import (
     verify_checksums,
     write_atomic,
 )
-from zero_strategy.dcp_pieces import ScatteredPiece, UnevenPiece
-from zero_strategy.engine import ZeroEngine, persistent_buffers
-from zero_strategy.module import get_engine
+from zero_strategy.comm import collectives as C
+from zero_strategy.runtime.engine import ZeroEngine, persistent_buffers
+from zero_strategy.runtime.module import get_engine
 
 __all__ = [
     "begin_versioned_save",

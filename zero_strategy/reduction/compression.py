@@ -57,9 +57,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from zero_strategy import collectives as C
-from zero_strategy.comm_config import CompressionConfig
-from zero_strategy.group import ShardGroup
+from zero_strategy.comm import collectives as C
+from zero_strategy.config.comm import CompressionConfig
+from zero_strategy.sharding.group import ShardGroup
 
 __all__ = [
     "ErrorFeedback",

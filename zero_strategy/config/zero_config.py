@@ -7,7 +7,7 @@ user error raises ``ValueError``/``TypeError`` naming the key, the bad value and
 how to fix it.  DeepSpeed keys that this engine accepts but does not act on are
 reported once per read with a ``UserWarning``; any other unknown key is an error.
 
-Each field is declared once, with :func:`~zero_strategy.config_values.setting`: its
+Each field is declared once, with :func:`~zero_strategy.config.values.setting`: its
 default, its rule, the DeepSpeed block (and legacy aliases) it is read from, and whether
 it is read but not applied.  The coercion on construction, the flat and DeepSpeed readers,
 their key tables and :func:`not_applied_settings` are all derived from those declarations.
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from zero_strategy.comm_config import CompressionConfig, LoadBalanceConfig
-from zero_strategy.config_values import (
+from zero_strategy.config.comm import CompressionConfig, LoadBalanceConfig
+from zero_strategy.config.values import (
     Reader,
     Rule,
     apply_rule,

@@ -27,16 +27,22 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zero_strategy import collectives as C
-from zero_strategy.disk_rows import DiskRows, RowSwap
-from zero_strategy.group import HostMasters, ShardGroup
-from zero_strategy.layout import ShardLayout
-from zero_strategy.offload import HOST, OffloadPolicy, OnDevice, OnDisk, host_empty
-from zero_strategy.pieces import check_placeholder, is_placeholder, piece_of, placeholder, written_while_sharded
-from zero_strategy.states import SHARDED_TRANSITIONS, ShardedState, check_transition
+from zero_strategy.comm import collectives as C
+from zero_strategy.sharding.group import HostMasters, ShardGroup
+from zero_strategy.sharding.layout import ShardLayout
+from zero_strategy.sharding.pieces import (
+    check_placeholder,
+    is_placeholder,
+    piece_of,
+    placeholder,
+    written_while_sharded,
+)
+from zero_strategy.sharding.states import SHARDED_TRANSITIONS, ShardedState, check_transition
+from zero_strategy.storage.disk_rows import DiskRows, RowSwap
+from zero_strategy.storage.offload import HOST, OffloadPolicy, OnDevice, OnDisk, host_empty
 
 if TYPE_CHECKING:
-    from zero_strategy.precision import Precision
+    from zero_strategy.sharding.precision import Precision
 
 __all__ = ["ParamStorage", "ReplicatedParams", "ShardedParams", "ShardedState", "UnitDivergence", "UnitStorage"]
 
@@ -256,7 +262,7 @@ class UnitStorage:
     copies back after each step and load.
 
     With ``row_swap`` (``offload_param: {device: nvme}``) the rows live in a swap file
-    (:class:`~zero_strategy.disk_rows.DiskRows`) and in memory only inside :meth:`resident`;
+    (:class:`~zero_strategy.storage.disk_rows.DiskRows`) and in memory only inside :meth:`resident`;
     the masters are then host copies (``host_masters``, the optimizer state in host memory)
     or, without them (the optimizer state on NVMe too), views of the row that the disk tier
     makes resident around the unit's optimizer step."""

@@ -33,8 +33,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from zero_strategy import collectives as C
-from zero_strategy.pieces import (
+from zero_strategy.comm import collectives as C
+from zero_strategy.sharding.pieces import (
     Piece,
     is_placeholder,
     local_range,

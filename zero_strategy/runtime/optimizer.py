@@ -37,7 +37,7 @@ import torch
 from zero_strategy._swap import swap_class, swapped_by
 
 if TYPE_CHECKING:
-    from zero_strategy.engine import ZeroEngine
+    from zero_strategy.runtime.engine import ZeroEngine
 
 __all__ = [
     "UnknownOptimizerWarning",

@@ -35,14 +35,14 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from zero_strategy import collectives as C
 from zero_strategy._swap import unswap_class
-from zero_strategy.balance import check_load_balance, shard_fractions
-from zero_strategy.compression import build_compression, check_compression
+from zero_strategy.comm import collectives as C
+from zero_strategy.comm.balance import check_load_balance, shard_fractions
 from zero_strategy.config import ZeroConfig, not_applied_settings
-from zero_strategy.construction import materialize_full
-from zero_strategy.disk_tier import DiskTier
-from zero_strategy.grads import (
+from zero_strategy.offload.disk_tier import DiskTier
+from zero_strategy.offload.swapped_state import SwappedOptimizerState
+from zero_strategy.reduction.compression import build_compression, check_compression
+from zero_strategy.reduction.grads import (
     AllReduceAtEnd,
     GradReducer,
     GradSchedule,
@@ -50,18 +50,31 @@ from zero_strategy.grads import (
     ReduceAtUnitEnd,
     ReduceInBackward,
 )
-from zero_strategy.group import GroupSpec, InPlaceMasters, SeparateMasters, ShardGroup, bucket_numel, build_groups
-from zero_strategy.memory import model_state_bytes
-from zero_strategy.offload import OffloadPolicy, optimizer_offload, param_offload
-from zero_strategy.partition import UnitPolicy, find_units
-from zero_strategy.pieces import check_placeholder, forget_pieces, is_placeholder, sharded_init_piece
-from zero_strategy.precision import select_precision, select_scaler
-from zero_strategy.setup_checks import agree_on_setup, check_params, refuse_norm_layers_with_running_stats
-from zero_strategy.states import GRAD_TRANSITIONS, TRAINING_TRANSITIONS, GradState, TrainingState, check_transition
-from zero_strategy.swapped_state import SwappedOptimizerState
-from zero_strategy.unit import ParamStorage, ReplicatedParams, ShardedParams, refresh_masters
-from zero_strategy.zero3 import UnitScheduler, Zero3Settings
-from zero_strategy.zero3_hooks import Zero3Hooks
+from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
+from zero_strategy.runtime.zero3_hooks import Zero3Hooks
+from zero_strategy.sharding.construction import materialize_full
+from zero_strategy.sharding.group import (
+    GroupSpec,
+    InPlaceMasters,
+    SeparateMasters,
+    ShardGroup,
+    bucket_numel,
+    build_groups,
+)
+from zero_strategy.sharding.memory import model_state_bytes
+from zero_strategy.sharding.partition import UnitPolicy, find_units
+from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, is_placeholder, sharded_init_piece
+from zero_strategy.sharding.precision import select_precision, select_scaler
+from zero_strategy.sharding.setup_checks import agree_on_setup, check_params, refuse_norm_layers_with_running_stats
+from zero_strategy.sharding.states import (
+    GRAD_TRANSITIONS,
+    TRAINING_TRANSITIONS,
+    GradState,
+    TrainingState,
+    check_transition,
+)
+from zero_strategy.sharding.unit import ParamStorage, ReplicatedParams, ShardedParams, refresh_masters
+from zero_strategy.storage.offload import OffloadPolicy, optimizer_offload, param_offload
 
 __all__ = ["GradState", "TrainingState", "ZeroEngine", "live_engines", "persistent_buffers"]
 

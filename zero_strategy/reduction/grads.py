@@ -30,9 +30,9 @@ from typing import ClassVar, Protocol
 import torch
 from torch import nn
 
-from zero_strategy import collectives as C
-from zero_strategy.compression import ErrorFeedback, SparseExchange
-from zero_strategy.group import ShardGroup
+from zero_strategy.comm import collectives as C
+from zero_strategy.reduction.compression import ErrorFeedback, SparseExchange
+from zero_strategy.sharding.group import ShardGroup
 
 __all__ = [
     "AllReduceAtEnd",

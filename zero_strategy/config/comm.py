@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from zero_strategy.config_values import coerce_fields, float_rule, int_rule, optional, setting, to_choice, to_float
+from zero_strategy.config.values import coerce_fields, float_rule, int_rule, optional, setting, to_choice, to_float
 
 __all__ = ["PRESETS", "CompressionConfig", "LoadBalanceConfig"]
 

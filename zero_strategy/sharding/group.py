@@ -24,9 +24,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from zero_strategy.layout import ShardLayout
-from zero_strategy.offload import HOST, OffloadPolicy, OnDevice
-from zero_strategy.pieces import piece_of
+from zero_strategy.sharding.layout import ShardLayout
+from zero_strategy.sharding.pieces import piece_of
+from zero_strategy.storage.offload import HOST, OffloadPolicy, OnDevice
 
 __all__ = [
     "GroupSpec",

@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
-from zero_strategy import collectives as C
+from zero_strategy.comm import collectives as C
 from zero_strategy.config import ZeroConfig
-from zero_strategy.pieces import sharded_init_piece
+from zero_strategy.sharding.pieces import sharded_init_piece
 
 __all__ = ["agree_on_setup", "check_params", "refuse_norm_layers_with_running_stats"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zero_strategy import collectives as C
+from zero_strategy.comm import collectives as C
 
 __all__ = [
     "written_while_sharded",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_strategy import profiling as P
+from zero_strategy.comm import profiling as P
 
 __all__ = [
     "CollectiveError",

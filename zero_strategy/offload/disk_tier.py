@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from zero_strategy import collectives as C
-from zero_strategy.disk import SwapDir
-from zero_strategy.disk_rows import RowSwap
-from zero_strategy.group import ShardGroup
-from zero_strategy.offload import OffloadPolicy, OnDisk
-from zero_strategy.swapped_state import SwappedOptimizerState, step_subset
+from zero_strategy.comm import collectives as C
+from zero_strategy.offload.swapped_state import SwappedOptimizerState, step_subset
+from zero_strategy.sharding.group import ShardGroup
+from zero_strategy.storage.disk import SwapDir
+from zero_strategy.storage.disk_rows import RowSwap
+from zero_strategy.storage.offload import OffloadPolicy, OnDisk
 
 __all__ = ["DiskTier"]
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from zero_strategy.module import get_engine
+from zero_strategy.runtime.module import get_engine
 
 __all__ = ["load_full_state_dict"]
 

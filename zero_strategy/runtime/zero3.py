@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_strategy import collectives as C
-from zero_strategy import profiling as P
-from zero_strategy.grads import GradReducer
-from zero_strategy.partition import UnitPlan
-from zero_strategy.states import ShardedState
-from zero_strategy.unit import ShardedParams, UnitStorage
+from zero_strategy.comm import collectives as C
+from zero_strategy.comm import profiling as P
+from zero_strategy.reduction.grads import GradReducer
+from zero_strategy.sharding.partition import UnitPlan
+from zero_strategy.sharding.states import ShardedState
+from zero_strategy.sharding.unit import ShardedParams, UnitStorage
 
 __all__ = ["UnitScheduler", "Zero3Settings"]
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from zero_strategy.disk import ALIGN, DiskFile, SwapDir, aligned_empty, io_at
+from zero_strategy.storage.disk import ALIGN, DiskFile, SwapDir, aligned_empty, io_at
 
 __all__ = ["DiskRows", "RowSwap"]
 

@@ -32,9 +32,9 @@ from collections.abc import Callable
 
 import torch
 
-from zero_strategy import collectives as C
-from zero_strategy.comm_config import LoadBalanceConfig
+from zero_strategy.comm import collectives as C
 from zero_strategy.config import ZeroConfig
+from zero_strategy.config.comm import LoadBalanceConfig
 
 __all__ = ["check_load_balance", "measure_speed", "shard_fractions"]
 

@@ -34,8 +34,8 @@ from typing import Any, cast
 import torch
 
 from zero_strategy._swap import original_class
-from zero_strategy.disk import ALIGN, DiskFile, Region, SwapDir, SwapPool, views
-from zero_strategy.group import ShardGroup
+from zero_strategy.sharding.group import ShardGroup
+from zero_strategy.storage.disk import ALIGN, DiskFile, Region, SwapDir, SwapPool, views
 
 __all__ = ["SwappedOptimizerState", "base_step", "step_subset"]
 

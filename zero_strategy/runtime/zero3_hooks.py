@@ -37,8 +37,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from zero_strategy.unit import UnitStorage
-from zero_strategy.zero3 import UnitScheduler
+from zero_strategy.runtime.zero3 import UnitScheduler
+from zero_strategy.sharding.unit import UnitStorage
 
 __all__ = ["Zero3Hooks"]
 

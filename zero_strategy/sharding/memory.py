@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from zero_strategy.group import ShardGroup
-from zero_strategy.pieces import is_placeholder
-from zero_strategy.unit import UnitStorage
+from zero_strategy.sharding.group import ShardGroup
+from zero_strategy.sharding.pieces import is_placeholder
+from zero_strategy.sharding.unit import UnitStorage
 
 __all__ = ["KINDS", "TIERS", "model_state_bytes"]
 

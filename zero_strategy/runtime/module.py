@@ -14,7 +14,7 @@ from torch import nn
 from zero_strategy._swap import swap_class
 
 if TYPE_CHECKING:
-    from zero_strategy.engine import ZeroEngine
+    from zero_strategy.runtime.engine import ZeroEngine
 
 __all__ = ["ZeroModule", "get_engine", "swap_module_class"]
 

@@ -1,0 +1,24 @@
+"""Layer 8, checkpoints: sharded save and load through ``torch.distributed.checkpoint``
+(``state``), safe file I/O (``files``), uneven pieces for DCP (``dcp_pieces``), loading full
+state dicts and the offline export to one file (``loading``, ``export``).
+
+May import: ``api`` and every layer below it. The public functions are re-exported here.
+"""
+
+from zero_strategy.checkpoint.state import (
+    begin_versioned_save,
+    commit_versioned_save,
+    load_checkpoint,
+    read_checkpoint_object,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "begin_versioned_save",
+    "commit_versioned_save",
+    "load_checkpoint",
+    "read_checkpoint_object",
+    "resolve_checkpoint",
+    "save_checkpoint",
+]

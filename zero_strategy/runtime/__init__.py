@@ -1,0 +1,8 @@
+"""Layer 6, the runtime: one :class:`~zero_strategy.runtime.engine.ZeroEngine` per model owns
+every hook and state and calls the lifecycle methods of the layers below (the ZeRO-3
+``UnitScheduler``, the ``GradReducer``, the parameter storage), which never import it. The
+model-side and optimizer-side class swaps (``module``, ``optimizer``) live here too.
+
+May import: every layer below (``reduction``, ``offload``, ``sharding``, ``storage``, ``comm``,
+``config``).
+"""

@@ -1,0 +1,7 @@
+"""Layer 4, sharding: how parameters are cut and held. The flat layout of a rank's pieces,
+shard groups and their master policies, ZeRO-3 units (placement policy, storage, the gathered
+/sharded state machine), placeholders and ``sharded_init``, precision policies, checks made at
+initialize, and bytes per kind and tier.
+
+May import: ``storage``, ``comm``, ``config``.
+"""
