@@ -2,6 +2,8 @@
 function or under ``if TYPE_CHECKING:`` counts as much as one at the top of a module:
 
 - no cycle among the modules of ``zero_strategy`` or of either front-end;
+- the core's packages are layers (``LAYERS``, bottom first): a module imports only its own
+  package and the layers below it, never a layer above or a sibling in its own layer;
 - the core never imports a front-end framework, and imports with torch alone;
 - ``collectives.py`` is the only core module that calls ``torch.distributed``'s collectives.
 """
@@ -21,6 +23,50 @@ PACKAGES = {
     "lightning_zero": ROOT / "integrations" / "lightning_zero",
     "accelerate_zero": ROOT / "integrations" / "accelerate_zero",
 }
+
+# The core's layers, bottom first: the one place the allowed order is written down. Each entry
+# is a package (or a top-level module) of zero_strategy; entries in one tuple are siblings that
+# may not import each other. ``zero_strategy`` itself is the package's ``__init__`` (the public
+# API), which front-end helpers and the test harness sit above.
+LAYERS: list[tuple[str, ...]] = [
+    ("_version", "_swap"),  # leaves: no imports of ours
+    ("config",),  # ZeroConfig, its blocks and value rules
+    ("comm",),  # collectives (the only torch.distributed caller), profiling, load-balance scores
+    ("storage",),  # offload policies, swap files, disk rows: bytes, not shards
+    ("sharding",),  # layouts, groups, units, pieces, precision, sharded_init, setup checks
+    ("reduction", "offload"),  # gradient schedules/reducer/compression; disk tier and swapped optimizer state
+    ("runtime",),  # the engine, the ZeRO-3 scheduler, the class swaps
+    ("api",),  # initialize and the other engine-level public functions
+    ("checkpoint",),  # save/load, versioned directories, files, export
+    ("zero_strategy",),  # the package's __init__: the public names
+    ("frontend", "cli", "models"),
+    ("testing",),
+]
+
+
+def _layer_of(module: str) -> tuple[int, str]:
+    """(layer index, entry) of a module of zero_strategy."""
+    parts = module.split(".")
+    entry = parts[1] if len(parts) > 1 else "zero_strategy"
+    for i, names in enumerate(LAYERS):
+        if entry in names:
+            return i, entry
+    raise AssertionError(f"{module}: its package '{entry}' is not in LAYERS; add it at the layer where it belongs")
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for mod, deps in sorted(graph.items()):
+        level, entry = _layer_of(mod)
+        for dep in sorted(deps):
+            dep_level, dep_entry = _layer_of(dep)
+            if dep_entry == entry:
+                continue
+            if dep_level > level:
+                out.append(f"{mod} imports {dep}: layer '{dep_entry}' is above '{entry}'")
+            elif dep_level == level:
+                out.append(f"{mod} imports {dep}: '{dep_entry}' and '{entry}' are siblings in one layer")
+    return out
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -97,6 +143,27 @@ def test_no_import_cycle(package: str) -> None:
     known = _modules(package)
     graph = {m: _imports(m, p, known) for m, p in known.items()}
     assert _cycles(graph) == [], f"import cycles in {package} (counting function-local and TYPE_CHECKING imports)"
+
+
+def test_core_packages_import_only_downward() -> None:
+    known = _modules("zero_strategy")
+    graph = {m: _imports(m, p, known) for m, p in known.items()}
+    layered = {_layer_of(m)[1] for m in known}
+    assert layered == {e for names in LAYERS for e in names}, "LAYERS names a package that does not exist"
+    assert _layer_violations(graph) == []
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    graph = {
+        "zero_strategy.sharding.unit": {"zero_strategy.runtime.engine", "zero_strategy.sharding.layout"},
+        "zero_strategy.reduction.grads": {"zero_strategy.offload.disk_tier"},
+        "zero_strategy.comm.collectives": {"zero_strategy.config.values"},
+    }
+    assert _layer_violations(graph) == [
+        "zero_strategy.reduction.grads imports zero_strategy.offload.disk_tier: 'offload' and 'reduction' are "
+        "siblings in one layer",
+        "zero_strategy.sharding.unit imports zero_strategy.runtime.engine: layer 'runtime' is above 'sharding'",
+    ]
 
 
 def test_the_detector_sees_local_and_type_checking_imports(tmp_path: Path) -> None:

@@ -7,18 +7,17 @@ May import: nothing of zero_strategy but its own modules (the bottom layer, with
 stays a valid import path.
 """
 
-from zero_strategy.config.zero_config import (
+from zero_strategy.config.blocks import (
     DTYPES,
     FRONTEND_PRECISION,
     PRECISION_NAMES,
     LossScaleConfig,
     OffloadConfig,
     PrecisionConfig,
-    ZeroConfig,
     frontend_precision,
-    not_applied_settings,
-    resolve_overrides,
 )
+from zero_strategy.config.overrides import not_applied_settings, resolve_overrides
+from zero_strategy.config.zero_config import ZeroConfig
 
 __all__ = [
     "DTYPES",

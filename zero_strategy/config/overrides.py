@@ -1,0 +1,84 @@
+"""Settings given outside the config file: a front-end's flags applied over a config without
+silent conflicts (``resolve_overrides``), and the DeepSpeed settings that are read but not acted
+on, reported once (``not_applied_settings``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from zero_strategy.config.blocks import _DTYPE_NAMES, PrecisionConfig, _precision_name
+from zero_strategy.config.zero_config import _SETTINGS, ZeroConfig, _check_field_name
+
+__all__ = ["not_applied_settings", "resolve_overrides"]
+
+# Settings read with DeepSpeed's names but not acted on (their ``not_applied`` declarations):
+# name -> (the value that would change nothing here, None: any explicit value is reported; what
+# DeepSpeed does with it). Those without a neutral value come first, each group in field order.
+_NOT_APPLIED: dict[str, tuple[Any, str]] = dict(
+    sorted(
+        ((name, spec.metadata["not_applied"]) for name, spec in _SETTINGS.items() if spec.metadata["not_applied"]),
+        key=lambda item: item[1][0] is not None,
+    )
+)
+
+
+def not_applied_settings(cfg: ZeroConfig) -> list[str]:
+    """One message per setting the config sets that this engine does not act on."""
+    out = []
+    for name, (neutral, what) in _NOT_APPLIED.items():
+        if not cfg.explicitly_set(name) or (neutral is not None and getattr(cfg, name) == neutral):
+            continue
+        out.append(f"{name}={getattr(cfg, name)!r} is read but not applied by zero_strategy; in DeepSpeed it {what}")
+    return out
+
+
+def _show(name: str, value: Any) -> str:
+    if name == "precision":
+        if isinstance(value, PrecisionConfig):
+            return _precision_name(value)
+        return value if isinstance(value, str) else _DTYPE_NAMES.get(value, "fp32")
+    return repr(value)
+
+
+def resolve_overrides(cfg: ZeroConfig, *, source: str, **explicit: Any) -> ZeroConfig:
+    """Apply settings given outside the config (e.g. by a front-end), refusing silent conflicts.
+
+    Each keyword is a ZeroConfig field name; None means "not given". A value that differs
+    from one the config set explicitly raises ValueError naming both places; otherwise the
+    value is applied. ``precision`` takes a name or dtype ("bf16-mixed", torch.float16, ...)
+    and changes only the training dtype, keeping the config's reduce dtype. Callers pass
+    None for settings the user left at their own defaults (e.g. Lightning's "32-true").
+    """
+    if not isinstance(cfg, ZeroConfig):
+        raise TypeError(f"resolve_overrides: expected a ZeroConfig, got {type(cfg).__name__}")
+    changes: dict[str, Any] = {}
+    for name, value in explicit.items():
+        _check_field_name(name, TypeError, "resolve_overrides()")
+        if value is None:
+            continue
+        try:
+            if name != "precision":
+                applied = getattr(dataclasses.replace(cfg, **{name: value}), name)
+                old, new = getattr(cfg, name), applied
+            elif isinstance(value, (PrecisionConfig, Mapping)):
+                raise TypeError("precision: pass a name such as 'bf16-mixed' or a torch.dtype, not a config")
+            else:
+                applied = PrecisionConfig.from_name(value, cfg.precision.reduce_dtype)
+                # only the 16-bit dtype can conflict: with the same dtype, a config that chose
+                # 16-bit parameters (DeepSpeed's bf16.enabled) keeps them under a "*-mixed" flag
+                old, new = cfg.precision.low_dtype, applied.low_dtype
+                if old == new and cfg.explicitly_set(name):
+                    continue
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{exc} (from {source})") from None
+        if old != new and cfg.explicitly_set(name):
+            raise ValueError(
+                f"{name}={_show(name, cfg.precision if name == 'precision' else old)} from the config conflicts "
+                f"with {name}={_show(name, value)} "
+                f"from {source}; set it in one place only"
+            )
+        changes[name] = applied
+    return cfg.replace(**changes) if changes else cfg
