@@ -295,7 +295,7 @@ def test_pruning_spares_what_any_pointer_names_and_other_subgroups_saves(tmp_pat
     """Pipeline stages share a root, each with its own ``latest-<ranks>`` pointer: one stage's
     keep_last counts its own saves only, and no directory a pointer names is removed."""
     from zero_strategy.checkpoint.files import OWNER
-    from zero_strategy.checkpoint.state import COMPLETE
+    from zero_strategy.checkpoint.versions import COMPLETE
 
     root = tmp_path / "ck"
     model, opt = _model()

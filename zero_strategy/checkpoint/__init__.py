@@ -1,17 +1,17 @@
 """Layer 8, checkpoints: sharded save and load through ``torch.distributed.checkpoint``
-(``state``), safe file I/O (``files``), uneven pieces for DCP (``dcp_pieces``), loading full
-state dicts and the offline export to one file (``loading``, ``export``).
+(``state``), versioned directories and their pointer files (``versions``), safe file I/O
+(``files``), uneven pieces for DCP (``dcp_pieces``), loading full state dicts and the offline
+export to one file (``loading``, ``export``).
 
 May import: ``api`` and every layer below it. The public functions are re-exported here.
 """
 
-from zero_strategy.checkpoint.state import (
+from zero_strategy.checkpoint.state import load_checkpoint, save_checkpoint
+from zero_strategy.checkpoint.versions import (
     begin_versioned_save,
     commit_versioned_save,
-    load_checkpoint,
     read_checkpoint_object,
     resolve_checkpoint,
-    save_checkpoint,
 )
 
 __all__ = [

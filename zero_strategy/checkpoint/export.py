@@ -27,7 +27,7 @@ from torch import nn
 
 from zero_strategy.api import gathered_parameters
 from zero_strategy.checkpoint.files import SafeFileSystemReader
-from zero_strategy.checkpoint.state import read_meta
+from zero_strategy.checkpoint.versions import read_meta
 from zero_strategy.runtime.module import get_engine
 
 __all__ = ["export_full", "full_state_dict"]

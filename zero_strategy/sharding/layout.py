@@ -10,7 +10,7 @@ of every parameter is the contiguous range between the cumulative fractions befo
 it (rounded down), so its share of each parameter, and of the optimizer state, follows its
 score. ``chunks[i]`` is then the *largest* piece of parameter ``i``: every rank's row is padded
 to it, and the collectives stay equal-sized. Checkpoints record the real offsets
-(``checkpoint.py``), since a ``Shard(0)`` DTensor would assume ``torch.chunk``'s.
+(``checkpoint/state.py``), since a ``Shard(0)`` DTensor would assume ``torch.chunk``'s.
 
 For communication, a rank's pieces of the parameters of one group sit side by side in a flat
 buffer of ``shard_numel`` elements (each piece at ``offsets[i]``, ``chunks[i]`` long). A
