@@ -62,8 +62,9 @@ from zero_strategy.checkpoint.versions import (
     read_meta,
 )
 from zero_strategy.comm import collectives as C
-from zero_strategy.runtime.engine import ZeroEngine, persistent_buffers
+from zero_strategy.runtime.engine import ZeroEngine
 from zero_strategy.runtime.module import get_engine
+from zero_strategy.sharding.setup_checks import persistent_buffers
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 

@@ -65,7 +65,12 @@ from zero_strategy.sharding.memory import model_state_bytes
 from zero_strategy.sharding.partition import UnitPolicy, find_units
 from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, is_placeholder, sharded_init_piece
 from zero_strategy.sharding.precision import select_precision, select_scaler
-from zero_strategy.sharding.setup_checks import agree_on_setup, check_params, refuse_norm_layers_with_running_stats
+from zero_strategy.sharding.setup_checks import (
+    agree_on_setup,
+    check_params,
+    persistent_buffers,
+    refuse_norm_layers_with_running_stats,
+)
 from zero_strategy.sharding.states import (
     GRAD_TRANSITIONS,
     TRAINING_TRANSITIONS,
@@ -76,7 +81,7 @@ from zero_strategy.sharding.states import (
 from zero_strategy.sharding.unit import ParamStorage, ReplicatedParams, ShardedParams, refresh_masters
 from zero_strategy.storage.offload import OffloadPolicy, optimizer_offload, param_offload
 
-__all__ = ["GradState", "TrainingState", "ZeroEngine", "live_engines", "persistent_buffers"]
+__all__ = ["GradState", "TrainingState", "ZeroEngine", "live_engines"]
 
 _LIVE: weakref.WeakSet[ZeroEngine] = weakref.WeakSet()
 _WARNED: set[str] = set()
@@ -159,7 +164,7 @@ class ZeroEngine:
                 stacklevel=3,
             )
 
-        named = _unique_named_parameters(module)
+        named = list(module.named_parameters(remove_duplicate=True))
         self._names = {id(p): n for n, p in named}
         owned = {pid: type(e.module).__name__ for e in list(_LIVE) for pid in e._names}
         check_params(named, self.ctx, owned)
@@ -734,7 +739,7 @@ class ZeroEngine:
         tier's buffers are ``swap_buffers``."""
         sharded = self.params if isinstance(self.params, ShardedParams) else None
         out = model_state_bytes(
-            [p for _, p in _unique_named_parameters(self.module)],
+            [p for _, p in self.module.named_parameters(remove_duplicate=True)],
             sharded.units if sharded is not None else [],
             self.groups,
             self.optimizer,
@@ -790,14 +795,3 @@ class ZeroEngine:
 
 
 SCRATCH_SHARE = 0.08  # of the model state: free communication buffers kept from one step to the next
-
-
-def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers ``state_dict()`` holds (non-persistent ones, such as RoPE's recomputed
-    ``inv_freq``, are not saved or loaded)."""
-    names = set(module.state_dict(keep_vars=True))
-    return {n: b for n, b in module.named_buffers() if n in names}
-
-
-def _unique_named_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return list(module.named_parameters(remove_duplicate=True))

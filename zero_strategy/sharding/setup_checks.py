@@ -9,13 +9,14 @@ import socket
 import zlib
 from typing import Any
 
+import torch
 from torch import nn
 
 from zero_strategy.comm import collectives as C
 from zero_strategy.config import ZeroConfig
 from zero_strategy.sharding.pieces import sharded_init_piece
 
-__all__ = ["agree_on_setup", "check_params", "refuse_norm_layers_with_running_stats"]
+__all__ = ["agree_on_setup", "check_params", "persistent_buffers", "refuse_norm_layers_with_running_stats"]
 
 
 def check_params(named: list[tuple[str, nn.Parameter]], ctx: C.CommContext, owned: dict[int, str]) -> None:
@@ -113,3 +114,10 @@ def refuse_norm_layers_with_running_stats(module: nn.Module, config: ZeroConfig)
                 "its weights; use mixed precision instead ('bf16-mixed' / '16-mixed': fp32 parameters under "
                 "autocast), or replace the BatchNorm layers (e.g. GroupNorm/LayerNorm)"
             )
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``state_dict()`` holds (non-persistent ones, such as RoPE's recomputed
+    ``inv_freq``, are not saved or loaded): what the engine broadcasts, loads and checkpoints."""
+    names = set(module.state_dict(keep_vars=True))
+    return {n: b for n, b in module.named_buffers() if n in names}
