@@ -232,3 +232,15 @@ def test_no_source_file_is_over_800_lines() -> None:
         if (n := len(p.read_text().splitlines())) > 800
     }
     assert not long, f"split these files: {long}"
+
+
+def test_every_core_package_is_installed() -> None:
+    """``pyproject.toml`` lists packages by name: a package missing there works in an editable
+    install (CI's) and is absent from a wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(("zero_strategy", *f.parent.relative_to(ROOT / "zero_strategy").parts))
+        for f in (ROOT / "zero_strategy").rglob("__init__.py")
+    }
+    assert found <= listed, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(found - listed)}"
