@@ -554,6 +554,20 @@ def case_t5_outside_calls(rank: int, persist: int | None) -> None:
             got = zs.full_grad(model, model.get_parameter(name))
             assert_close(got, p.grad, rtol=1e-9, atol=1e-12, what=f"gradient of {name}")
     assert not any(u.state.name != "SHARDED" and not u.persistent for u in model.zero_engine.params.units)
+    # a call without gradients between a forward and its backward frees only what it gathered
+    model.zero_grad()
+    plain.zero_grad()
+    start = torch.zeros(2, 1, dtype=torch.long)
+    out = model(prompt, decoder_input_ids=start).logits
+    with torch.no_grad():
+        assert_close(model.encoder.block[1](hidden)[0], plain.encoder.block[1](hidden)[0], rtol=1e-12, atol=1e-12,
+                     what="a block called between forward and backward")  # fmt: skip
+    out.pow(2).sum().backward()
+    plain(prompt, decoder_input_ids=start).logits.pow(2).sum().backward()
+    for name, p in plain.named_parameters():
+        if p.grad is not None:
+            got = zs.full_grad(model, model.get_parameter(name))
+            assert_close(got, p.grad, rtol=1e-9, atol=1e-12, what=f"gradient of {name} after a call in between")
 
 
 def _hugging_face_worker(rank: int, world: int) -> int:

@@ -83,6 +83,7 @@ class UnitScheduler:
         self._training = True  # the root module's mode in this forward
         self._in_backward = False
         self._outside = False  # a submodule called outside the model's forward is running (zero3_hooks.py)
+        self._outside_gathered: list[UnitStorage] = []  # the units that call gathered
         self._sync = True  # whether the running backward reduces
         self._active: UnitStorage | None = None  # unit whose backward runs now
         self._fwd_pos: int | None = None  # position in the recorded order of the unit in forward
@@ -189,9 +190,10 @@ class UnitScheduler:
         for u in ([self.root] if self.root is not None else []) + pinned:
             u.wait_unshard(self.names)
 
-    def root_post_forward(self, *, ok: bool = True) -> None:
+    def root_post_forward(self, *, ok: bool = True, only: list[UnitStorage] | None = None) -> None:
         """The forward ended (``ok``) or raised. After an exception nothing may wait on the
-        other ranks: a gather still in flight stays so (its next use waits on it)."""
+        other ranks: a gather still in flight stays so (its next use waits on it). Without
+        gradients the units are freed: all of them, or ``only`` those (an outside call's)."""
         if not ok:
             self._close_ranges("forward")
         if ok and self._checking():
@@ -199,7 +201,7 @@ class UnitScheduler:
         if not torch.is_grad_enabled():
             if ok:  # no backward follows: this forward's deferred gather checks are read now
                 self.checks.check_now()
-            for u in self.all_units:  # eval / no_grad: nothing but persistent units stays gathered
+            for u in self.all_units if only is None else only:  # eval / no_grad: nothing but persistent units stays
                 if ok or u.state is not ShardedState.UNSHARDING:
                     u.release()
 
@@ -211,15 +213,20 @@ class UnitScheduler:
         units = ([self.root] if self.root is not None else []) + [u for u in self.all_units if u.tag in self.pinned]
         if enclosing is not None and enclosing not in units:
             units.append(enclosing)
+        # what this call gathers is all it may free: a forward's backward may still be pending
+        self._outside_gathered = [u for u in units if u.state is ShardedState.SHARDED]
         for u in units:
             self._gather(u)
         for u in units:
             u.wait_unshard(self.names)
 
     def outside_post_forward(self, *, ok: bool) -> None:
-        """The outside call returned (``ok``) or raised: as at the end of a forward."""
+        """The outside call returned (``ok``) or raised: as at the end of a forward, except that
+        without gradients only what the call gathered is freed (the units a pending backward
+        needs stay: a call between a forward and its backward)."""
         self._outside = False
-        self.root_post_forward(ok=ok)
+        gathered, self._outside_gathered = self._outside_gathered, []
+        self.root_post_forward(ok=ok, only=gathered)
 
     # -- units -----------------------------------------------------------------------------
     def pre_forward(self, u: UnitStorage) -> None:
