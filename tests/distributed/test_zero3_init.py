@@ -78,7 +78,53 @@ def _init_worker(rank: int, world: int, tmpdir: str) -> dict:
     # torch's layers at 2 and 3 ranks (uneven pieces); a Hugging Face model at 2 (its import is slow)
     kinds = ["torch", "llama"] if world == 2 else ["torch"]
     run_subtests(lambda kind: case_parent_writes_children(rank, world, kind), subtest_grid(kind=kinds))
+    run_subtests(lambda stage: case_copies_and_kept_views(rank, stage), subtest_grid(stage=[2, 3]))
     return out
+
+
+def case_copies_and_kept_views(rank: int, stage: int) -> None:
+    """``nn.TransformerEncoder`` deep-copies its layer: the copies are pieces, so no more than one
+    layer is ever whole (counted at every cut). A view written at the block's level, then
+    ``initialize`` inside the block: the write is kept and the engine's parameters stay whole
+    (stage 2) or pieces it owns (stage 3) when the block exits."""
+    import torch
+    from torch import nn
+
+    import zero_strategy as zs
+    from zero_strategy.sharding import construction
+    from zero_strategy.sharding.pieces import is_placeholder
+
+    whole: list[int] = []
+    cut_tree = construction._Construction.cut_tree
+
+    def counting(self, m):  # how many elements are whole when a module's __init__ returns
+        with self.pause():
+            whole.append(sum(p.numel() for p in m.parameters() if p.numel() > 1 and not is_placeholder(p)))
+        return cut_tree(self, m)
+
+    construction._Construction.cut_tree = counting
+    try:
+        with zs.sharded_init():
+            layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0)
+            nn.TransformerEncoder(layer, num_layers=6, enable_nested_tensor=False)
+    finally:
+        construction._Construction.cut_tree = cut_tree
+    one = sum(p.numel() for p in nn.TransformerEncoderLayer(32, 2, 64).parameters())
+    assert whole and max(whole) <= one, f"whole elements at the cuts {whole}; one layer has {one}"
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4))
+        model[0].weight.data[0].zero_()  # a view written at the block's level (a padding row)
+        return model
+
+    plain = build()
+    with zs.sharded_init():
+        model, _ = zs.initialize(build(), lambda p: torch.optim.SGD(p, lr=0.1), stage=stage,
+                                 stage3_param_persistence_threshold=0)  # fmt: skip
+    idx = torch.tensor([[0, 1, 2]])
+    assert_close(model(idx), plain(idx), rtol=0, atol=0, what=f"stage {stage}: forward after the block")
+    model.zero_engine.close()
 
 
 def _layers_model(kind: str):

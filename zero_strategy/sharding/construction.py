@@ -159,6 +159,34 @@ class _Construction(TorchFunctionMode):
                         take_record(e.param)
                         self.cut(e.param)
 
+    def flush(self) -> None:
+        """Cut what is kept whole now (views taken at the block's level, or in an ``__init__``
+        still running): ``initialize`` inside the block takes the parameters over, and a cut
+        made later, when the frame ends, would cut an engine's parameter under it."""
+        with self.pause():
+            for kept in self.frames:
+                for p in kept:
+                    if recorded(p) is None and not is_placeholder(p):
+                        self.cut(p)
+                kept.clear()
+
+    def deepcopy(self, p: Any, memo: dict[int, Any]) -> Any:
+        """``copy.deepcopy`` of a parameter inside the block: a cut one is copied as its piece,
+        without gathering it (``nn.TransformerEncoder`` copies its layer N times; whole copies
+        would hold the whole encoder until its ``__init__`` returns); others as torch does."""
+        if id(p) in memo:
+            return memo[id(p)]
+        e = None if self.paused else self._entry(p)
+        if e is None:
+            return _PARAM_DEEPCOPY(p, memo)
+        with self.pause():
+            new = type(p)(placeholder(e.shape, e.piece.dtype, e.piece.device), p.requires_grad)
+            copied = record_piece(new, e.piece.clone(), self.ctx)
+            if address := _address(new):
+                self.sharded[address] = copied
+        memo[id(p)] = new
+        return new
+
     def _entry(self, t: torch.Tensor) -> Piece | None:
         """The piece ``t`` stands for, if ``t`` is (an alias of) a cut parameter's placeholder."""
         address = _address(t)
@@ -210,6 +238,7 @@ class _Construction(TorchFunctionMode):
 
 
 _ACTIVE: list[_Construction] = []  # the sharded_init blocks open now, innermost last
+_PARAM_DEEPCOPY = nn.Parameter.__deepcopy__  # torch's own, restored when the outermost block exits
 
 
 @contextlib.contextmanager
@@ -218,6 +247,7 @@ def outside_sharded_init() -> Iterator[None]:
     ``sharded_init`` block: for ``initialize``, which takes the pieces over."""
     with contextlib.ExitStack() as stack:
         for state in _ACTIVE:
+            state.flush()
             stack.enter_context(state.pause())
         yield
 
@@ -276,6 +306,7 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
 
     nn.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]  # patched inside the block
     nn.Module.apply = apply  # type: ignore[method-assign]  # patched inside the block
+    nn.Parameter.__deepcopy__ = lambda p, memo: _ACTIVE[-1].deepcopy(p, memo)  # type: ignore[method-assign]  # patched inside the block
     _ACTIVE.append(state)
     try:
         with state:
@@ -283,6 +314,8 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
                 yield
     finally:
         _ACTIVE.remove(state)
+        if not _ACTIVE:
+            nn.Parameter.__deepcopy__ = _PARAM_DEEPCOPY  # type: ignore[method-assign]  # restored on exit
         nn.Module.apply = orig_apply  # type: ignore[method-assign]  # restored on exit
         if orig_subclass_hook is None:
             del nn.Module.__init_subclass__
