@@ -78,7 +78,7 @@ def _initialize(
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     opt = None if optimizer is None else build_optimizer(optimizer, model)
     if opt is not None:
-        check_optimizer(opt, model)  # before anything is changed
+        check_optimizer(opt, model, stacklevel=4)  # before anything is changed (initialize -> _initialize)
         if isinstance(optimizer_offload(cfg), OnDisk):
             base_step(opt)  # an optimizer subclass whose step the disk tier cannot split is refused now
         if not any(p.requires_grad for p in model.parameters()):

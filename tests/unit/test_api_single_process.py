@@ -198,6 +198,7 @@ def test_optimizers_are_sorted_by_whether_their_update_is_elementwise() -> None:
     assert len(first) == 1, [str(w.message) for w in first]
     assert issubclass(first[0].category, zs.UnknownOptimizerWarning)
     assert "TrustRatioSGD is not an optimizer zero_strategy knows to be element-wise" in str(first[0].message)
+    assert first[0].filename == __file__, first[0].filename  # points at the user's initialize() call
     assert _optimizer_warnings(lambda p: unknown(p)) == []  # once per class and process
     # torch's element-wise optimizers and their subclasses are silent; 'Scalars' is not 'lars'
     quiet = [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,

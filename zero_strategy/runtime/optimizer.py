@@ -163,7 +163,7 @@ def _is_elementwise(cls: type) -> bool:
     return cls.__module__.split(".")[0] == "bitsandbytes" and cls.__name__ in _ELEMENTWISE_BNB
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module, *, stacklevel: int = 3) -> None:
     """Validate before anything is changed: an element-wise update, parameters of ``module``.
 
     Each rank steps only its 1-D pieces of the parameters, so an update that reads a whole
@@ -189,7 +189,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -
             "If it updates each element from that element alone, ignore this warning "
             "(warnings.filterwarnings('ignore', category=zero_strategy.UnknownOptimizerWarning)).",
             UnknownOptimizerWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,  # the user's call of initialize / replace_optimizer
         )
     names = {id(p): n for n, p in module.named_parameters()}
     seen: set[int] = set()
