@@ -36,7 +36,6 @@ def _lit_class():
 
         def __init__(self, sharded: bool = False, lr: float = 1e-2) -> None:
             super().__init__()
-            self.save_hyperparameters()  # a converted checkpoint carries them to load_from_checkpoint
             self.sharded, self.lr = sharded, lr
             self.gpt = None if sharded else _gpt()
 
@@ -96,7 +95,16 @@ def _lit_class():
                 opt.step()
                 self.lr_schedulers().step()
 
-    LitGPT.Manual = ManualGPT
+    class SavedGPT(LitGPT):
+        """Saves its hyperparameters (a converted checkpoint carries them to load_from_checkpoint).
+        Only where needed: save_hyperparameters reads the calling frames' locals, and Python 3.11
+        keeps that snapshot on a running frame, so a worker's deleted locals would stay alive."""
+
+        def __init__(self, sharded: bool = False, lr: float = 1e-2) -> None:
+            super().__init__(sharded, lr)
+            self.save_hyperparameters()
+
+    LitGPT.Manual, LitGPT.Saved = ManualGPT, SavedGPT
     return LitGPT
 
 
@@ -291,7 +299,7 @@ def _resume_worker(rank: int, world: int, root: str, phase: str) -> dict:
     if phase == "slurm":  # Lightning's SLURM environment, ranks from SLURM_* variables
         os.environ.update(SLURM_NTASKS=str(world), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
                           SLURM_JOB_NAME="zero-test", SLURM_NODELIST="127.0.0.1", SLURM_JOB_ID="1", SLURM_NTASKS_PER_NODE=str(world))  # fmt: skip
-    LitGPT = _lit_class()
+    LitGPT = _lit_class().Saved
     data = _data(GLOBAL_BATCH * EPOCH_STEPS, GLOBAL_BATCH // world)
     out: dict = {}
     stage = {"save": 3, "slurm": 3, "one": 1}[phase]
@@ -391,7 +399,7 @@ def _check_sharded_checkpoint_loads_in_lightning(root: Path, params: dict) -> No
 
     from lightning_zero import convert
 
-    LitGPT = _lit_class()
+    LitGPT = _lit_class().Saved
     out = root / "ep1-fp32.ckpt"
     convert.main([str(root / "ep1.ckpt"), str(out)])
     ckpt = torch.load(out, map_location="cpu", weights_only=True)
