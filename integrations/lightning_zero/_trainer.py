@@ -22,6 +22,7 @@ from typing_extensions import override
 
 import zero_strategy as zs
 from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
+from lightning_zero._deepspeed_args import DEEPSPEED_ARGUMENTS, apply_deepspeed_arguments
 from zero_strategy.frontend import accumulation_to_adopt
 from zero_strategy.runtime.module import get_engine
 
@@ -92,6 +93,12 @@ def build(ns: str) -> tuple[type, type]:
                 Hugging Face ``_no_split_modules``, else the outermost list of blocks).
             process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by device).
             timeout: the process group's timeout.
+            offload: ``{"offload_optimizer": {...}, "offload_param": {...}}`` blocks over the config's.
+
+        Lightning's ``DeepSpeedStrategy`` arguments are taken too (``offload_optimizer=True``,
+        ``allgather_bucket_size=...``, ``loss_scale_window=...``, ...): those that mean the same
+        thing here go into the config, the others are named in one warning; None is "not given".
+        See ``lightning_zero._deepspeed_args`` for each one.
         """
 
         strategy_name = "zero"
@@ -115,7 +122,48 @@ def build(ns: str) -> tuple[type, type]:
             checkpoint_io: Any = None,
             precision_plugin: Any = None,
             offload: Optional[Mapping[str, Any]] = None,
+            # DeepSpeedStrategy's arguments (lightning_zero._deepspeed_args); None: not given
+            zero_optimization: Optional[bool] = None,
+            remote_device: Optional[str] = None,
+            offload_optimizer: Optional[bool] = None,
+            offload_parameters: Optional[bool] = None,
+            offload_params_device: Optional[str] = None,
+            nvme_path: Optional[str] = None,
+            params_buffer_count: Optional[int] = None,
+            params_buffer_size: Optional[int] = None,
+            max_in_cpu: Optional[int] = None,
+            offload_optimizer_device: Optional[str] = None,
+            optimizer_buffer_count: Optional[int] = None,
+            block_size: Optional[int] = None,
+            queue_depth: Optional[int] = None,
+            single_submit: Optional[bool] = None,
+            overlap_events: Optional[bool] = None,
+            thread_count: Optional[int] = None,
+            pin_memory: Optional[bool] = None,
+            sub_group_size: Optional[int] = None,
+            contiguous_gradients: Optional[bool] = None,
+            overlap_comm: Optional[bool] = None,
+            allgather_partitions: Optional[bool] = None,
+            reduce_scatter: Optional[bool] = None,
+            allgather_bucket_size: Optional[int] = None,
+            reduce_bucket_size: Optional[int] = None,
+            zero_allow_untested_optimizer: Optional[bool] = None,
+            logging_batch_size_per_gpu: Optional[Union[str, int]] = None,
+            logging_level: Optional[int] = None,
+            loss_scale: Optional[float] = None,
+            initial_scale_power: Optional[int] = None,
+            loss_scale_window: Optional[int] = None,
+            hysteresis: Optional[int] = None,
+            min_loss_scale: Optional[float] = None,
+            partition_activations: Optional[bool] = None,
+            cpu_checkpointing: Optional[bool] = None,
+            contiguous_memory_optimization: Optional[bool] = None,
+            synchronize_checkpoint_boundary: Optional[bool] = None,
+            load_full_weights: Optional[bool] = None,
+            exclude_frozen_parameters: Optional[bool] = None,
         ) -> None:
+            given = locals()
+            deepspeed = {name: given[name] for name in DEEPSPEED_ARGUMENTS}
             super().__init__(
                 accelerator=accelerator,
                 parallel_devices=parallel_devices,
@@ -126,6 +174,8 @@ def build(ns: str) -> tuple[type, type]:
             if state_dict_type not in ("sharded", "full"):
                 raise ValueError(f"ZeroStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or 'full'")
             self._zero_init("ZeroStrategy", config, stage, offload, policy, process_group_backend, timeout)
+            self.zero_config = apply_deepspeed_arguments(self.zero_config, deepspeed, "ZeroStrategy")
+            self.load_full_weights = bool(load_full_weights)  # a file is loaded as full weights either way
             self.state_dict_type = state_dict_type
             self.num_nodes = 1
 

@@ -95,7 +95,16 @@ def _lit_class():
                 opt.step()
                 self.lr_schedulers().step()
 
-    LitGPT.Manual = ManualGPT
+    class SavedGPT(LitGPT):
+        """Saves its hyperparameters (a converted checkpoint carries them to load_from_checkpoint).
+        Only where needed: save_hyperparameters reads the calling frames' locals, and Python 3.11
+        keeps that snapshot on a running frame, so a worker's deleted locals would stay alive."""
+
+        def __init__(self, sharded: bool = False, lr: float = 1e-2) -> None:
+            super().__init__(sharded, lr)
+            self.save_hyperparameters()
+
+    LitGPT.Manual, LitGPT.Saved = ManualGPT, SavedGPT
     return LitGPT
 
 
@@ -290,7 +299,7 @@ def _resume_worker(rank: int, world: int, root: str, phase: str) -> dict:
     if phase == "slurm":  # Lightning's SLURM environment, ranks from SLURM_* variables
         os.environ.update(SLURM_NTASKS=str(world), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
                           SLURM_JOB_NAME="zero-test", SLURM_NODELIST="127.0.0.1", SLURM_JOB_ID="1", SLURM_NTASKS_PER_NODE=str(world))  # fmt: skip
-    LitGPT = _lit_class()
+    LitGPT = _lit_class().Saved
     data = _data(GLOBAL_BATCH * EPOCH_STEPS, GLOBAL_BATCH // world)
     out: dict = {}
     stage = {"save": 3, "slurm": 3, "one": 1}[phase]
@@ -302,16 +311,20 @@ def _resume_worker(rank: int, world: int, root: str, phase: str) -> dict:
         best = pl.callbacks.ModelCheckpoint(
             dirpath=f"{root}/best", monitor="loss", save_top_k=1, every_n_train_steps=1, save_last=True
         )
+        logger = pl.loggers.CSVLogger(f"{root}/logs", name="", version=0)
         trainer = _trainer(
             lightning_zero.ZeroStrategy(stage=stage),
             world,
             max_epochs=2,
-            callbacks=[rec, ckpt, best],
+            callbacks=[rec, ckpt, best, lightning_zero.ZeroMemoryMonitor()],
             gradient_clip_val=0.3,
+            logger=logger,
+            log_every_n_steps=1,
         )
         model = LitGPT()
         trainer.fit(model, data)
         out["losses"] = rec.losses
+        out["memory"] = zs.memory_stats(model)
         trainer.strategy.state_dict_type = "full"  # one consolidated file, for the plain model
         trainer.save_checkpoint(f"{root}/full.ckpt")
         with zs.gathered_parameters(model):
@@ -342,7 +355,9 @@ def test_checkpoint_resumes_on_other_device_counts(launch, tmp_path) -> None:
 
     ref = launch(_resume_worker, 2, args=(str(tmp_path), "save"), timeout=300)[0]
     assert len(ref["losses"]) == 2 * EPOCH_STEPS
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "ep0.ckpt", "ep1.ckpt", "full.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "ep0.ckpt", "ep1.ckpt", "full.ckpt", "logs"]
+    _check_memory_log(tmp_path / "logs" / "version_0" / "metrics.csv", ref["memory"])
+    _check_sharded_checkpoint_loads_in_lightning(tmp_path, ref["params"])
     # save_top_k=1 removed the sharded directories it replaced; last.ckpt is one too
     kept = sorted(p.name for p in (tmp_path / "best").iterdir())
     assert len(kept) == 2 and "last.ckpt" in kept and all((tmp_path / "best" / k / "latest").is_file() for k in kept), (
@@ -362,6 +377,60 @@ def test_checkpoint_resumes_on_other_device_counts(launch, tmp_path) -> None:
     plain.load_state_dict(full["state_dict"], strict=True)
     for k, v in plain.gpt.state_dict().items():
         assert torch.equal(v, ref["params"][k]), k
+
+
+def _check_memory_log(csv_file: Path, stats: dict) -> None:
+    """ZeroMemoryMonitor logged rank 0's bytes per kind and tier at every logged step."""
+    import csv
+
+    rows = [r for r in csv.DictReader(csv_file.open()) if r.get("zero_memory/tier_device")]
+    assert len(rows) == 2 * EPOCH_STEPS, rows
+    assert stats["tier_device"] > 0 and stats["optimizer_state"] > 0, stats
+    last = rows[-1]
+    for key, value in stats.items():
+        assert float(last[f"zero_memory/{key}"]) == value, (key, last, stats)
+
+
+def _check_sharded_checkpoint_loads_in_lightning(root: Path, params: dict) -> None:
+    """A sharded directory (2 ranks, ZeRO-3) loads with LightningModule.load_from_checkpoint
+    directly, and `zero-strategy convert` writes one fp32 .ckpt that it loads: the saved weights
+    exactly, the hyperparameters and the loop state, no optimizer state."""
+    import torch
+
+    from lightning_zero import convert
+
+    LitGPT = _lit_class().Saved
+    out = root / "ep1-fp32.ckpt"
+    convert.main([str(root / "ep1.ckpt"), str(out)])
+    ckpt = torch.load(out, map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 2 * EPOCH_STEPS and ckpt["epoch"] == 1, {k: ckpt[k] for k in ("epoch", "global_step")}
+    assert "optimizer_states" not in ckpt and ckpt["hyper_parameters"] == {"sharded": False, "lr": 1e-2}
+    assert all(v.dtype == torch.float32 for v in ckpt["state_dict"].values() if v.is_floating_point())
+    for how, model in (("converted", LitGPT.load_from_checkpoint(out)),
+                       ("directory", LitGPT.load_from_checkpoint(root / "ep1.ckpt"))):  # fmt: skip
+        assert model.hparams.lr == 1e-2, how
+        got = model.gpt.state_dict()
+        assert sorted(got) == sorted(params), how
+        for k, v in got.items():
+            assert torch.equal(v, params[k]), (how, k)
+
+
+def test_convert_is_a_zero_strategy_command(tmp_path) -> None:
+    """``zero-strategy convert`` is registered as a ``zero_strategy.commands`` entry point (the
+    way ``launch`` is) and names lightning_zero's converter; bad input exits with a message."""
+    import importlib
+    import re
+
+    from lightning_zero import convert
+
+    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    section = text.split('[project.entry-points."zero_strategy.commands"]', 1)[1].split("\n[", 1)[0]
+    target = re.search(r'^convert = "([\w.]+):(\w+)"$', section, re.M)
+    assert target, section
+    assert getattr(importlib.import_module(target[1]), target[2]) is convert.main
+    with pytest.raises(SystemExit) as exc:
+        convert.main([str(tmp_path), str(tmp_path / "out.ckpt")])
+    assert exc.value.code == 1 and not (tmp_path / "out.ckpt").exists()
 
 
 def _cli_worker(rank: int, world: int, root: str) -> list:

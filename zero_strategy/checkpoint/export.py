@@ -6,6 +6,8 @@
   subdirectory): offline, in one process, no ranks started;
 - ``source`` a live model managed by ``initialize``: a collective; rank 0 writes.
 
+``full_state_dict(source)`` gives the same tensors as a dict, from a directory or a live model.
+
 ``.safetensors`` (default) is streamed: the header is written first (every tensor's shape and
 dtype are known from the checkpoint's metadata), then each tensor is read, reshaped to the
 parameter's original shape and appended, so host memory stays near one tensor.
@@ -139,16 +141,26 @@ def export_full(
 
 
 def full_state_dict(
-    model: nn.Module, *, rank0_only: bool = True, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    model: nn.Module | str | os.PathLike[str],
+    *,
+    rank0_only: bool = True,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
     """The model's full state dict (original names and shapes), gathered tensor by tensor.
 
-    Collective: every rank calls it. With ``rank0_only`` (default) only rank 0 keeps the
+    ``model`` a checkpoint directory (its root or a versioned subdirectory): read offline, in
+    this process alone, as ``export_full`` reads it (``rank0_only`` does not apply).
+
+    For a live model: collective, every rank calls it. With ``rank0_only`` (default) only rank 0 keeps the
     tensors and the other ranks get ``{}``, so one process holds the full model, as with
     FSDP's ``full_state_dict`` option; ``rank0_only=False`` gives it to every rank. Floating
     tensors are cast to ``dtype`` if given. Parameters come as the model stores them (the
     engine's ``param_dtype`` under mixed precision).
     """
+    if not isinstance(model, nn.Module):
+        entries, read_saved = _checkpoint_entries(os.fspath(model), dtype)
+        return {n: read_saved(n).to(device=device, dtype=d).reshape(s) for n, s, d in entries}
     keep = not rank0_only or get_engine(model).ctx.rank == 0
     entries, read = _live_entries(model, dtype)
     out: dict[str, torch.Tensor] = {}
