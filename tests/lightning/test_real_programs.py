@@ -104,7 +104,9 @@ def _data(n: int, batch: int, seed: int):
 def _trainer_worker(rank: int, world: int) -> dict:
     import lightning.pytorch as pl
 
-    import lightning_zero  # noqa: F401  registers the names
+    import lightning_zero
+
+    lightning_zero.register()  # the strategy names
 
     class Record(pl.Callback):
         def __init__(self) -> None:
@@ -120,10 +122,14 @@ def _trainer_worker(rank: int, world: int) -> dict:
 
     LitTransformer = _lit_transformer()
     out: dict = {}
-    for name in ("ddp", "zero1", "zero2", "zero3", "ddp_configure_model", "zero3_configure_model"):
+    names = ("ddp", "zero1", "zero2", "zero3", "zero3_freed", "ddp_configure_model", "zero3_configure_model")
+    for name in names:
         pl.seed_everything(42, verbose=False)  # the user's first line; shuffling and dropout follow from it
         rec = Record()
-        trainer = pl.Trainer(strategy=name.split("_")[0], accelerator="cpu", devices=world, max_steps=30, gradient_clip_val=0.5,
+        strategy = name.split("_")[0]
+        if name == "zero3_freed":  # every unit freed after use (the default threshold keeps this model's gathered)
+            strategy = lightning_zero.ZeroStrategy(stage=3, config={"stage3_param_persistence_threshold": 0})
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=30, gradient_clip_val=0.5,
                              val_check_interval=10, limit_val_batches=2, num_sanity_val_steps=1, callbacks=[rec],
                              logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
         model = LitTransformer(in_configure_model=name.endswith("configure_model"))
@@ -228,7 +234,7 @@ def test_trainer_with_dropout_and_seed_everything_equals_ddp(launch) -> None:
         assert len(res["ddp"]["train"]) == 30 and len(res["ddp"]["val"]) == 3, res["ddp"]
         # built in configure_model (torch's TransformerEncoderLayer under sharded_init at zero3):
         # against DDP building it there too, as Lightning re-seeds before configure_model
-        for name in ("zero1", "zero2", "zero3", "zero3_configure_model"):
+        for name in ("zero1", "zero2", "zero3", "zero3_freed", "zero3_configure_model"):
             ref = res["ddp_configure_model" if name.endswith("configure_model") else "ddp"]
             got = res[name]
             assert got["engine"], name
