@@ -26,7 +26,10 @@ torch's two halves of ``clip_grad_norm_`` cannot give DDP's result on their own:
 holds (a ZeRO-1 model's local ``p.grad``, a master piece's ``grad``: both this rank's part
 only), and ``clip_grads_with_norm_`` refuses a ZeRO model's parameters. At ZeRO-2/3 a list
 ``[p.grad for p in model.parameters() if p.grad is not None]`` is empty, and an empty list
-belongs to no model: that one case cannot be told from an unrelated empty list.
+belongs to no model: that one case cannot be told from an unrelated empty list. Code that
+reads ``p.grad`` itself cannot be caught (a plain attribute of the tensor): what it holds is
+the table in ``engine.py``'s docstring, and ``zero_strategy.full_grad(model, p)`` gives DDP's
+value. Clipping inside a ``no_sync()`` window is what ``optimizer.clip_grad_norm_`` does there.
 
 The replacement is tied to :class:`LiveEngines`, the engine module's set of live engines:
 adding the first engine installs it, and it is undone when the last one is closed, destroyed
@@ -67,8 +70,6 @@ class _Engine(Protocol):
     module: nn.Module
     groups: list[ShardGroup]
     schedule: GradSchedule
-
-    def param_names(self) -> dict[int, str]: ...
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
 
@@ -129,7 +130,7 @@ class LiveEngines(Generic[E]):
         for engine in self:
             if engine.schedule.full_grads:
                 continue  # p.grad is DDP's averaged gradient: torch's function is right
-            names = engine.param_names()
+            names = {id(p): n for n, p in engine.module.named_parameters()}  # the live objects, frozen ones too
             to_param = {id(m): id(p) for g in engine.groups for p, m in zip(g.params, g.masters)}
             mine = {i for i in ids if i in names or i in to_param}
             if not mine:
