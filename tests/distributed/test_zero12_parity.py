@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from zero_strategy.testing import run_subtests
+from zero_strategy.testing.parity import TORCH_CLIPPING
 
 # the production code paths: native collectives (NCCL's path, here on gloo), no overlap, and
 # gradients reduced in bf16 or fp16 (communication_data_type) against DDP's compress hooks (world size 2)
@@ -68,6 +69,7 @@ def _cells(full: bool, world: int = 2) -> list[dict]:
         # and more the division by N and the order of the bf16 additions differ (bf16-level noise)
         paths = [p for p in PATHS if world == 2 or "reduce" not in p]
         cells += [{"stage": stage, "accum": "none", **p} for p in paths]
+        cells += [{"stage": stage, **c} for c in TORCH_CLIPPING] if full else []
     return cells
 
 

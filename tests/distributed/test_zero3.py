@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zero_strategy.testing import assert_close, assert_state_close, run_subtests
+from zero_strategy.testing.parity import TORCH_CLIPPING
 
 
 def _cells(full: bool, world: int = 2) -> list[dict]:
@@ -38,7 +39,8 @@ def _cells(full: bool, world: int = 2) -> list[dict]:
         if world == 2
         else []
     )  # see zero12
-    return cells + [dict(stage=3, **p) for p in paths]
+    clipping = TORCH_CLIPPING if full else []  # torch.nn.utils' clipping in a plain loop (see zero12)
+    return cells + [dict(stage=3, **p) for p in paths + clipping]
 
 
 def _parity_worker(rank: int, world: int, full: bool) -> int:

@@ -50,6 +50,7 @@ from zero_strategy.reduction.grads import (
     ReduceAtUnitEnd,
     ReduceInBackward,
 )
+from zero_strategy.runtime.torch_clipping import LiveEngines
 from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
 from zero_strategy.runtime.zero3_hooks import Zero3Hooks
 from zero_strategy.sharding.construction import materialize_full
@@ -83,7 +84,7 @@ from zero_strategy.storage.offload import OffloadPolicy, optimizer_offload, para
 
 __all__ = ["GradState", "TrainingState", "ZeroEngine", "live_engines"]
 
-_LIVE: weakref.WeakSet[ZeroEngine] = weakref.WeakSet()
+_LIVE: LiveEngines[ZeroEngine] = LiveEngines()  # while it holds one, torch's clipping functions are ours
 _WARNED: set[str] = set()
 
 

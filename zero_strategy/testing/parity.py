@@ -39,6 +39,11 @@ class Cell:
     optim: str = "adamw"
     accum: str = "none"  # none | plain (2 micro-steps, reduce each) | no_sync (2 micro-steps)
     clip: float | None = None
+    # how the loop clips (both DDP and the engine run the same call, except "optimizer"):
+    # "optimizer" the engine's optimizer.clip_grad_norm_ (DDP: torch's); "torch" a plain loop's
+    # torch.nn.utils.clip_grad_norm_(model.parameters()); "masters" torch's over the optimizer's
+    # parameters; "value" torch.nn.utils.clip_grad_value_(model.parameters(), clip)
+    clip_with: str = "optimizer"
     tied: bool = False
     frozen: bool = False
     ckpt: str = "none"  # none | reentrant | nonreentrant
@@ -71,6 +76,15 @@ class Cell:
     # load balancing: given scores, one per rank (empty: even shards)
     scores: tuple[float, ...] = ()
 
+
+# a plain loop's torch.nn.utils clipping over the model's (or the optimizer's) parameters, in the
+# ZeRO-1/2 and ZeRO-3 grids: the engine's global clipping, DDP's result (runtime/torch_clipping.py);
+# the frozen and tied cell checks which parameters make up "the whole model"
+TORCH_CLIPPING: list[dict[str, Any]] = [
+    {"clip": 0.05, "clip_with": "torch", "accum": "no_sync", "frozen": True, "tied": True},
+    {"clip": 0.05, "clip_with": "masters"},
+    {"clip": 0.01, "clip_with": "value", "accum": "plain"},
+]
 
 OFFLOADS: dict[str, dict[str, Any]] = {
     "none": {},
@@ -299,11 +313,14 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
                 loss = F.cross_entropy(out.view(-1, VOCAB), y.reshape(-1))
                 (loss / n_micro).backward()
             losses.append(loss.item())
-        if c.clip is not None:  # the returned norm is the global one, DDP's number
-            if mode == "zero":
+        if c.clip is not None and c.clip_with == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), c.clip)
+        elif c.clip is not None:  # the returned norm is the global one, DDP's number
+            if mode == "zero" and c.clip_with == "optimizer":
                 norms.append(float(cast(ZeroOptimizer, opt).clip_grad_norm_(c.clip)))
             else:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)))
+                params = [p for g in opt.param_groups for p in g["params"]] if c.clip_with == "masters" else None
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params or model.parameters(), c.clip)))
         opt.step()
         opt.zero_grad(set_to_none=c.set_to_none)
     if mode == "zero":
@@ -323,7 +340,7 @@ def compare(c: Cell, rank: int, world: int) -> None:
         raise AssertionError(f"{len(losses)} losses against {len(ref_losses)} from {oracle}")
     loss_tol = 1e-9 if c.dtype == "float64" else 1e-5
     assert_close(losses, ref_losses, rtol=loss_tol, what=f"rank {rank}: losses against {oracle}")
-    if c.clip is not None:
+    if c.clip is not None and c.clip_with != "value":
         assert_close(norms, ref_norms, rtol=loss_tol, what=f"rank {rank}: clip_grad_norm_ results against {oracle}")
     if state.keys() != ref_state.keys():
         raise AssertionError(f"state_dict keys differ: {sorted(state)} vs {sorted(ref_state)}")
