@@ -13,9 +13,10 @@ the ZeRO models and hand everything else to the Accelerator's own methods:
 - ``backward``: divides by ``gradient_accumulation_steps`` (as Accelerate does) and scales by
   the engine's fp16 loss scale; Accelerate's ``GradScaler`` is turned off (it would scale
   again and check overflows per rank; the engine checks on every rank at once).
-- ``clip_grad_norm_``: the global norm over all ranks' shards (Accelerate's plain path runs
-  ``torch.nn.utils.clip_grad_norm_`` over ``p.grad``: a local or zero norm at ZeRO-2/3). It
-  clips at the micro-step that synchronises; on the others it returns None. A model prepared
+- ``clip_grad_norm_``: the global norm over all ranks' shards (torch's
+  ``clip_grad_norm_``, which Accelerate's plain path calls, is routed to the same while an
+  engine lives: ``runtime/torch_clipping.py``). It clips at the micro-step that synchronises;
+  on the others it returns None, as Accelerate does under DDP. A model prepared
   without an optimizer has DDP's full gradients in ``p.grad``: Accelerate's own clipping.
 - ``clip_grad_value_`` clips this rank's averaged gradient pieces; ``unscale_gradients`` is a
   no-op (gradients are unscaled as they are reduced).
