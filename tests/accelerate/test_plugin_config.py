@@ -170,3 +170,20 @@ def test_shared_parameters_and_destroy_after_mixed_precision() -> None:
     zs.destroy(model)
     assert type(model) is torch.nn.Linear and "forward" not in vars(model)
     assert torch.equal(model(x), torch.nn.functional.linear(x, model.weight, model.bias))
+
+
+@pytest.mark.parametrize(
+    ("name", "processes", "mixed"), [("accelerate_cpu.yaml", 2, "no"), ("accelerate_gpu.yaml", 8, "bf16")]
+)
+def test_shipped_accelerate_configs_load_as_multi_process_launches(name: str, processes: int, mixed: str) -> None:
+    """``configs/accelerate_*.yaml`` load with Accelerate's own reader (it refuses unknown
+    keys) and make ``accelerate launch`` start N processes (not ``--cpu``'s one)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    path = Path(__file__).resolve().parents[2] / "configs" / name
+    cfg = load_config_from_file(str(path))
+    assert (cfg.distributed_type.value, cfg.num_processes, str(cfg.mixed_precision)) == ("MULTI_GPU", processes, mixed)
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
+    assert (args.multi_gpu, args.cpu, args.num_processes) == (True, False, processes)
+    assert ZeroPlugin.from_file(path.with_name("zero3.yaml")).config.stage == 3  # the pair the README names

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -755,3 +757,56 @@ def test_deepspeed_integer_booleans_are_accepted():
     assert ZeroConfig(check_unit_order=0).check_unit_order is False
     with pytest.raises(TypeError, match=r"overlap_comm: expected true or false \(or 0/1\), got int 2"):
         ZeroConfig.from_dict({"zero_optimization": {"overlap_comm": 2}})
+
+
+# --------------------------------------------------------------------------- shipped configs
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# file -> (stage, offload_optimizer.device, offload_param.device)
+SHIPPED = {
+    "zero1.yaml": (1, "none", "none"),
+    "zero2.yaml": (2, "none", "none"),
+    "zero2_offload.yaml": (2, "cpu", "none"),
+    "zero3.yaml": (3, "none", "none"),
+    "zero3_offload.yaml": (3, "cpu", "cpu"),
+    "zero3_offload_nvme.yaml": (3, "cpu", "nvme"),
+}
+ACCELERATE_CONFIGS = ("accelerate_cpu.yaml", "accelerate_gpu.yaml")  # loaded in tests/accelerate/test_plugin_config.py
+
+
+def test_the_configs_folder_holds_the_tested_files():
+    assert sorted(p.name for p in CONFIGS.iterdir()) == sorted([*SHIPPED, *ACCELERATE_CONFIGS])
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_configs_load_cleanly_and_train(name):
+    from zero_strategy import cli
+    from zero_strategy.testing.compare import assert_state_close
+
+    with _no_warnings():
+        cfg = ZeroConfig.from_file(CONFIGS / name)
+    assert (cfg.stage, cfg.offload_optimizer.device, cfg.offload_param.device) == SHIPPED[name]
+    assert cfg.conflicts() == [] and cli.check(str(CONFIGS / name))
+    # world size 1, a smoke test: one AdamW step equals plain PyTorch's
+    import zero_strategy as zs
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = copy.deepcopy(ref)
+    x = torch.randn(5, 6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="offload_param.nvme_path is not set")  # the temp dir, as documented
+        model, opt = zs.initialize(model, lambda p: torch.optim.AdamW(p, lr=0.1), config=str(CONFIGS / name))
+    model(x).square().mean().backward()
+    opt.step()
+    assert_state_close(zs.destroy(model).state_dict(), ref.state_dict(), rtol=1e-6, atol=1e-7, what=name)
+
+
+def test_shipped_nvme_config_is_the_design_notes_template():
+    with _no_warnings():
+        assert ZeroConfig.from_file(CONFIGS / "zero3_offload_nvme.yaml") == ZeroConfig.from_dict(
+            yaml.safe_load(SPEC_YAML)
+        )
