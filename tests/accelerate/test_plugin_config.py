@@ -156,6 +156,23 @@ def test_cli_launch_refuses_bad_config_before_launching(tmp_path: Path, capsys: 
         launch.launch(["--zero-config", good, "--cpu", "--num_processes", "2", "train.py"])
 
 
+def test_cli_launch_names_every_problem_and_conflict_before_launching(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = write(
+        tmp_path, "zero_optimization:\n  stage: 2\n  stag: 3\n  overlap_comm: maybe\n  offload_param: {device: cpu}\n"
+    )
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["launch", "--zero-config", bad, "train.py"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "3 problems" in err, err
+    for part in ("did you mean 'stage'", "overlap_comm: expected true or false", "offload_param needs stage 3"):
+        assert part in err, err
+    with pytest.raises(zs.config.ConfigError) as info:  # from_env keeps the list of problems
+        ZeroPlugin.from_env(environ={CONFIG_ENV: bad})
+    assert len(info.value.problems) == 3 and f"{CONFIG_ENV}='{bad}'" in str(info.value)
+
+
 def test_shared_parameters_and_destroy_after_mixed_precision() -> None:
     from accelerate import Accelerator
 

@@ -66,11 +66,18 @@ Reader = Callable[[Any, str, "str | None"], Any]  # (raw value, where, source fi
 class ConfigError(ValueError):
     """Several problems found in one read of a config; ``problems`` holds each message, in the
     order they were found. (A read with exactly one problem raises that problem's own
-    ``ValueError``/``TypeError``.)"""
+    ``ValueError``/``TypeError``.)
 
-    def __init__(self, problems: Sequence[str], source: str | None = None) -> None:
-        self.problems = list(problems)
+    Built from one string, as callers that add context do (``type(exc)(f"{where}: {exc}")``),
+    it reads the problems back from the ``  - `` lines of that text."""
+
+    def __init__(self, problems: Sequence[str] | str, source: str | None = None) -> None:
         self.source = source
+        if isinstance(problems, str):
+            self.problems = [line[4:] for line in problems.splitlines() if line.startswith("  - ")] or [problems]
+            super().__init__(problems)
+            return
+        self.problems = list(problems)
         where = f" in {source}" if source else ""
         super().__init__(f"{len(self.problems)} problems{where}:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
