@@ -168,6 +168,11 @@ def test_cli_launch_names_every_problem_and_conflict_before_launching(
     assert exc.value.code == 2 and "3 problems" in err, err
     for part in ("did you mean 'stage'", "overlap_comm: expected true or false", "offload_param needs stage 3"):
         assert part in err, err
+    unset = write(tmp_path, "zero_optimization:\n  offload_param: {device: cpu}\n", "no_stage.yaml")
+    with pytest.raises(ValueError, match=r"offload_param needs stage 3 \(got stage 2\)"):  # the resolved config
+        launch.launch(["--zero-config", unset, "train.py"])
+    with pytest.raises(ValueError, match="--cpu with --num_processes 2"):  # --zero-stage 3 resolves it
+        launch.launch(["--zero-config", unset, "--zero-stage", "3", "--cpu", "--num_processes", "2", "train.py"])
     with pytest.raises(zs.config.ConfigError) as info:  # from_env keeps the list of problems
         ZeroPlugin.from_env(environ={CONFIG_ENV: bad})
     assert len(info.value.problems) == 3 and f"{CONFIG_ENV}='{bad}'" in str(info.value)
