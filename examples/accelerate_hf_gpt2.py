@@ -1,13 +1,16 @@
 """Train a small GPT-2 (transformers, random init, no download) with Accelerate and ZeroPlugin.
 
-On CPU, 2 processes (gloo); ``accel.yaml`` has ``distributed_type: MULTI_GPU`` and
-``num_processes: 2`` (``--cpu`` would start one process only)::
+On CPU, 2 processes (gloo); ``configs/accelerate_cpu.yaml`` has ``distributed_type: MULTI_GPU``
+and ``num_processes: 2`` (``--cpu`` would start one process only). From the repository root::
 
-    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=zero3.yaml \\
-        accelerate launch --config_file accel.yaml examples/accelerate_hf_gpt2.py
+    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=configs/zero3.yaml \\
+        accelerate launch --config_file configs/accelerate_cpu.yaml examples/accelerate_hf_gpt2.py
     # or, the same:
-    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config zero3.yaml \\
-        --config_file accel.yaml examples/accelerate_hf_gpt2.py
+    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config configs/zero3.yaml \\
+        --config_file configs/accelerate_cpu.yaml examples/accelerate_hf_gpt2.py
+
+On GPUs, ``--config_file configs/accelerate_gpu.yaml`` (one process per GPU) without
+``ACCELERATE_USE_CPU``.
 
 Without ``ZERO_STRATEGY_CONFIG`` it runs ZeRO-2 with the defaults. The data is byte-level
 text from the Python standard library's source. At the end it saves the model with

@@ -53,7 +53,9 @@ def launch(argv: list[str]) -> None:
     env, rest = _launch_options(argv)
     from accelerate.commands.launch import launch_command, launch_command_parser
 
-    ZeroPlugin.from_env(environ={**os.environ, **env})  # a bad file fails here, before any process starts
+    # a bad file fails here, before any process starts; so does a conflict in the config the processes will
+    # resolve (ZeroConfig.conflicts: e.g. offload_param without stage 3, which the file alone may leave open)
+    ZeroPlugin.from_env(environ={**os.environ, **env}).config.check(caller="the config from --zero-config/--zero-stage")
     args = launch_command_parser().parse_args(rest)
     if args.cpu and (args.num_processes or 1) > 1:
         raise ValueError(

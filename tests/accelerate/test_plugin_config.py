@@ -156,6 +156,28 @@ def test_cli_launch_refuses_bad_config_before_launching(tmp_path: Path, capsys: 
         launch.launch(["--zero-config", good, "--cpu", "--num_processes", "2", "train.py"])
 
 
+def test_cli_launch_names_every_problem_and_conflict_before_launching(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = write(
+        tmp_path, "zero_optimization:\n  stage: 2\n  stag: 3\n  overlap_comm: maybe\n  offload_param: {device: cpu}\n"
+    )
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["launch", "--zero-config", bad, "train.py"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "3 problems" in err, err
+    for part in ("did you mean 'stage'", "overlap_comm: expected true or false", "offload_param needs stage 3"):
+        assert part in err, err
+    unset = write(tmp_path, "zero_optimization:\n  offload_param: {device: cpu}\n", "no_stage.yaml")
+    with pytest.raises(ValueError, match=r"offload_param needs stage 3 \(got stage 2\)"):  # the resolved config
+        launch.launch(["--zero-config", unset, "train.py"])
+    with pytest.raises(ValueError, match="--cpu with --num_processes 2"):  # --zero-stage 3 resolves it
+        launch.launch(["--zero-config", unset, "--zero-stage", "3", "--cpu", "--num_processes", "2", "train.py"])
+    with pytest.raises(zs.config.ConfigError) as info:  # from_env keeps the list of problems
+        ZeroPlugin.from_env(environ={CONFIG_ENV: bad})
+    assert len(info.value.problems) == 3 and f"{CONFIG_ENV}='{bad}'" in str(info.value)
+
+
 def test_shared_parameters_and_destroy_after_mixed_precision() -> None:
     from accelerate import Accelerator
 
@@ -170,3 +192,20 @@ def test_shared_parameters_and_destroy_after_mixed_precision() -> None:
     zs.destroy(model)
     assert type(model) is torch.nn.Linear and "forward" not in vars(model)
     assert torch.equal(model(x), torch.nn.functional.linear(x, model.weight, model.bias))
+
+
+@pytest.mark.parametrize(
+    ("name", "processes", "mixed"), [("accelerate_cpu.yaml", 2, "no"), ("accelerate_gpu.yaml", 8, "bf16")]
+)
+def test_shipped_accelerate_configs_load_as_multi_process_launches(name: str, processes: int, mixed: str) -> None:
+    """``configs/accelerate_*.yaml`` load with Accelerate's own reader (it refuses unknown
+    keys) and make ``accelerate launch`` start N processes (not ``--cpu``'s one)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    path = Path(__file__).resolve().parents[2] / "configs" / name
+    cfg = load_config_from_file(str(path))
+    assert (cfg.distributed_type.value, cfg.num_processes, str(cfg.mixed_precision)) == ("MULTI_GPU", processes, mixed)
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
+    assert (args.multi_gpu, args.cpu, args.num_processes) == (True, False, processes)
+    assert ZeroPlugin.from_file(path.with_name("zero3.yaml")).config.stage == 3  # the pair the README names

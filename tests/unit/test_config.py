@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
 from zero_strategy.config import (
+    ConfigError,
     LossScaleConfig,
     OffloadConfig,
     PrecisionConfig,
@@ -202,7 +205,7 @@ def test_offload_config():
     with pytest.raises(ValueError, match=r"OffloadConfig.ratio: must be <= 1.0, got 1.5"):
         OffloadConfig(ratio=1.5)
     with pytest.raises(TypeError, match=r"OffloadConfig.pin_memory: expected true or false"):
-        OffloadConfig(pin_memory=1)
+        OffloadConfig(pin_memory=2)
 
 
 @pytest.mark.parametrize(
@@ -210,8 +213,8 @@ def test_offload_config():
     [
         ({"stage": 0}, ValueError, r"ZeroConfig.stage: stage 0 is plain data parallelism; use torch DDP"),
         ({"stage": 4}, ValueError, r"ZeroConfig.stage: 4 is not a ZeRO stage; use 1, 2 or 3"),
-        ({"reduce_bucket_size": -1}, ValueError, r"ZeroConfig.reduce_bucket_size: must be > 0, got -1"),
-        ({"allgather_bucket_size": 0}, ValueError, r"ZeroConfig.allgather_bucket_size: must be > 0, got 0"),
+        ({"reduce_bucket_size": -1}, ValueError, r"ZeroConfig.reduce_bucket_size: must be >= 0, got -1"),
+        ({"allgather_bucket_size": -2}, ValueError, r"ZeroConfig.allgather_bucket_size: must be >= 0, got -2"),
         ({"reduce_bucket_size": "abc"}, ValueError,
          r"ZeroConfig.reduce_bucket_size: could not parse 'abc' as a number"),
         ({"reduce_bucket_size": 1.5}, ValueError, r"ZeroConfig.reduce_bucket_size: expected a whole number, got 1.5"),
@@ -219,8 +222,8 @@ def test_offload_config():
         ({"reduce_bucket_size": [1]}, TypeError, r"ZeroConfig.reduce_bucket_size: expected a number, got list"),
         ({"stage3_max_live_parameters": -5}, ValueError, r"stage3_max_live_parameters: must be >= 0, got -5"),
         ({"overlap_comm": "true"}, TypeError,
-         r"ZeroConfig.overlap_comm: expected true or false, got str 'true'; write"),
-        ({"check_unit_order": 1}, TypeError, r"ZeroConfig.check_unit_order: expected true or false, got int 1"),
+         r"ZeroConfig.overlap_comm: expected true or false \(or 0/1\), got str 'true'; write"),
+        ({"check_unit_order": 2}, TypeError, r"ZeroConfig.check_unit_order: expected true or false \(or 0/1\), got int 2"),
         ({"gradient_clipping": 0}, ValueError, r"ZeroConfig.gradient_clipping: must be > 0.0, got 0.0"),
         ({"gradient_accumulation_steps": 0}, ValueError, r"ZeroConfig.gradient_accumulation_steps: must be > 0"),
         ({"comm_timeout": float("inf")}, ValueError, r"ZeroConfig.comm_timeout: must be a finite number"),
@@ -383,7 +386,7 @@ def test_unknown_keys(d, pattern):
          "zero_optimization.stage: 5 is not a ZeRO stage; use 1, 2 or 3"),
         ({"zero_optimization": {"stage": 0}}, ValueError, "zero_optimization.stage: stage 0 is plain data parallelism"),
         ({"zero_optimization": {"reduce_bucket_size": -1}}, ValueError,
-         "zero_optimization.reduce_bucket_size: must be > 0, got -1"),
+         "zero_optimization.reduce_bucket_size: must be >= 0, got -1"),
         ({"zero_optimization": {"reduce_bucket_size": "abc"}}, ValueError,
          "zero_optimization.reduce_bucket_size: could not parse 'abc' as a number"),
         ({"zero_optimization": {"overlap_comm": "yes"}}, TypeError,
@@ -395,7 +398,7 @@ def test_unknown_keys(d, pattern):
         ({"zero_optimization": {"offload_param": True}}, TypeError,
          "zero_optimization.offload_param: expected a mapping"),
         ({"zero_optimization": []}, TypeError, "zero_optimization: expected a mapping, got list"),
-        ({"bf16": {"enabled": "true"}}, TypeError, "bf16.enabled: expected true or false, got str 'true'"),
+        ({"bf16": {"enabled": "true"}}, TypeError, "bf16.enabled: expected true or false (or 0/1), got str 'true'"),
         ({"fp16": {"hysteresis": 0}}, ValueError, "fp16.hysteresis: must be > 0, got 0"),
         ({"communication_data_type": "int8"}, ValueError, "communication_data_type: 'int8' is not a supported"),
         ({"gradient_accumulation_steps": 0}, ValueError, "gradient_accumulation_steps: must be > 0, got 0"),
@@ -646,3 +649,164 @@ def test_resolve_overrides_errors():
         resolve_overrides(cfg, source="cli", precision=PrecisionConfig())
     with pytest.raises(TypeError, match=r"expected a ZeroConfig, got dict"):
         resolve_overrides({}, source="cli", stage=2)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- every problem in one read
+
+THREE_MISTAKES = """\
+zero_optimization:
+  stage: 2
+  reduce_bucket_sise: 5e5
+  overlap_comm: maybe
+  offload_param: {device: cpu}
+"""
+
+
+def test_every_problem_of_a_file_in_one_error(tmp_path):
+    path = tmp_path / "three.yaml"
+    path.write_text(THREE_MISTAKES)
+    with pytest.raises(ConfigError) as info:
+        ZeroConfig.from_file(path)
+    problems = info.value.problems
+    assert len(problems) == 3, problems
+    assert "unknown key 'zero_optimization.reduce_bucket_sise'" in problems[0] and "reduce_bucket_size" in problems[0]
+    assert "zero_optimization.overlap_comm: expected true or false" in problems[1]
+    assert "zero_optimization.offload_param needs stage 3 (got stage 2)" in problems[2]
+    text = str(info.value)
+    assert f"3 problems in {path}" in text and all(p in text for p in problems)
+    assert isinstance(info.value, ValueError)  # callers that catch ValueError keep working
+
+
+def test_every_problem_in_nested_blocks_and_kwargs():
+    d = {"zero_optimization": {"offload_optimizer": {"devcie": "cpu", "buffer_count": 0}, "stage": 9},
+         "bf16": {"enabled": "yes"}, "qqqq": 1}  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        ZeroConfig.from_dict(d, source="ds.json")
+    joined = "\n".join(info.value.problems)
+    for part in ("offload_optimizer.devcie", "offload_optimizer.buffer_count: must be > 0", "stage: 9 is not a ZeRO",
+                 "bf16.enabled: expected true or false", "unknown key 'qqqq'"):  # fmt: skip
+        assert part in joined, joined
+    assert len(info.value.problems) == 5
+    with pytest.raises(ConfigError) as info:
+        ZeroConfig(stage=7, prefetch=-1)
+    assert [p.split(":")[0] for p in info.value.problems] == ["ZeroConfig.stage", "ZeroConfig.prefetch"]
+
+
+@pytest.mark.parametrize(
+    ("d", "message"),
+    [
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+         "zero_optimization.offload_param needs stage 3 (got stage 2)"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}},
+         "zero_optimization.offload_param.ratio applies to the optimizer only"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"},
+                                "offload_optimizer": {"device": "nvme", "ratio": 0.5}}},
+         "zero_optimization.offload_optimizer.ratio=0.5 with offload_param on nvme"),
+        ({"zero_optimization": {"stage": 3}, "zero_strategy": {"compression": {"type": "topk"}}},
+         "compression.type='topk' works at ZeRO stages 1 and 2"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}},
+          "zero_strategy": {"load_balance": {"preset": "compute"}}},
+         "load_balance at stage 3 with offload_param: {device: nvme} is not supported"),
+    ],
+)  # fmt: skip
+def test_conflicting_settings_fail_at_construction(d, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        ZeroConfig.from_dict(d, source="zero3.yaml")
+    assert "zero3.yaml" in str(info.value)
+
+
+def test_a_conflict_with_an_unset_stage_waits_for_the_resolved_config():
+    cfg = ZeroConfig.from_dict({"zero_optimization": {"offload_param": {"device": "cpu"}}}, source="off.yaml")
+    assert cfg.stage == 2 and not cfg.explicitly_set("stage")  # a front-end's stage=3 may still come
+    assert [p.split(" (")[0] for p in cfg.conflicts()] == ["zero_optimization.offload_param needs stage 3"]
+    assert resolve_overrides(cfg, source="ZeroStrategy(stage=3)", stage=3).conflicts() == []
+    with pytest.raises(ValueError, match=r"offload_param needs stage 3 \(got stage 1\)"):
+        resolve_overrides(cfg, source="ZeroStrategy(stage=1)", stage=1)
+    with pytest.raises(ValueError, match=r"^initialize\(\): zero_optimization.offload_param needs stage 3"):
+        cfg.check(caller="initialize()")
+    scores = ZeroConfig(load_balance={"scores": [3, 1]})
+    assert scores.conflicts() == [] and scores.conflicts(world_size=2) == []
+    assert "load_balance.scores has 2 entries for 4 ranks" in scores.conflicts(world_size=4)[0]
+
+
+def test_deepspeed_zero_bucket_sizes_are_accepted():
+    d = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 0, "allgather_bucket_size": 0,
+                               "stage3_prefetch_bucket_size": 0}}  # fmt: skip
+    with pytest.warns(UserWarning, match=r"_bucket_size: 0 \(DeepSpeed's 'no bucketing'\) is read as 1") as record:
+        cfg = ZeroConfig.from_dict(d, source="hf.json")
+    assert [str(w.message).count("read as 1") for w in record] == [1, 1]  # said once per key
+    assert (cfg.reduce_bucket_size, cfg.allgather_bucket_size, cfg.stage3_prefetch_bucket_size) == (1, 1, 0)
+    with pytest.raises(ValueError, match=r"zero_optimization.reduce_bucket_size: must be >= 0, got -1"):
+        ZeroConfig.from_dict({"zero_optimization": {"reduce_bucket_size": -1}})
+
+
+def test_deepspeed_integer_booleans_are_accepted():
+    with _no_warnings():
+        cfg = ZeroConfig.from_dict(
+            {
+                "zero_optimization": {
+                    "overlap_comm": 0,
+                    "contiguous_gradients": 1,
+                    "offload_optimizer": {"device": "cpu", "pin_memory": 1},
+                },
+                "bf16": {"enabled": 1},
+            }  # fmt: skip
+        )
+    assert cfg.overlap_comm is False and cfg.contiguous_gradients is True and cfg.offload_optimizer.pin_memory is True
+    assert cfg.precision.param_dtype == torch.bfloat16
+    assert ZeroConfig(check_unit_order=0).check_unit_order is False
+    with pytest.raises(TypeError, match=r"overlap_comm: expected true or false \(or 0/1\), got int 2"):
+        ZeroConfig.from_dict({"zero_optimization": {"overlap_comm": 2}})
+
+
+# --------------------------------------------------------------------------- shipped configs
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# file -> (stage, offload_optimizer.device, offload_param.device)
+SHIPPED = {
+    "zero1.yaml": (1, "none", "none"),
+    "zero2.yaml": (2, "none", "none"),
+    "zero2_offload.yaml": (2, "cpu", "none"),
+    "zero3.yaml": (3, "none", "none"),
+    "zero3_offload.yaml": (3, "cpu", "cpu"),
+    "zero3_offload_nvme.yaml": (3, "cpu", "nvme"),
+}
+ACCELERATE_CONFIGS = ("accelerate_cpu.yaml", "accelerate_gpu.yaml")  # loaded in tests/accelerate/test_plugin_config.py
+
+
+def test_the_configs_folder_holds_the_tested_files():
+    assert sorted(p.name for p in CONFIGS.iterdir()) == sorted([*SHIPPED, *ACCELERATE_CONFIGS])
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_configs_load_cleanly_and_train(name):
+    from zero_strategy import cli
+    from zero_strategy.testing.compare import assert_state_close
+
+    with _no_warnings():
+        cfg = ZeroConfig.from_file(CONFIGS / name)
+    assert (cfg.stage, cfg.offload_optimizer.device, cfg.offload_param.device) == SHIPPED[name]
+    assert cfg.conflicts() == [] and cli.check(str(CONFIGS / name))
+    # world size 1, a smoke test: one AdamW step equals plain PyTorch's
+    import zero_strategy as zs
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = copy.deepcopy(ref)
+    x = torch.randn(5, 6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="offload_param.nvme_path is not set")  # the temp dir, as documented
+        model, opt = zs.initialize(model, lambda p: torch.optim.AdamW(p, lr=0.1), config=str(CONFIGS / name))
+    model(x).square().mean().backward()
+    opt.step()
+    assert_state_close(zs.destroy(model).state_dict(), ref.state_dict(), rtol=1e-6, atol=1e-7, what=name)
+
+
+def test_shipped_nvme_config_is_the_design_notes_template():
+    with _no_warnings():
+        assert ZeroConfig.from_file(CONFIGS / "zero3_offload_nvme.yaml") == ZeroConfig.from_dict(
+            yaml.safe_load(SPEC_YAML)
+        )

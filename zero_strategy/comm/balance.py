@@ -42,25 +42,12 @@ _SECONDS = 0.02  # per trial of a micro-benchmark (three trials each)
 
 
 def check_load_balance(config: ZeroConfig, world_size: int, *, built_sharded: bool) -> None:
-    """Refuse what cannot be balanced (before the engine changes anything). ``built_sharded``:
-    some parameter was built under ``sharded_init``."""
-    lb = config.load_balance
-    if not lb.enabled:
+    """Refuse what cannot be balanced (before the engine changes anything): the config's own
+    rules with the world size (``ZeroConfig.conflicts``: scores per rank, NVMe at stage 3),
+    and ``built_sharded``: some parameter was built under ``sharded_init``."""
+    config.check(world_size, caller="initialize()")
+    if not config.load_balance.enabled or config.stage != 3:
         return
-    if lb.scores is not None and len(lb.scores) != world_size:
-        raise ValueError(
-            f"load_balance.scores has {len(lb.scores)} entries for {world_size} ranks; give one score per "
-            "rank (in rank order), or measure them with {preset: compute}"
-        )
-    if config.stage != 3:
-        return
-    for name in ("offload_optimizer", "offload_param"):
-        if getattr(config, name).device == "nvme":
-            raise ValueError(
-                f"load_balance at stage 3 with {name}: {{device: nvme}} is not supported (ZeRO-3's swap files are "
-                f"laid out for even shards); offload to the CPU ({name}: {{device: cpu}}), use stage 1 or 2, or "
-                "remove load_balance"
-            )
     if built_sharded:
         raise ValueError(
             "load_balance at stage 3 with a model built under sharded_init is not supported (sharded_init cut "

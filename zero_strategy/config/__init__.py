@@ -17,10 +17,12 @@ from zero_strategy.config.blocks import (
     frontend_precision,
 )
 from zero_strategy.config.overrides import not_applied_settings, resolve_overrides
+from zero_strategy.config.values import ConfigError
 from zero_strategy.config.zero_config import ZeroConfig
 
 __all__ = [
     "DTYPES",
+    "ConfigError",
     "FRONTEND_PRECISION",
     "PRECISION_NAMES",
     "LossScaleConfig",

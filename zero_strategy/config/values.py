@@ -10,23 +10,36 @@ Each config field is declared once, with :func:`setting`: its default, its rule 
 else (coercion on construction, validation of mappings, the DeepSpeed key tables) is derived
 from those declarations with :func:`settings_of`.  This module is a leaf: it imports nothing
 from the package.
+
+Problems are *reported*, not simply raised: inside :func:`collecting` (every read of a
+mapping, a file or keyword arguments opens one) each unknown key, bad value and conflict is
+recorded and the read goes on, so that one run names them all; at the end one problem raises
+as its own error and several as one :class:`ConfigError`. Outside it a report raises at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import functools
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "FAILED",
+    "ConfigError",
     "Reader",
     "Rule",
     "apply_rule",
+    "attempt",
+    "bucket_rule",
     "check_keys",
+    "collecting",
     "coerce_fields",
     "float_rule",
     "in_source",
@@ -34,6 +47,8 @@ __all__ = [
     "is_auto",
     "optional",
     "read_block",
+    "report",
+    "report_all",
     "setting",
     "settings_of",
     "to_bool",
@@ -44,6 +59,87 @@ __all__ = [
 
 Rule = Callable[[Any, str], Any]  # (raw value, "where" label for errors) -> coerced value
 Reader = Callable[[Any, str, "str | None"], Any]  # (raw value, where, source file or None) -> value
+
+# --------------------------------------------------------------------------- problems
+
+
+class ConfigError(ValueError):
+    """Several problems found in one read of a config; ``problems`` holds each message, in the
+    order they were found. (A read with exactly one problem raises that problem's own
+    ``ValueError``/``TypeError``.)
+
+    Built from one string, as callers that add context do (``type(exc)(f"{where}: {exc}")``),
+    it reads the problems back from the ``  - `` lines of that text."""
+
+    def __init__(self, problems: Sequence[str] | str, source: str | None = None) -> None:
+        self.source = source
+        if isinstance(problems, str):
+            self.problems = [line[4:] for line in problems.splitlines() if line.startswith("  - ")] or [problems]
+            super().__init__(problems)
+            return
+        self.problems = list(problems)
+        where = f" in {source}" if source else ""
+        super().__init__(f"{len(self.problems)} problems{where}:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+_SINK: contextvars.ContextVar[list[Exception] | None] = contextvars.ContextVar("zero_strategy_config", default=None)
+FAILED: Any = type("Failed", (), {"__repr__": lambda self: "FAILED"})()  # a read that reported a problem
+
+
+def report(exc: Exception) -> None:
+    """Raise ``exc``, or record it when a :func:`collecting` read is open (the read goes on)."""
+    sink = _SINK.get()
+    if sink is None:
+        raise exc
+    sink.append(exc)
+
+
+def report_all(problems: Sequence[Exception], source: str | None = None) -> None:
+    """Report each problem: recorded inside :func:`collecting`, else raised together."""
+    if _SINK.get() is not None:
+        for exc in problems:
+            report(exc)
+    elif problems:
+        _raise_together(problems, source)
+
+
+def attempt(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``; a ``ValueError``/``TypeError`` is reported and gives :data:`FAILED`."""
+    try:
+        return fn(*args)
+    except (ValueError, TypeError) as exc:
+        report(exc)
+        return FAILED
+
+
+def _raise_together(problems: Sequence[Exception], source: str | None) -> None:
+    if len(problems) == 1:
+        exc = problems[0]
+        if source and source not in str(exc) and not isinstance(exc, ConfigError):
+            raise type(exc)(f"{exc}{in_source(source)}") from None
+        raise exc
+    messages = [m for exc in problems for m in (exc.problems if isinstance(exc, ConfigError) else [str(exc)])]
+    raise ConfigError(messages, source)
+
+
+@contextlib.contextmanager
+def collecting(source: str | None = None) -> Iterator[None]:
+    """Collect every problem reported inside and raise them together at the end. Nested
+    blocks add to the outermost one, which raises."""
+    if _SINK.get() is not None:
+        yield
+        return
+    sink: list[Exception] = []
+    token = _SINK.set(sink)
+    try:
+        yield
+    except (ValueError, TypeError) as exc:  # a problem that stopped the read: reported with the rest
+        sink.append(exc)
+    finally:
+        _SINK.reset(token)
+    if sink:
+        _raise_together(sink, source)
+
 
 # --------------------------------------------------------------------------- value parsing
 
@@ -106,10 +202,13 @@ def to_float(
 
 
 def to_bool(value: Any, where: str) -> bool:
+    """true/false, or the integers 0 and 1 (DeepSpeed's pydantic model takes them too)."""
     if isinstance(value, bool):
         return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
     hint = "; write true or false without quotes" if isinstance(value, str) else ""
-    raise TypeError(f"{where}: expected true or false, got {type(value).__name__} {value!r}{hint}")
+    raise TypeError(f"{where}: expected true or false (or 0/1), got {type(value).__name__} {value!r}{hint}")
 
 
 def to_choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
@@ -126,6 +225,20 @@ def int_rule(minimum: int | None, maximum: int | None = None) -> Rule:
         result = to_int(value, where, minimum=minimum)
         if maximum is not None and result > maximum:
             raise ValueError(f"{where}: must be <= {maximum}, got {result}")
+        return result
+
+    return rule
+
+
+def bucket_rule(what: str) -> Rule:
+    """A bucket size in elements, at least 1; DeepSpeed's 0 is read as 1 (``what`` one element
+    per bucket means), said once per read of a 0."""
+
+    def rule(value: Any, where: str) -> int:
+        result = to_int(value, where, minimum=0)
+        if result == 0:
+            warnings.warn(f"{where}: 0 (DeepSpeed's 'no bucketing') is read as 1: {what}", UserWarning, stacklevel=2)
+            return 1
         return result
 
     return rule
@@ -198,10 +311,13 @@ def settings_of(cls: type) -> dict[str, dataclasses.Field]:
 
 
 def coerce_fields(obj: Any, prefix: str) -> None:
-    """Replace each declared field of a frozen config by its value read with the field's rule."""
+    """Replace each declared field of a frozen config by its value read with the field's rule
+    (every bad field is reported; one that failed keeps its default)."""
     cls: type = type(obj)
-    for name, spec in settings_of(cls).items():
-        object.__setattr__(obj, name, spec.metadata["read"](getattr(obj, name), f"{prefix}.{name}", None))
+    with collecting():
+        for name, spec in settings_of(cls).items():
+            value = attempt(spec.metadata["read"], getattr(obj, name), f"{prefix}.{name}", None)
+            object.__setattr__(obj, name, spec.default if value is FAILED else value)
 
 
 # --------------------------------------------------------------------------- mappings
@@ -215,7 +331,7 @@ def check_keys(
     ignored: Iterable[str] = (),
     moved: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """Raise on keys that are neither valid nor ignored; return the dotted paths of ignored keys."""
+    """Report each key that is neither valid nor ignored; return the dotted paths of ignored keys."""
     if not isinstance(block, Mapping):
         label = path or "config"
         raise TypeError(f"{label}: expected a mapping, got {type(block).__name__} {block!r}{in_source(source)}")
@@ -234,14 +350,18 @@ def check_keys(
         else:
             scope = f"under '{path}'" if path else "at the top level"
             hint = f"valid keys {scope} are: {', '.join(candidates)}"
-        raise ValueError(f"unknown key '{full}'{where}; {hint}")
+        report(ValueError(f"unknown key '{full}'{where}; {hint}"))
     return [f"{path}.{key}" if path else key for key in block if key in ignored]
 
 
 def read_block(block: Any, path: str, source: str | None, cls: type) -> dict[str, Any]:
-    """Validate a flat block whose keys are exactly the declared fields of ``cls``; skip "auto"."""
+    """Validate a flat block whose keys are exactly the declared fields of ``cls``; skip "auto"
+    (and, inside :func:`collecting`, the keys that reported a problem)."""
     specs = settings_of(cls)
     check_keys(block, path, source, specs)
-    return {
-        key: specs[key].metadata["read"](raw, f"{path}.{key}", source) for key, raw in block.items() if not is_auto(raw)
+    values = {
+        key: attempt(specs[key].metadata["read"], raw, f"{path}.{key}", source)
+        for key, raw in block.items()
+        if key in specs and not is_auto(raw)
     }
+    return {key: value for key, value in values.items() if value is not FAILED}

@@ -4,8 +4,15 @@
 file (``zero_optimization``, ``bf16``, ``fp16``, ... as DeepSpeed and Hugging Face
 write them), or from the flat form that ``ZeroConfig.to_dict`` produces.  Every
 user error raises ``ValueError``/``TypeError`` naming the key, the bad value and
-how to fix it.  DeepSpeed keys that this engine accepts but does not act on are
-reported once per read with a ``UserWarning``; any other unknown key is an error.
+how to fix it; a read reports every problem at once (see ``values.collecting``).
+DeepSpeed keys that this engine accepts but does not act on are reported once per read
+with a ``UserWarning``; any other unknown key is an error.
+
+Settings that conflict with each other (``offload_param`` below stage 3, top-k compression
+at stage 3, ...) fail on construction when the config sets both sides; a conflict with a
+side left at its default (a file without ``stage``, which a front-end may still set) is
+reported by :meth:`ZeroConfig.conflicts` on the resolved config, which ``initialize`` and
+``zero-strategy check`` run.
 
 Each field is declared once, with :func:`~zero_strategy.config.values.setting`: its
 default, its rule, the DeepSpeed block (and legacy aliases) it is read from, and whether
@@ -20,7 +27,7 @@ import difflib
 import json
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +43,20 @@ from zero_strategy.config.blocks import (
 )
 from zero_strategy.config.comm import CompressionConfig, LoadBalanceConfig
 from zero_strategy.config.values import (
+    FAILED,
     Rule,
     apply_rule,
+    attempt,
+    bucket_rule,
     check_keys,
     coerce_fields,
+    collecting,
     float_rule,
     int_rule,
     is_auto,
     optional,
+    report,
+    report_all,
     setting,
     settings_of,
     to_bool,
@@ -101,9 +114,9 @@ class ZeroConfig:
 
     stage: int = setting(2, _to_stage, ds=_ZO)
     # elements (16 MB fp32: gloo is fastest at or below ~32 MB)
-    reduce_bucket_size: int = setting(4_000_000, int_rule(1), ds=_ZO)
+    reduce_bucket_size: int = setting(4_000_000, bucket_rule("each parameter is reduced on its own"), ds=_ZO)
     # ZeRO-1/2 gather each reduction bucket in one piece: a bucket is at most this too
-    allgather_bucket_size: int = setting(4_000_000, int_rule(1), ds=_ZO)
+    allgather_bucket_size: int = setting(4_000_000, bucket_rule("each parameter is gathered on its own"), ds=_ZO)
     overlap_comm: bool = setting(True, to_bool, ds=_ZO)
     contiguous_gradients: bool = setting(
         True,
@@ -177,12 +190,25 @@ class ZeroConfig:
     _explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        coerce_fields(self, "ZeroConfig")
         explicit = frozenset(self._explicit)
         unknown = sorted(explicit - set(_FIELD_NAMES))
         if unknown:
             raise ValueError(f"ZeroConfig._explicit: unknown field names {unknown}; use names of ZeroConfig fields")
         object.__setattr__(self, "_explicit", explicit)
+        with collecting():
+            coerce_fields(self, "ZeroConfig")
+            # conflicts between settings the user gave both sides of (see the module docstring)
+            report_all([ValueError(m) for m in _conflicts(self, None, self.explicitly_set)])
+
+    def conflicts(self, world_size: int | None = None) -> list[str]:
+        """Every conflict between the settings of this config as it stands (defaults count),
+        and with ``world_size`` when given (``load_balance.scores``: one per rank)."""
+        return _conflicts(self, world_size, lambda name: True)
+
+    def check(self, world_size: int | None = None, *, caller: str = "") -> None:
+        """Raise :meth:`conflicts`, all of them (prefixed by ``caller``, e.g. ``"initialize()"``)."""
+        prefix = f"{caller}: " if caller else ""
+        report_all([ValueError(prefix + m) for m in self.conflicts(world_size)])
 
     # -- queries ----------------------------------------------------------------------
 
@@ -220,35 +246,15 @@ class ZeroConfig:
         if not isinstance(d, Mapping):
             raise TypeError(f"ZeroConfig.from_dict: expected a mapping, got {type(d).__name__} (from {source})")
         keys = set(d)
-        if keys and keys <= set(_FIELD_NAMES) and not keys <= _DS_TOP_KEYS:
-            return _read_native(d, source)
-        return _DeepSpeedReader(source).read(d)
+        with collecting(source):
+            if keys and keys <= set(_FIELD_NAMES) and not keys <= _DS_TOP_KEYS:
+                return _read_native(d, source)
+            return _DeepSpeedReader(source).read(d)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ZeroConfig:
         """Read a ``.yaml``/``.yml`` or ``.json`` file (DeepSpeed-style or flat)."""
-        file = Path(path)
-        source = os.fspath(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"zero_strategy config file not found: {source}")
-        suffix = file.suffix.lower()
-        text = file.read_text(encoding="utf-8")
-        try:
-            if suffix in (".yaml", ".yml"):
-                yaml = _yaml(source)
-                data = yaml.safe_load(text)
-            elif suffix == ".json":
-                data = json.loads(text)
-            else:
-                raise ValueError(
-                    f"{source}: unsupported config file type {suffix or '(none)'!r}; use .yaml, .yml or .json"
-                )
-        except (_yaml_error(), json.JSONDecodeError) as exc:
-            raise ValueError(f"could not parse {source}: {exc}") from None
-        if not isinstance(data, Mapping):
-            got = "an empty file" if data is None else f"a {type(data).__name__}"
-            raise ValueError(f"{source}: the top level must be a mapping of config keys, got {got}")
-        return cls.from_dict(data, source=source)
+        return cls.from_dict(load_file(path), source=os.fspath(path))
 
     @classmethod
     def coerce(cls, obj: Any) -> ZeroConfig:
@@ -267,6 +273,30 @@ class ZeroConfig:
         )
 
 
+def load_file(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The mapping in a ``.yaml``/``.yml`` or ``.json`` config file; errors name the file."""
+    file = Path(path)
+    source = os.fspath(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"zero_strategy config file not found: {source}")
+    suffix = file.suffix.lower()
+    text = file.read_text(encoding="utf-8")
+    try:
+        if suffix in (".yaml", ".yml"):
+            yaml = _yaml(source)
+            data = yaml.safe_load(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ValueError(f"{source}: unsupported config file type {suffix or '(none)'!r}; use .yaml, .yml or .json")
+    except (_yaml_error(), json.JSONDecodeError) as exc:
+        raise ValueError(f"could not parse {source}: {exc}") from None
+    if not isinstance(data, Mapping):
+        got = "an empty file" if data is None else f"a {type(data).__name__}"
+        raise ValueError(f"{source}: the top level must be a mapping of config keys, got {got}")
+    return data
+
+
 _SETTINGS: dict[str, dataclasses.Field] = settings_of(ZeroConfig)
 _FIELD_NAMES: tuple[str, ...] = tuple(_SETTINGS)
 _DEFAULTS: dict[str, Any] = {name: spec.default for name, spec in _SETTINGS.items()}
@@ -281,8 +311,55 @@ def _check_field_name(name: str, error: type[Exception], caller: str) -> None:
 
 
 def _read_native(d: Mapping[str, Any], source: str) -> ZeroConfig:
-    values = {key: _SETTINGS[key].metadata["read"](raw, key, source) for key, raw in d.items() if not is_auto(raw)}
+    read = {
+        key: attempt(_SETTINGS[key].metadata["read"], raw, key, source) for key, raw in d.items() if not is_auto(raw)
+    }
+    values = {key: value for key, value in read.items() if value is not FAILED}
     return ZeroConfig(**values, _explicit=frozenset(values))
+
+
+# --------------------------------------------------------------------------- conflicts
+
+
+def _conflicts(cfg: ZeroConfig, world_size: int | None, given: Callable[[str], bool]) -> list[str]:
+    """The conflicts among settings that ``given`` accepts (each rule needs all its fields given)."""
+    out: list[str] = []
+    param, opt, lb = cfg.offload_param, cfg.offload_optimizer, cfg.load_balance
+
+    def rule(applies: bool, *fields: str) -> bool:
+        return applies and all(map(given, fields))
+
+    if rule(param.enabled and cfg.stage != 3, "offload_param", "stage"):
+        out.append(
+            f"{_ZO}.offload_param needs stage 3 (got stage {cfg.stage}): at stages 1 and 2 every rank keeps the "
+            "full parameters on the device. Use stage 3, or offload_optimizer only."
+        )
+    if rule(param.enabled and param.ratio != 1.0, "offload_param"):
+        out.append(f"{_ZO}.offload_param.ratio applies to the optimizer only; remove it (use offload_optimizer.ratio)")
+    if rule(param.device == opt.device == "nvme" and opt.ratio != 1.0, "offload_param", "offload_optimizer"):
+        out.append(
+            f"{_ZO}.offload_optimizer.ratio={opt.ratio} with offload_param on nvme: with both on disk the masters "
+            "are views of the parameter rows, so the whole optimizer goes to disk; remove offload_optimizer.ratio, "
+            "or offload the parameters to 'cpu'"
+        )
+    if rule(cfg.compression.enabled and cfg.stage == 3, "compression", "stage"):
+        out.append(
+            "compression.type='topk' works at ZeRO stages 1 and 2: ZeRO-3 reduces each unit's gradients while its "
+            "backward runs and keeps no full-size gradient to compensate. Use stage 2, or set compression: {type: none}"
+        )
+    for name, block in (("offload_optimizer", opt), ("offload_param", param)):
+        if rule(lb.enabled and cfg.stage == 3 and block.device == "nvme", "load_balance", "stage", name):
+            out.append(
+                f"load_balance at stage 3 with {name}: {{device: nvme}} is not supported (ZeRO-3's swap files are "
+                f"laid out for even shards); offload to the CPU ({name}: {{device: cpu}}), use stage 1 or 2, or "
+                "remove load_balance"
+            )
+    if lb.scores is not None and world_size is not None and len(lb.scores) != world_size:
+        out.append(
+            f"load_balance.scores has {len(lb.scores)} entries for {world_size} ranks; give one score per rank (in "
+            "rank order), or measure them with {preset: compute}"
+        )
+    return out
 
 
 # --------------------------------------------------------------------------- DeepSpeed reader
@@ -331,52 +408,64 @@ _DS_TOP_KEYS = frozenset(
 
 
 class _DeepSpeedReader:
-    """One pass over a DeepSpeed-style mapping, collecting ZeroConfig fields and ignored keys."""
+    """One pass over a DeepSpeed-style mapping, collecting ZeroConfig fields and, for
+    ``zero-strategy check``, which key went where."""
 
     def __init__(self, source: str) -> None:
         self.source = source
         self.values: dict[str, Any] = {}
-        self.where: dict[str, str] = {}
-        self.ignored: list[str] = []
+        self.where: dict[str, str] = {}  # field -> the key that set it
+        self.honoured: dict[str, str] = {}  # every key read -> its field
+        self.auto: list[str] = []  # keys left "auto" (not set)
+        self.ignored: list[str] = []  # DeepSpeed features not implemented here
+        self.frontend: list[str] = []  # top-level keys the training loop owns
 
     def put(self, name: str, value: Any, where: str) -> None:
         if name in self.values and self.values[name] != value:
-            raise ValueError(
+            report(ValueError(
                 f"{where}={value!r} conflicts with {self.where[name]}={self.values[name]!r} in {self.source}; "
                 "set only one of them"
-            )
+            ))  # fmt: skip
+            return
         self.values[name], self.where[name] = value, where
+        self.honoured[where] = name
 
     def leaf(self, block: Mapping[str, Any], key: str, path: str, rule: Rule) -> Any:
         """The coerced value of ``block[key]``, or None when it is missing or "auto"."""
         raw = block.get(key)
         if raw is None or is_auto(raw):
             return None
-        return apply_rule(rule, raw, f"{path}.{key}" if path else key, self.source)
+        value = attempt(apply_rule, rule, raw, f"{path}.{key}" if path else key, self.source)
+        return None if value is FAILED else value
 
     def block(self, d: Mapping[str, Any], key: str, valid: Iterable[str], ignored: Iterable[str] = ()) -> Mapping:
         raw = d.get(key)
         if raw is None or is_auto(raw):
             return {}
-        self.ignored += check_keys(raw, key, self.source, valid, ignored)
+        ignored_keys = attempt(check_keys, raw, key, self.source, valid, ignored)
+        if ignored_keys is FAILED:  # not a mapping
+            return {}
+        self.ignored += ignored_keys
         return raw
 
-    def read(self, d: Mapping[str, Any]) -> ZeroConfig:
+    def read(self, d: Mapping[str, Any], *, warn: bool = True) -> ZeroConfig:
         moved = {key: f"{_ZO}.{key}" for key in _DS_KEYS[_ZO]}
-        frontend = check_keys(d, "", self.source, _DS_TOP_KEYS, _FRONTEND_KEYS, moved=moved)
+        self.frontend = check_keys(d, "", self.source, _DS_TOP_KEYS, _FRONTEND_KEYS, moved=moved)
         zero = self.block(d, _ZO, (*_DS_KEYS[_ZO], *_ZERO_BLOCK_LEGACY), _ZERO_BLOCK_IGNORED)
         self._legacy_offload(zero)
         own = self.block(d, _OWN, (*_DS_KEYS[_OWN], *(key for block, key in _REDUCE_DTYPE_KEYS if block == _OWN)))
         for path, block in ((_ZO, zero), (_OWN, own), (_TOP, d)):
             self.put_fields(block, path)
-        precision = self._precision(d, own)  # may set loss_scale
+        precision = attempt(self._precision, d, own)  # may set loss_scale
         explicit = set(self.values)
-        if precision is not None:
+        if precision is not None and precision is not FAILED:
             self.values["precision"] = precision
+            self.where["precision"] = ",".join(k for k, name in self.honoured.items() if name == "precision")
             if precision.enabled:
                 explicit.add("precision")
         cfg = ZeroConfig(**self.values, _explicit=frozenset(explicit))
-        self._warn(frontend)
+        if warn:
+            self._warn(self.frontend)
         return cfg
 
     def put_fields(self, block: Mapping[str, Any], path: str) -> None:
@@ -384,11 +473,13 @@ class _DeepSpeedReader:
         table = _DS_KEYS[path]
         for key, raw in block.items():
             name = table.get(key)
+            where = f"{path}.{key}" if path else key
+            if name is not None and is_auto(raw):
+                self.auto.append(where)
             if name is None or raw is None or is_auto(raw):
                 continue
-            where = f"{path}.{key}" if path else key
-            value = _SETTINGS[name].metadata["ds_read"](raw, where, self.source)
-            if value is not None:  # e.g. gradient_clipping 0: DeepSpeed's "off"
+            value = attempt(_SETTINGS[name].metadata["ds_read"], raw, where, self.source)
+            if value is not None and value is not FAILED:  # None: e.g. gradient_clipping 0, DeepSpeed's "off"
                 self.put(name, value, where)
 
     def _legacy_offload(self, block: Mapping[str, Any]) -> None:
@@ -405,18 +496,24 @@ class _DeepSpeedReader:
         fp16_on = self.leaf(fp16, "enabled", "fp16", to_bool) is True
         if bf16_on and fp16_on:
             raise ValueError(f"bf16.enabled and fp16.enabled are both true in {self.source}; enable at most one")
+        self.honoured.update({f"{name}.enabled": "precision" for name, block in (("bf16", bf16), ("fp16", fp16))
+                              if "enabled" in block})  # fmt: skip
         scale = {}
         for key, spec in settings_of(LossScaleConfig).items():
             raw = fp16.get(key)
             if raw is not None and not is_auto(raw):
-                scale[key] = spec.metadata["read"](raw, f"fp16.{key}", self.source)
+                value = attempt(spec.metadata["read"], raw, f"fp16.{key}", self.source)
+                if value is not FAILED:
+                    scale[key], self.honoured[f"fp16.{key}"] = value, "loss_scale"
         if scale:
             self.put("loss_scale", LossScaleConfig(**scale), "fp16")
+            self.honoured.pop("fp16", None)  # listed key by key above
         reduce = {}
         for path, key in _REDUCE_DTYPE_KEYS:
             value = self.leaf(own if path else d, key, path, _to_reduce_dtype)
             if value is not None:
                 reduce[f"{path}.{key}" if path else key] = value
+        self.honoured.update(dict.fromkeys(reduce, "precision"))
         if len(set(reduce.values())) > 1:
             (first, a), (second, b) = reduce.items()
             raise ValueError(

@@ -65,7 +65,6 @@ __all__ = [
     "ErrorFeedback",
     "SparseExchange",
     "build_compression",
-    "check_compression",
     "index_dtype",
     "select_top_k",
 ]
@@ -229,19 +228,9 @@ class ErrorFeedback:
         return out
 
 
-def check_compression(config: CompressionConfig, stage: int) -> None:
-    """Refuse what top-k cannot do (before the engine changes anything)."""
-    if config.enabled and stage == 3:
-        raise ValueError(
-            "compression.type='topk' works at ZeRO stages 1 and 2: ZeRO-3 reduces each unit's gradients while "
-            "its backward runs and keeps no full-size gradient to compensate. Use stage 2, or set "
-            "compression: {type: none}"
-        )
-
-
 def build_compression(
     config: CompressionConfig, groups: Sequence[ShardGroup], ctx: C.CommContext, *, steps: Callable[[], int]
 ) -> ErrorFeedback | None:
     """The error-feedback state for ``config`` (None without compression); the engine refused
-    what top-k cannot do with :func:`check_compression` before it changed anything."""
+    what top-k cannot do (ZeRO-3: ``ZeroConfig.conflicts``) before it changed anything."""
     return ErrorFeedback(config, groups, ctx, steps) if config.enabled else None

@@ -41,7 +41,7 @@ from zero_strategy.comm.balance import check_load_balance, shard_fractions
 from zero_strategy.config import ZeroConfig, not_applied_settings
 from zero_strategy.offload.disk_tier import DiskTier
 from zero_strategy.offload.swapped_state import SwappedOptimizerState
-from zero_strategy.reduction.compression import build_compression, check_compression
+from zero_strategy.reduction.compression import build_compression
 from zero_strategy.reduction.grads import (
     AllReduceAtEnd,
     GradReducer,
@@ -114,8 +114,8 @@ class ZeroEngine:
                 _WARNED.add(message)
                 warnings.warn(message, UserWarning, stacklevel=3)
         # where the optimizer's side and ZeRO-3's rows live (bad offload settings fail here, before any change)
+        config.check(caller="initialize()")  # every conflict of the resolved config (ZeroConfig.conflicts)
         self.offload_optimizer, self.offload_params = optimizer_offload(config), param_offload(config)
-        check_compression(config.compression, config.stage)
         self.module = module
         self.config = config
         first = next(module.parameters(), None)

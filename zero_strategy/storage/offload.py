@@ -112,27 +112,10 @@ def optimizer_offload(config: ZeroConfig) -> OffloadPolicy:
 
 
 def param_offload(config: ZeroConfig) -> OffloadPolicy:
-    """The placement of ZeRO-3's persistent parameter rows (refused at ZeRO-1/2, as in
-    DeepSpeed: there every rank holds the full parameters on the device anyway)."""
-    policy = _from_block(config.offload_param, "offload_param")
-    if not isinstance(policy, OnDevice) and config.stage != 3:
-        raise ValueError(
-            f"initialize(): zero_optimization.offload_param needs stage 3 (got stage {config.stage}): at stages 1 "
-            "and 2 every rank keeps the full parameters on the device. Use stage 3, or offload_optimizer only."
-        )
-    if not isinstance(policy, OnDevice) and config.offload_param.ratio != 1.0:
-        raise ValueError(
-            "initialize(): zero_optimization.offload_param.ratio applies to the optimizer only; remove it "
-            "(use offload_optimizer.ratio)"
-        )
-    opt = config.offload_optimizer
-    if isinstance(policy, OnDisk) and opt.device == "nvme" and opt.ratio != 1.0:
-        raise ValueError(
-            f"initialize(): zero_optimization.offload_optimizer.ratio={opt.ratio} with offload_param on nvme: with "
-            "both on disk the masters are views of the parameter rows, so the whole optimizer goes to disk; remove "
-            "offload_optimizer.ratio, or offload the parameters to 'cpu'"
-        )
-    return policy
+    """The placement of ZeRO-3's persistent parameter rows. The config's own rules
+    (``ZeroConfig.conflicts``, run first) refuse it at ZeRO-1/2, as DeepSpeed does: there
+    every rank holds the full parameters on the device anyway."""
+    return _from_block(config.offload_param, "offload_param")
 
 
 def host_empty(numel: int, dtype: torch.dtype, policy: OffloadPolicy, compute: torch.device) -> torch.Tensor:
