@@ -235,7 +235,7 @@ def test_a_save_that_dies_at_any_point_leaves_a_loadable_checkpoint(tmp_path: Pa
     script.write_text(
         textwrap.dedent(f"""
         import os, torch, zero_strategy as zs
-        import zero_strategy.checkpoint as ckpt
+        import zero_strategy.checkpoint.state as ckpt
         torch.manual_seed(0)
         model, opt = zs.initialize(torch.nn.Linear(8, 8), lambda p: torch.optim.AdamW(p, lr=1e-2), stage=2)
         model(torch.ones(2, 8)).sum().backward(); opt.step(); opt.zero_grad()
