@@ -208,4 +208,4 @@ def test_shipped_accelerate_configs_load_as_multi_process_launches(name: str, pr
     assert (cfg.distributed_type.value, cfg.num_processes, str(cfg.mixed_precision)) == ("MULTI_GPU", processes, mixed)
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
     assert (args.multi_gpu, args.cpu, args.num_processes) == (True, False, processes)
-    assert ZeroPlugin.from_file(path.with_name("zero3.yaml")).config.stage == 3  # the pair the README names
+    assert ZeroPlugin.from_file(path.with_name("zero3.yaml")).config.stage == 3  # the pair docs/accelerate.md names

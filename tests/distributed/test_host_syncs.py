@@ -1,7 +1,7 @@
 """Host synchronisations per steady-state step, counted at world size 2 (issue 13, part 2).
 
 On CUDA every value read on the host (``tolist``, ``item``, ``bool(t)``, ...) waits for the
-device. The engine may make only the documented ones per optimizer step (README, "Host
+device. The engine may make only the documented ones per optimizer step (docs/advanced.md, "Host
 synchronisation"): one for the used-gradient flags, one for fp16's overflow check, and the
 default policy's routing agreements (one per unit of a list that might run conditionally,
 plus one at the end of the forward). None per unit or per parameter: ZeRO-3's gather tags and

@@ -5,8 +5,8 @@ On CUDA, reading a device tensor's value on the host (``tolist``, ``item``, ``bo
 so a test cannot see them in time; it can count them. :class:`HostSyncCounter` is a
 ``TorchFunctionMode`` that records each such call the engine's own code makes (the caller is in
 ``zero_strategy/``, but not in its test utilities), with the place it came from, so that a test
-can compare the count per step with the documented list (``README.md``, "Host
-synchronisation"). Reads inside torch functions the engine calls (the optimizer's own step
+can compare the count per step with the documented list (``docs/advanced.md``,
+"Host synchronisation"). Reads inside torch functions the engine calls (the optimizer's own step
 counters, on the host) are torch's and not counted.
 """
 
