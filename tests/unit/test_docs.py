@@ -32,6 +32,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -350,6 +351,7 @@ def _main(spec: str) -> None:
     out_dir = Path(spec).parent
     for raw in json.loads(Path(spec).read_text()):
         block = Block(**raw)
+        start = time.perf_counter()
         with tempfile.TemporaryDirectory() as work:
             for name in ("configs", "examples"):
                 os.symlink(ROOT / name, Path(work) / name)
@@ -365,7 +367,7 @@ def _main(spec: str) -> None:
                     sys.modules["accelerate.state"].AcceleratorState._reset_state(True)
                 gc.collect()
         results.append({"where": block.where, "error": error})
-        print(f"{block.where}: {'FAILED' if error else 'ok'}", flush=True)
+        print(f"{block.where}: {'FAILED' if error else 'ok'} ({time.perf_counter() - start:.1f} s)", flush=True)
     (out_dir / "results.json").write_text(json.dumps(results))
 
 
