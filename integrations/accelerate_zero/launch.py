@@ -1,7 +1,11 @@
 """``zero-strategy launch --zero-config zero3.yaml [--zero-stage N] [accelerate launch args] train.py [args]``.
 
 Checks the config, sets ``ZERO_STRATEGY_CONFIG`` (and ``ZERO_STRATEGY_STAGE``) and hands over to
-``accelerate launch``; the script builds ``accelerate_zero.ZeroPlugin.from_env()``. Registered
+``accelerate launch``. In the processes it starts, the start-up hook installed with the package
+(``accelerate_zero._autostart``) routes the script's own ``accelerator.prepare(model, optimizer,
+...)`` to the engine, so the script needs no change; one that builds
+``accelerate_zero.ZeroPlugin.from_env()`` itself works the same. ``launch`` refuses to start when
+the hook is not installed (the processes would train plain DDP). Registered
 as the ``launch`` entry point of the ``zero_strategy.commands`` group, so the core's
 ``zero-strategy`` command finds it without importing Accelerate itself.
 """
@@ -11,14 +15,16 @@ from __future__ import annotations
 import os
 import sys
 
+from accelerate_zero._autostart import PTH_NAME
 from accelerate_zero.plugin import ZeroPlugin
 
-__all__ = ["launch", "main"]
+__all__ = ["check_hook_installed", "hook_files", "launch", "main"]
 
 LAUNCH_USAGE = (
     "usage: zero-strategy launch --zero-config FILE [--zero-stage N] [accelerate launch options] SCRIPT [SCRIPT ARGS]\n"
     "  Checks FILE, exports ZERO_STRATEGY_CONFIG=FILE (and ZERO_STRATEGY_STAGE=N) and runs `accelerate launch` with\n"
-    "  the remaining arguments. On CPU, N processes need a config with distributed_type MULTI_GPU (or --multi_gpu)\n"
+    "  the remaining arguments; the script's accelerator.prepare(model, optimizer, ...) then runs on the ZeRO engine\n"
+    "  (no code change: ZERO_STRATEGY_CONFIG=FILE accelerate launch ... does the same). On CPU, N processes need a config with distributed_type MULTI_GPU (or --multi_gpu)\n"
     "  and ACCELERATE_USE_CPU=true; `--cpu` starts one process."
 )
 
@@ -45,6 +51,25 @@ def _launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return env, argv[i:]
 
 
+def hook_files() -> list[str]:
+    """The installed start-up lines (``zero_strategy_accelerate.pth``) this interpreter reads."""
+    import site
+
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return [p for p in (os.path.join(d, PTH_NAME) for d in dirs) if os.path.isfile(p)]
+
+
+def check_hook_installed() -> None:
+    """Refuse to launch when the processes would not run the start-up hook: they would train DDP."""
+    if not hook_files():
+        raise RuntimeError(
+            f"the start-up hook ({PTH_NAME}) is not installed in this Python's site-packages, so the launched "
+            "script's accelerator.prepare would wrap the model in plain DDP. Install the package with pip "
+            "(pip install 'zero-strategy[accelerate]', or pip install -e . in a checkout), or prepare the model in "
+            "code with accelerate_zero.ZeroPlugin.from_env().prepare(accelerator, ...)"
+        )
+
+
 def launch(argv: list[str]) -> None:
     """Check the ZeRO config, export it to the environment and run ``accelerate launch``."""
     if not argv or argv[0] in ("-h", "--help"):
@@ -56,6 +81,7 @@ def launch(argv: list[str]) -> None:
     # a bad file fails here, before any process starts; so does a conflict in the config the processes will
     # resolve (ZeroConfig.conflicts: e.g. offload_param without stage 3, which the file alone may leave open)
     ZeroPlugin.from_env(environ={**os.environ, **env}).config.check(caller="the config from --zero-config/--zero-stage")
+    check_hook_installed()
     args = launch_command_parser().parse_args(rest)
     if args.cpu and (args.num_processes or 1) > 1:
         raise ValueError(

@@ -59,16 +59,17 @@ def _free_port() -> int:
 
 
 def run_launch(tmp: Path, job: str, n: int, *, env: dict[str, str] | None = None, extra: list[str] | None = None,
-               front: list[str] | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """Run ``_job.py`` under ``accelerate launch`` (or ``front``) on ``n`` CPU processes and
-    return every rank's results. A non-zero exit is accepted only if every rank wrote its
-    results first (gloo can abort in teardown after the work is done)."""
+               front: list[str] | None = None, script: Path = JOB) -> list[dict[str, Any]]:  # fmt: skip
+    """Run ``script`` (``_job.py``) under ``accelerate launch`` (or ``front``) on ``n`` CPU
+    processes and return every rank's results (``$ACCEL_JOB_OUT/rank<r>.json``). A non-zero exit
+    is accepted only if every rank wrote its results first (gloo can abort in teardown after the
+    work is done)."""
     out = tmp / f"out-{job}-{n}"
     out.mkdir(parents=True)
     cfg = tmp / f"accel-{n}.yaml"
     cfg.write_text(ACCEL_CONFIG.format(n=n))
     cmd = [*(front or [str(BIN / "accelerate"), "launch"]), "--config_file", str(cfg), "--num_processes", str(n),
-           "--main_process_port", str(_free_port()), *(extra or []), str(JOB)]  # fmt: skip
+           "--main_process_port", str(_free_port()), *(extra or []), str(script)]  # fmt: skip
     full_env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "ACCEL_JOB": job,
                 "ACCEL_JOB_OUT": str(out), **(env or {})}  # fmt: skip
     proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -87,6 +88,7 @@ def run_launch(tmp: Path, job: str, n: int, *, env: dict[str, str] | None = None
             pytest.fail(f"{' '.join(cmd)} failed: {report}")
         warnings.warn(f"accelerate launch exited {proc.returncode}: gloo's SIGABRT while destroying the group, after "
                       "every rank wrote its results and passed the final barrier (tolerated)", stacklevel=2)  # fmt: skip
+    (out / "stderr.txt").write_bytes(stderr)
     return [json.loads(f.read_text()) for f in files]
 
 

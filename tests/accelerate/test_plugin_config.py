@@ -209,3 +209,39 @@ def test_shipped_accelerate_configs_load_as_multi_process_launches(name: str, pr
     args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "train.py"]))
     assert (args.multi_gpu, args.cpu, args.num_processes) == (True, False, processes)
     assert ZeroPlugin.from_file(path.with_name("zero3.yaml")).config.stage == 3  # the pair docs/accelerate.md names
+
+
+def test_launch_refuses_when_the_start_up_hook_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the installed ``.pth`` line the launched script would train DDP: refuse first."""
+    assert launch.hook_files(), "the package's install (pip install -e .) puts zero_strategy_accelerate.pth here"
+    good = write(tmp_path, "zero_optimization:\n  stage: 2\n", "good.yaml")
+    monkeypatch.setattr(launch, "hook_files", lambda: [])
+    with pytest.raises(RuntimeError, match=r"start-up hook \(zero_strategy_accelerate.pth\) is not installed"):
+        launch.launch(["--zero-config", good, "train.py"])
+
+
+def test_the_start_up_line_costs_nothing_unless_asked_and_then_imports_no_torch() -> None:
+    """The installed line is the repository's; unset, it imports nothing; set, it only registers a
+    finder (torch and Accelerate load when the script imports them), and a later ``import
+    accelerate`` comes back wrapped."""
+    import os
+    import subprocess
+    import sys
+
+    source = Path(__file__).parents[2] / "integrations" / "zero_strategy_accelerate.pth"
+    for installed in launch.hook_files():
+        assert Path(installed).read_text() == source.read_text(), installed
+    probe = (
+        "import sys; print('accelerate_zero' in sys.modules, 'torch' in sys.modules, "
+        "any(type(f).__name__ == '_PatchOnImport' for f in sys.meta_path))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
+    unset = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert unset.stdout.split() == ["False", "False", "False"], unset
+    asked = subprocess.run([sys.executable, "-c", probe], env={**env, CONFIG_ENV: "z.yaml"}, capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    assert asked.stdout.split() == ["True", "False", "True"], asked
+    wrapped = "import accelerate; print(accelerate.Accelerator._zero_strategy_autostart)"
+    out = subprocess.run([sys.executable, "-c", wrapped], env={**env, CONFIG_ENV: "z.yaml"}, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == "True", out

@@ -572,8 +572,48 @@ def case_t5_outside_calls(rank: int, persist: int | None) -> None:
             assert_close(got, p.grad, rtol=1e-9, atol=1e-12, what=f"gradient of {name} after a call in between")
 
 
+def case_persistent_parameters_read_outside_forward(rank: int) -> None:
+    """Persistent parameters (below ``stage3_param_persistence_threshold``) are never
+    partitioned, as in DeepSpeed: read outside forward after a step they hold the stepped
+    values (Accelerate's own ``test_script.py`` reads ``model.a`` of its 0-dim ``RegressionModel``;
+    it read NaN)."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zero_strategy as zs
+
+    class Regression(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.tensor(0.5))
+            self.b = nn.Parameter(torch.tensor(-0.25))
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x) * self.a + self.b
+
+    torch.manual_seed(0)
+    ref = Regression().double()
+    model = Regression().double()
+    model.load_state_dict(ref.state_dict())
+    ddp, ref_opt = DDP(ref), torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+    assert all(u.persistent for u in model.zero_engine.params.units), "the default threshold keeps these whole"
+    for step in range(3):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * step + rank), dtype=torch.float64)
+        for net, o in ((ddp, ref_opt), (model, opt)):
+            net(x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        for name, want in ref.named_parameters():
+            got = model.get_parameter(name).detach()
+            assert_close(got, want.detach(), rtol=1e-12, atol=0.0, what=f"{name} read after step {step}")
+
+
 def _hugging_face_worker(rank: int, world: int) -> int:
     cases = [
+        ("persistent reads", lambda: case_persistent_parameters_read_outside_forward(rank), [{}]),
         ("generate", case_gpt2_generate, [{}]),
         ("t5 trains", lambda **kw: case_t5_trains(rank, **kw), [{"persist": 0}]),
         ("pass-through", lambda **kw: case_pass_through_block(rank, **kw), [{"persist": 0}]),
@@ -587,4 +627,4 @@ def _hugging_face_worker(rank: int, world: int) -> int:
 def test_hugging_face_generate_under_zero3(launch) -> None:
     """GPT-2 and T5 ``generate``, T5 training against DDP (a block passes ``position_bias``
     through), a plain-torch pass-through block, and submodules called outside the forward."""
-    assert launch(_hugging_face_worker, 2, timeout=300) == [4, 4]
+    assert launch(_hugging_face_worker, 2, timeout=300) == [5, 5]

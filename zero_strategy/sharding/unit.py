@@ -685,11 +685,18 @@ class ShardedParams(ParamStorage):
 
     def after_step(self, step: str) -> None:
         # The masters are views of the rows (already updated) or, offloaded, copied into them
-        # now; gathered copies, persistent units' included, hold the old values: free them, so
-        # the next use gathers again.
+        # now; gathered copies hold the old values: free them, so the next use gathers again.
+        # Persistent units are gathered again at once: as in DeepSpeed, a parameter under the
+        # persistence threshold is never partitioned for its readers, so code that reads it
+        # outside forward (Accelerate's test script reads a 0-dim ``model.a``) gets the new value.
         for u in self.units:
             u.pull_masters()
             u.reshard()
+        kept = [u for u in self.units if u.persistent]
+        for u in kept:
+            u.unshard_async(step)
+        for u in kept:
+            u.wait_unshard(self.names)
 
     def flat_value(self, p: torch.Tensor) -> torch.Tensor:
         u, i = self._unit_of_or_raise(p, "flat_value")
