@@ -90,34 +90,23 @@ def test_a_script_that_would_end_in_ddp_raises(ddp: dict[str, Any]) -> None:
     assert not list(out.glob("rank*.json"))  # nothing trained
 
 
-def _accelerate_test_script(tmp: Path, front: list[str], env: dict[str, str]) -> str:
-    """Accelerate's own CI script; its stdout. gloo's teardown abort after the script's last
-    check printed is tolerated (as in ``run_launch``); any other failure fails."""
-    import accelerate.test_utils.scripts.test_script as ts
-
-    cfg = tmp / "accel-2-ts.yaml"
+def _launch_script(tmp: Path, front: list[str], env: dict[str, str], script: str, args: list[str], last: str) -> str:
+    """Run ``script args`` on 2 CPU processes; its stdout and stderr. gloo's teardown abort after
+    the script printed ``last`` (its last words) is tolerated (as in ``run_launch``); any other
+    failure fails."""
+    cfg = tmp / "accel-2-script.yaml"
     cfg.write_text(ACCEL_CONFIG.format(n=2))
-    cmd = [
-        *front,
-        "--config_file",
-        str(cfg),
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(_free_port()),
-        ts.__file__,
-    ]
+    port = str(_free_port())
+    cmd = [*front, "--config_file", str(cfg), "--num_processes", "2", "--main_process_port", port, script, *args]
     full_env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", **env}
     proc = subprocess.run(cmd, env=full_env, capture_output=True, timeout=TIMEOUT_S, check=False)
     stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
     if proc.returncode != 0:
         codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
         aborted = -signal.SIGABRT in codes and all(c in (-signal.SIGABRT, -signal.SIGTERM) for c in codes)
-        if not (aborted and "Traceback" not in stderr.split("exitcode")[0] and "reinstantiated state" in stdout):
+        if not (aborted and "Traceback" not in stderr.split("exitcode")[0] and last in stdout):
             pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-6000:]}")
-        warnings.warn(
-            "Accelerate's test_script: gloo's SIGABRT at teardown after its last check (tolerated)", stacklevel=2
-        )
+        warnings.warn(f"{script}: gloo's SIGABRT at teardown after its last words (tolerated)", stacklevel=2)
     return stdout + stderr
 
 
@@ -129,6 +118,21 @@ def test_accelerates_own_test_script_passes_on_the_engine(tmp_path: Path, how: s
     mode, via = how.split()
     config = CONFIGS / f"{mode}.yaml"
     front = _zero_launch(config) if via == "launch" else [str(BIN / "accelerate"), "launch"]
-    output = _accelerate_test_script(tmp_path, front, {} if via == "launch" else {"ZERO_STRATEGY_CONFIG": str(config)})
+    import accelerate.test_utils.scripts.test_script as ts
+
+    env = {} if via == "launch" else {"ZERO_STRATEGY_CONFIG": str(config)}
+    output = _launch_script(tmp_path, front, env, ts.__file__, [], last="reinstantiated state")
     assert ROUTED.findall(output) and set(ROUTED.findall(output)) == {mode[4]}, output[-3000:]
     assert output.count("Training yielded the same results on one CPU or distributed setup") == 4, output[-3000:]
+
+
+def test_the_accelerate_example_runs_unmodified_at_zero3(tmp_path: Path) -> None:
+    """``examples/accelerate_hf_gpt2.py`` as its docstring launches it (fewer steps): a GPT-2 from
+    transformers with units from its ``_no_split_modules``, ``save_state``, ``save_pretrained`` and
+    ``from_pretrained`` equal (the script checks that itself)."""
+    example = str(Path(__file__).parents[2] / "examples" / "accelerate_hf_gpt2.py")
+    args = ["--steps", "2", "--batch", "2", "--out", str(tmp_path / "gpt2")]
+    last = "from_pretrained gives the same weights"
+    output = _launch_script(tmp_path, _zero_launch(CONFIGS / "zero3.yaml"), {}, example, args, last=last)
+    assert ROUTED.findall(output) == ["3"] and last in output, output[-3000:]
+    assert (tmp_path / "gpt2-state" / "latest").is_file() and (tmp_path / "gpt2" / "config.json").is_file()
