@@ -1,4 +1,4 @@
-"""Train a small GPT on the Python standard library's source with ZeRO stage 1 or 2.
+"""Train a small GPT on the Python standard library's source with ZeRO stage 1, 2 or 3.
 
     torchrun --nproc_per_node 2 examples/train_gpt.py --stage 2
     python examples/train_gpt.py --stage 1            # one process works too
@@ -26,7 +26,7 @@ from zero_strategy.models.data import stdlib_corpus, text_batch
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", type=int, default=2, choices=(1, 2))
+    p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
     p.add_argument("--config", help="YAML/JSON config (DeepSpeed key names); --stage then must agree with it")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=8, help="micro-batch per rank")
