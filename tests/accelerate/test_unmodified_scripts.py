@@ -41,7 +41,7 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"tmp": tmp, "ranks": ranks, "weights": torch.load(tmp / "out-ddp-2" / "weights.pt")}
 
 
-@pytest.mark.parametrize("how", ["zero1 launch", "zero2 env", "zero3-freed env", "zero3 launch"])
+@pytest.mark.parametrize("how", ["zero1 launch", "zero2 env", "zero3-freed env"])
 def test_an_unmodified_accelerate_script_trains_on_the_engine_as_under_ddp(ddp: dict[str, Any], how: str) -> None:
     mode, via = how.split()
     config = CONFIGS / f"{mode}.yaml"
@@ -110,7 +110,7 @@ def _launch_script(tmp: Path, front: list[str], env: dict[str, str], script: str
     return stdout + stderr
 
 
-@pytest.mark.parametrize("how", ["zero3 launch", "zero1 env"])
+@pytest.mark.parametrize("how", ["zero3 launch"])  # zero-strategy launch at stages 1-3: above and the example
 def test_accelerates_own_test_script_passes_on_the_engine(tmp_path: Path, how: str) -> None:
     """Its training check compares the prepared model's weights with training without
     Accelerate (DDP's numbers); at ZeRO-3 it reads the 0-dim parameters outside forward, which

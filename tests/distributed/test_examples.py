@@ -29,7 +29,7 @@ def _losses(output: str) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_train_gpt_with_torchrun(stage: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _port(), EXAMPLE,
            "--stage", str(stage), "--accum", "2", *SMALL]  # fmt: skip
