@@ -147,6 +147,11 @@ def _add_bench(sub: Any) -> None:
         action="store_true",
         help="run all rows of a rank count in one launch: quicker, but peak RSS includes earlier rows' leftovers",
     )
+    be.add_argument(
+        "--from-json",
+        metavar="BENCH_JSON",
+        help="run nothing: make the table, plots (and --update-results) again from a saved bench.json",
+    )
     be.add_argument("--update-results", nargs="?", const="bench/RESULTS.md", metavar="RESULTS_MD",
                     help="regenerate the marked section of this file (default bench/RESULTS.md), plots in plots/")  # fmt: skip
 
@@ -161,8 +166,11 @@ def _run(ns: argparse.Namespace) -> None:
                  ns.offload_param, ns.largest_layer, ns.model, ns.persistent)  # fmt: skip
         return
     if ns.command == "bench":
-        from zero_strategy.bench.command import bench
+        from zero_strategy.bench.command import bench, redraw
 
+        if ns.from_json:
+            redraw(ns.from_json, ns.out, ns.update_results)
+            return
         rows = tuple(r.strip() for r in ns.rows.split(",")) if ns.rows else None
         bench(ns.model, ns.ranks, ns.steps, ns.warmup, ns.repeats, ns.batch, ns.out, ns.peers, rows,
               ns.update_results, fresh=not ns.same_processes)  # fmt: skip

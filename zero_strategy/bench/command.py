@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -88,7 +89,7 @@ def bench(
 ) -> dict[str, Any]:
     """Run the bench, write ``out``/bench.{md,json} and three PNGs, print the table; with
     ``update_results`` regenerate that file's marked section (plot copied next to it)."""
-    from zero_strategy.bench import harness, report
+    from zero_strategy.bench import harness
 
     opts = harness.BenchOptions(
         model=model, ranks=ranks, steps=steps, warmup=warmup, repeats=repeats, batch=batch, peers=peers,
@@ -104,6 +105,18 @@ def bench(
     data["machine"] = info
     data["command"] = "zero-strategy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     data["summary"] = harness.summarize(data)
+    return publish(data, out, update_results)
+
+
+def redraw(json_path: str, out: str, update_results: str | None = None) -> dict[str, Any]:
+    """Make the table, plots and ``update_results``' section again from a saved ``bench.json``."""
+    data = json.loads(Path(json_path).read_text())
+    return publish(data, out, update_results)
+
+
+def publish(data: dict[str, Any], out: str, update_results: str | None) -> dict[str, Any]:
+    from zero_strategy.bench import report
+
     paths = report.write_outputs(data, Path(out))
     print(paths["md"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
