@@ -85,7 +85,7 @@ def bench(
     rows: tuple[str, ...] | None = None,
     update_results: str | None = None,
     progress: bool | None = None,
-    fresh: bool = True,
+    fresh: bool = False,
 ) -> dict[str, Any]:
     """Run the bench, write ``out``/bench.{md,json} and three PNGs, print the table; with
     ``update_results`` regenerate that file's marked section (plot copied next to it)."""

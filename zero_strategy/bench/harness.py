@@ -1,9 +1,11 @@
-"""``zero-strategy bench``: every row at every rank count, each in fresh ranks, and a summary.
+"""``zero-strategy bench``: every row at every rank count in ranks it starts, and a summary.
 
-Each (repeat, rank count, row) is one launch of :func:`zero_strategy.bench.worker.run_rows` by
-the shared launcher (fresh processes, CPU/gloo here, ``OMP_NUM_THREADS=1``), so each row's peak
-RSS is its own; with ``fresh=False`` (``--same-processes``) all rows of a rank count share one
-launch, which saves a start per row (the test's mode) at the price of a noisier RSS column. Repeats are interleaved (all rows, then all rows again) so drift of the machine
+All rows of one (repeat, rank count) run one after the other in one launch of
+:func:`zero_strategy.bench.worker.run_rows` by the shared launcher (fresh processes, CPU/gloo
+here, ``OMP_NUM_THREADS=1``): one start instead of six. Each row's peak RSS is counted from the
+row's start but includes what earlier rows left to the allocator; ``fresh=True``
+(``--fresh-processes``) gives every row its own launch and a clean RSS column. Repeats are
+interleaved (all rows, then all rows again) so drift of the machine
 hits every row alike; the summary takes medians over repeats. While it runs, rank 0 writes its
 step to a file that a thread here turns into a progress bar (``rich``, on a terminal only).
 """
@@ -50,7 +52,7 @@ class BenchOptions:
     peers: bool = False
     rows: tuple[str, ...] = CORE_ROWS
     timeout: float = 900.0
-    fresh: bool = True  # each row in its own ranks (clean peak RSS); False: one launch per rank count
+    fresh: bool = False  # True: each row in its own ranks (clean peak RSS); False: one launch per rank count
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())
 
     def __post_init__(self) -> None:
