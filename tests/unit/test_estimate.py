@@ -103,3 +103,21 @@ def test_estimate_runs_without_importing_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "this engine" in done.stdout
+
+
+def test_bench_arguments_reach_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zero_strategy.bench import command
+
+    got: dict = {}
+    monkeypatch.setattr(command, "bench", lambda *a, **k: got.update(args=a, kwargs=k))
+    cli.main(["bench", "--model", "d=128,layers=2", "--ranks", "1,2,4", "--steps", "3", "--rows", "ddp,zero3",
+              "--update-results", "--fresh-processes"])  # fmt: skip
+    assert got["args"] == ("d=128,layers=2", (1, 2, 4), 3, 2, 1, 4, "bench-out", False, ("ddp", "zero3"),
+                           "bench/RESULTS.md")  # fmt: skip
+    assert got["kwargs"] == {"fresh": True}
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--ranks", "1,x"])
+    with pytest.raises(ValueError, match="--model 'huge'"):
+        from zero_strategy.bench.presets import gpt_config
+
+        gpt_config("huge")
