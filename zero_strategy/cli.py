@@ -4,6 +4,11 @@
 - ``zero-strategy check FILE [--stage N] [--world-size N]``: every problem of a config file in
   one run (unknown keys, bad values, conflicting settings), or the resolved config with the
   DeepSpeed keys honoured and ignored (:mod:`zero_strategy.config.report`)
+- ``zero-strategy estimate --params 175e9 --ranks 8 --stage 3 [--precision bf16] [--offload-optimizer cpu]
+  [--offload-param nvme] [--model PATH-OR-PRESET]``: model-state bytes per rank, four formulas side by side
+  (:mod:`zero_strategy.bench.estimate`)
+- ``zero-strategy bench --model small --ranks 1,2 --steps 5 --out DIR``: the benchmark table (DDP, ZeRO-1/2/3,
+  offload), its JSON and three plots (:mod:`zero_strategy.bench`; ``docs/bench.md``)
 - subcommands that front-ends register as ``zero_strategy.commands`` entry points, such as
   ``zero-strategy launch`` from ``accelerate_zero`` (see ``accelerate_zero.launch``); the core
   itself imports no front-end framework.
@@ -20,6 +25,8 @@ import sys
 from typing import Any, Optional
 
 __all__ = ["check", "export", "main"]
+
+OFFLOAD_CHOICES = ("none", "cpu", "nvme")
 
 
 def export(checkpoint: str, out: str, dtype: Optional[str] = None) -> str:
@@ -84,9 +91,91 @@ def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
     ck.add_argument("file", help="a YAML/JSON config file (DeepSpeed key names, or the flat form of ZeroConfig)")
     ck.add_argument("--stage", type=int, help="the stage a front-end will set (applied first)")
     ck.add_argument("--world-size", type=int, help="the number of processes (checks load_balance.scores)")
+    _add_estimate(sub)
+    _add_bench(sub)
     for name, ep in sorted(commands.items()):  # listed here; run by main() with their own parser
         sub.add_parser(name, help=f"from {ep.value.split(':')[0]} (see `zero-strategy {name} --help`)", add_help=False)
     return parser
+
+
+def _add_estimate(sub: Any) -> None:
+    es = sub.add_parser("estimate", help="model-state memory per rank: four formulas side by side",
+                        description="Per-rank device, host and disk bytes of parameters, gradients and optimizer "
+                        "state from section 1.1's arithmetic, the ZeRO paper, DeepSpeed's estimator and this "
+                        "engine's layout (docs/bench.md).")  # fmt: skip
+    es.add_argument("--params", type=float, help="number of parameters, e.g. 175e9 (or --model)")
+    es.add_argument(
+        "--model", help="count parameters of a bundled GPT preset/spec or a Hugging Face config (meta device)"
+    )
+    es.add_argument("--ranks", type=int, required=True, help="data-parallel ranks (GPUs)")
+    es.add_argument("--stage", type=int, required=True, choices=(0, 1, 2, 3), help="ZeRO stage (0: DDP)")
+    es.add_argument("--precision", default="fp16", choices=("fp16", "bf16", "fp32"))
+    es.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd-momentum, sgd, ... (state bytes/param)")
+    es.add_argument("--offload-optimizer", default="none", choices=OFFLOAD_CHOICES)
+    es.add_argument("--offload-param", default="none", choices=OFFLOAD_CHOICES)
+    es.add_argument("--largest-layer", type=float, help="parameters of the largest layer (DeepSpeed's 4 B x term)")
+    es.add_argument(
+        "--persistent",
+        type=float,
+        default=0.0,
+        help="ZeRO-3: parameters of units kept gathered (stage3_param_persistence_threshold)",
+    )
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ranks {text!r}: a comma list of integers, e.g. 1,2,4") from None
+
+
+def _add_bench(sub: Any) -> None:
+    be = sub.add_parser("bench", help="the benchmark table: DDP, ZeRO-1/2/3, offload; Markdown, JSON, plots",
+                        description="Train the bundled GPT with every row at every rank count (fresh CPU/gloo "
+                        "ranks), and write bench.md, bench.json and memory/breakdown/losses PNGs (docs/bench.md).")  # fmt: skip
+    be.add_argument("--model", default="small", help="tiny, small, medium, large, or a spec 'd=256,layers=4,heads=4'")
+    be.add_argument("--ranks", type=_ranks, default=(1, 2), help="comma list of rank counts, the plots' x axis")
+    be.add_argument("--steps", type=int, default=5, help="measured steps per run")
+    be.add_argument("--warmup", type=int, default=2, help="unmeasured steps per run")
+    be.add_argument("--repeats", type=int, default=1, help="interleaved repeats of every run (medians are reported)")
+    be.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
+    be.add_argument("--out", default="bench-out", help="directory for bench.md, bench.json and the PNGs")
+    be.add_argument("--peers", action="store_true", help="add FSDP2 and DeepSpeed rows (when installed)")
+    be.add_argument("--rows", help="a comma subset of ddp,zero1,zero2,zero3,zero3_cpu,zero3_nvme")
+    be.add_argument(
+        "--fresh-processes",
+        action="store_true",
+        help="start every row in its own ranks: a clean peak-RSS column, one start (~10 s of CPU) more per row",
+    )
+    be.add_argument(
+        "--from-json",
+        metavar="BENCH_JSON",
+        help="run nothing: make the table, plots (and --update-results) again from a saved bench.json",
+    )
+    be.add_argument("--update-results", nargs="?", const="bench/RESULTS.md", metavar="RESULTS_MD",
+                    help="regenerate the marked section of this file (default bench/RESULTS.md), plots in plots/")  # fmt: skip
+
+
+def _run(ns: argparse.Namespace) -> None:
+    if ns.command == "check":
+        raise SystemExit(0 if check(ns.file, ns.stage, ns.world_size) else 1)
+    if ns.command == "estimate":
+        from zero_strategy.bench.command import estimate
+
+        estimate(ns.params, ns.ranks, ns.stage, ns.precision, ns.optimizer, ns.offload_optimizer,
+                 ns.offload_param, ns.largest_layer, ns.model, ns.persistent)  # fmt: skip
+        return
+    if ns.command == "bench":
+        from zero_strategy.bench.command import bench, redraw
+
+        if ns.from_json:
+            redraw(ns.from_json, ns.out, ns.update_results)
+            return
+        rows = tuple(r.strip() for r in ns.rows.split(",")) if ns.rows else None
+        bench(ns.model, ns.ranks, ns.steps, ns.warmup, ns.repeats, ns.batch, ns.out, ns.peers, rows,
+              ns.update_results, fresh=ns.fresh_processes)  # fmt: skip
+        return
+    export(ns.checkpoint, ns.out, ns.dtype)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,9 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser(commands)
     ns = parser.parse_args(args)
     try:
-        if ns.command == "check":
-            raise SystemExit(0 if check(ns.file, ns.stage, ns.world_size) else 1)
-        export(ns.checkpoint, ns.out, ns.dtype)
+        _run(ns)
     except (ValueError, OSError, RuntimeError) as exc:  # a bad path or checkpoint: the message says what to do
         parser.exit(1, f"zero-strategy {ns.command}: error: {exc}\n")
 

@@ -39,8 +39,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("api",),  # initialize and the other engine-level public functions
     ("checkpoint",),  # save/load, versioned directories, files, export
     ("zero_strategy",),  # the package's __init__: the public names
-    ("frontend", "cli", "models"),
+    ("frontend", "models"),
     ("testing",),
+    ("bench",),  # the bench and the estimator: start ranks with the test harness's launcher
+    ("cli",),  # the command line: imports its commands' modules when they run
 ]
 
 

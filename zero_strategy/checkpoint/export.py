@@ -29,6 +29,7 @@ from torch import nn
 
 from zero_strategy.api import gathered_parameters
 from zero_strategy.checkpoint.files import SafeFileSystemReader
+from zero_strategy.checkpoint.progress import byte_progress
 from zero_strategy.checkpoint.versions import read_meta
 from zero_strategy.runtime.module import get_engine
 
@@ -61,12 +62,13 @@ def _write_safetensors(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = f"{out_file}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb") as f, byte_progress(offset, f"export {os.path.basename(out_file)}") as advance:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape, dtype in entries:
             t = read(name).to(dtype).reshape(shape).contiguous()
             f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            advance(t.numel() * t.element_size())
     os.replace(tmp, out_file)
 
 

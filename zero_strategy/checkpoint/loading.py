@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from zero_strategy.checkpoint.progress import byte_progress
 from zero_strategy.runtime.module import get_engine
 
 __all__ = ["load_full_state_dict"]
@@ -40,5 +41,17 @@ def load_full_state_dict(
 ) -> None:
     """Load full weights into a model managed by ``initialize``, one tensor at a time; each
     rank keeps only its pieces (ZeRO-3) or the full tensors it needs (ZeRO-1/2). Not a
-    collective: every rank reads the source itself."""
-    get_engine(model).load_full_state_dict(*_open_state_dict(source), strict=strict)
+    collective: every rank reads the source itself. Reading a large file shows a progress bar
+    with bytes/s on rank 0 when standard error is a terminal (:mod:`.progress`)."""
+    engine = get_engine(model)
+    get, keys = _open_state_dict(source)
+    path = None if isinstance(source, Mapping) else os.fspath(source)
+    size, name = (os.path.getsize(path), os.path.basename(path)) if path is not None else (0, "")
+    with byte_progress(size, f"load {name}", rank=engine.ctx.rank) as advance:
+
+        def counted(key: str) -> torch.Tensor:
+            t = get(key)
+            advance(t.numel() * t.element_size())
+            return t
+
+        engine.load_full_state_dict(counted, keys, strict=strict)

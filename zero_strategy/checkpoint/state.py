@@ -30,6 +30,7 @@ import io
 import json
 import os
 import shutil
+import time
 import warnings
 import zlib
 from collections.abc import Callable, Mapping
@@ -51,6 +52,7 @@ from zero_strategy.checkpoint.files import (
     verify_checksums,
     write_atomic,
 )
+from zero_strategy.checkpoint.progress import dir_bytes, log
 from zero_strategy.checkpoint.versions import (
     COMPLETE,
     LATEST,
@@ -275,6 +277,7 @@ def save_checkpoint(
     for key in objects or {}:
         if not key.isidentifier():
             raise ValueError(f"save_checkpoint(objects={{{key!r}: ...}}): use a plain identifier as the name")
+    started = time.perf_counter()
     engine = get_engine(model)
     engine.wait_for_reductions()
     explicit = tag is not None
@@ -377,6 +380,9 @@ def save_checkpoint(
         except Exception as exc:
             failure = exc
     _agree(engine, failure, "save_checkpoint: moving `latest`")
+    if rank == 0:
+        log.info("save_checkpoint: wrote %s, %.1f MiB, in %.2f s", path, dir_bytes(path) / 2**20,
+                 time.perf_counter() - started)  # fmt: skip
     return path
 
 
@@ -509,6 +515,7 @@ def load_checkpoint(
     then the ranks agree, so either all load or all raise the same error naming the file, and
     none waits in a collective the others never reach. Files are read without running code
     (:class:`SafeFileSystemReader`)."""
+    started = time.perf_counter()
     engine = get_engine(model)
     failure: BaseException | None = None
     resolved = os.fspath(path)
@@ -541,4 +548,7 @@ def load_checkpoint(
     engine.load_progress(sd)  # step, loss scale; the parameters follow the loaded masters
     if optimizer is not None and meta.get("param_groups") is not None:
         _restore_group_settings(optimizer, meta["param_groups"])
+    if engine.ctx.rank == 0:
+        log.info("load_checkpoint: read %s, %.1f MiB, in %.2f s", resolved, dir_bytes(resolved) / 2**20,
+                 time.perf_counter() - started)  # fmt: skip
     return dict(meta.get("extra", {}))

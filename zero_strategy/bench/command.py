@@ -1,0 +1,131 @@
+"""What ``zero-strategy bench`` and ``zero-strategy estimate`` do once their arguments are parsed
+(the parser lives in :mod:`zero_strategy.cli`, which imports this module only when one runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from zero_strategy.bench.estimate import Setup, count_model, format_estimate
+
+__all__ = ["bench", "estimate", "machine_info"]
+
+
+def estimate(
+    params: float | None,
+    ranks: int,
+    stage: int,
+    precision: str = "fp16",
+    optimizer: str = "adamw",
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    largest_layer: float | None = None,
+    model: str | None = None,
+    persistent: float = 0.0,
+) -> str:
+    """Print (and return) the model-state bytes per rank from the four formulas."""
+    if model is not None:
+        counted, largest = count_model(model)
+        params = params or counted
+        largest_layer = largest_layer or largest
+    if params is None:
+        raise ValueError("estimate: give --params N or --model PATH-OR-PRESET")
+    text = format_estimate(
+        Setup(
+            float(params),
+            ranks,
+            stage,
+            precision,
+            optimizer,
+            offload_optimizer,
+            offload_param,
+            float(largest_layer or 0),
+            persistent,
+        )  # fmt: skip
+    )
+    print(text, end="")
+    return text
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        pass
+    return {
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu": cpu,
+        "device": "cpu",  # the bench's ranks run on CPU/gloo
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def bench(
+    model: str,
+    ranks: tuple[int, ...],
+    steps: int,
+    warmup: int,
+    repeats: int,
+    batch: int,
+    out: str,
+    peers: bool,
+    rows: tuple[str, ...] | None = None,
+    update_results: str | None = None,
+    progress: bool | None = None,
+    fresh: bool = False,
+) -> dict[str, Any]:
+    """Run the bench, write ``out``/bench.{md,json} and three PNGs, print the table; with
+    ``update_results`` regenerate that file's marked section (plot copied next to it)."""
+    from zero_strategy.bench import harness
+
+    opts = harness.BenchOptions(
+        model=model, ranks=ranks, steps=steps, warmup=warmup, repeats=repeats, batch=batch, peers=peers,
+        rows=rows or harness.CORE_ROWS, fresh=fresh, **({} if progress is None else {"progress": progress}),
+    )  # fmt: skip
+    info = machine_info()
+
+    def log(msg: str) -> None:
+        if not opts.progress:
+            print(msg, file=sys.stderr, flush=True)
+
+    data = harness.run_bench(opts, log)
+    data["machine"] = info
+    data["command"] = "zero-strategy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    data["summary"] = harness.summarize(data)
+    return publish(data, out, update_results)
+
+
+def redraw(json_path: str, out: str, update_results: str | None = None) -> dict[str, Any]:
+    """Make the table, plots and ``update_results``' section again from a saved ``bench.json``."""
+    data = json.loads(Path(json_path).read_text())
+    return publish(data, out, update_results)
+
+
+def publish(data: dict[str, Any], out: str, update_results: str | None) -> dict[str, Any]:
+    from zero_strategy.bench import report
+
+    paths = report.write_outputs(data, Path(out))
+    print(paths["md"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    if update_results:
+        target = Path(update_results)
+        plots = target.parent / "plots"
+        plots.mkdir(parents=True, exist_ok=True)
+        for name in ("memory", "breakdown", "losses"):
+            (plots / f"{name}.png").write_bytes(paths[name].read_bytes())
+        report.update_results(target, data, plot="plots/memory.png")
+        print(f"updated {target}'s generated section")
+    return data
