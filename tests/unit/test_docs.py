@@ -11,7 +11,7 @@ the docs"):
   the block runs the prelude ``NAME`` of :data:`PRELUDES` first (a small model, an optimizer, a
   loader), for a fragment that continues a set-up the page describes.
 - ``bash``: every command must be a ``zero-strategy`` call this test can make in-process
-  (``check FILE``, ``--help``); it runs through ``zero_strategy.cli.main`` and must exit 0.
+  (``check FILE``, ``estimate ...``, ``--help``); it runs through ``zero_strategy.cli.main`` and must exit 0.
 - ``yaml``: a config (DeepSpeed or flat keys at the top) is read by ``ZeroConfig.from_dict``.
 - Anything else, or a block these rules cannot run, needs ``<!-- not run: REASON -->`` on the
   line right before it (blank lines between are allowed), with a reason of three words or more,
@@ -158,7 +158,7 @@ def _runnable_cli(command: str) -> bool:
     words = shlex.split(command)
     if not words or words[0] != "zero-strategy":
         return False
-    return words[1:2] == ["check"] or words[-1] in ("--help", "-h")
+    return words[1:2] in (["check"], ["estimate"]) or words[-1] in ("--help", "-h")
 
 
 def why_not_runnable(block: Block) -> str | None:
