@@ -232,11 +232,14 @@ class GatherChecks:
 
 
 class GatherMeter:
-    """Bytes of full parameters gathered right now, and the peak since the last reset."""
+    """Bytes of full parameters gathered right now, the peak since the last reset, and the
+    gathers issued with their full bytes (ever)."""
 
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self.gathers = 0
+        self.gathered_bytes = 0
 
     def add(self, nbytes: int) -> None:
         self.live += nbytes
@@ -341,6 +344,7 @@ class UnitStorage:
         # a small unit stays gathered from its first use until the optimizer step changes it
         self.persistent = sum(lay.numels) <= persistence_threshold
         self.holds = 0  # open gathered_parameters() blocks that gathered this unit: release() leaves it
+        self.gathers = 0  # all-gathers issued for this unit (the cache tells its hits by it)
         # Each parameter gets a full-shaped tensor with a storage of its own that is resized to
         # 0 bytes while sharded; ``p.data`` points at it only while the unit is gathered and is
         # a memory-less placeholder otherwise (reads give NaN, writes raise), so touching a
@@ -447,6 +451,9 @@ class UnitStorage:
         self._handle = C.all_gather(self.ctx, buf, slot, what=f"parameters of {self.name} ({step})")
         self._to(ShardedState.UNSHARDING, "unshard_async")
         self.meter.add(self.full_bytes)  # counted from the moment its gather buffer exists
+        self.gathers += 1
+        self.meter.gathers += 1
+        self.meter.gathered_bytes += self.full_bytes
 
     def wait_unshard(self, names: dict[int, str]) -> None:
         if self.state is ShardedState.UNSHARDED:
