@@ -28,8 +28,8 @@ def _worker(rank: int, world: int) -> dict:
 
     import zero_strategy as zs
     from zero_strategy.comm import collectives as C
-    from zero_strategy.testing import run_subtests
     from zero_strategy.testing import parity as P
+    from zero_strategy.testing import run_subtests
 
     cells = [{**_BASE, **c} for c in _CELLS]
     run_subtests(lambda **kw: P.compare(P.Cell(**kw), rank, world), cells, label="cache parity")
