@@ -24,10 +24,14 @@ _SWEEP = ["none", "zero", "unit", "half", "whole"]  # the same training under gr
 
 
 def _worker(rank: int, world: int) -> dict:
+    import warnings
+
     import torch
+    import torch.nn.functional as F
 
     import zero_strategy as zs
     from zero_strategy.comm import collectives as C
+    from zero_strategy.runtime.module import get_engine
     from zero_strategy.testing import parity as P
     from zero_strategy.testing import run_subtests
 
@@ -53,7 +57,26 @@ def _worker(rank: int, world: int) -> dict:
         too_small = "no error"
     except RuntimeError as exc:
         too_small = str(exc)
-    return {"sweep": sweep, "too_small": too_small}
+    # a budget that fits only with a smaller cache: the cache shrinks, said once; again once the
+    # optimizer state exists (after the first step), without a second warning
+    torch.manual_seed(0)
+    model = P.Net(P.Cell(**_BASE))
+    memory = {"budget": "1MB", "persistent": 0.0, "cache": 0.9, "working": 0.1}
+    cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, memory=memory)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters()), config=cfg)
+        engine = get_engine(model)
+        at_start = engine.memory_stats()
+        x, y = P.batch(0, 0, rank)
+        F.cross_entropy(model(x).view(-1, P.VOCAB), y.reshape(-1)).backward()
+        opt.step()
+        after = engine.memory_stats()
+    said = [str(w.message) for w in caught if "the cache shrinks" in str(w.message)]
+    shrink = [
+        (s["budget"], s["budget_cache"], s["cache_cap"], s["persistent"], s["working"]) for s in (at_start, after)
+    ]
+    return {"sweep": sweep, "too_small": too_small, "said": said, "shrink": shrink}
 
 
 def test_cache_tier_matches_ddp_caps_gathers_and_refuses_a_budget_too_small(launch) -> None:
@@ -74,3 +97,8 @@ def test_cache_tier_matches_ddp_caps_gathers_and_refuses_a_budget_too_small(laun
         msg = got["too_small"]
         assert "does not fit" in msg and "persistent" in msg and "working" in msg and "gathered" in msg, msg
         assert "Nearest settings that fit" in msg and "memory.budget of at least" in msg, msg
+        (budget, planned, cap0, pers0, work), (_, _, cap1, pers1, _) = got["shrink"]
+        assert budget == 10**6 and planned == 900_000 and work == 100_000, got["shrink"]
+        assert cap0 == budget - pers0 - work < planned and 0 < pers0 < pers1, got["shrink"]  # shrunk at initialize
+        assert cap1 == budget - pers1 - work < cap0, got["shrink"]  # and again with the optimizer state
+        assert len(got["said"]) == 1 and "the cache shrinks to" in got["said"][0], got["said"]
