@@ -110,7 +110,7 @@ class Budget:
     def _does_not_fit(self, stats: dict[str, int], need: int, when: str) -> str:
         budget, world = self.tiers.budget, self.ctx.world_size
         fixed = self.working + self.min_gathered
-        hints = [f"memory.budget of at least {need} bytes ({format_bytes(need)})"]
+        hints = [f"memory.budget of at least {format_bytes(need)}"]
         if budget > fixed and self.persistent:
             ranks = math.ceil(self.persistent * world / (budget - fixed))
             hints.append(f"{ranks} ranks or more (the persistent tier is divided among them; now {world})")
@@ -123,7 +123,7 @@ class Budget:
         return (
             f"rank {self.ctx.rank}: the model does not fit zero_strategy.memory's budget of {format_bytes(budget)} "
             f"({when}): persistent {format_bytes(self.persistent)} (parameter rows, gradient shards, masters, "
-            f"optimizer state) + gathered at least {format_bytes(self.min_gathered)} (the root unit and the largest "
+            f"optimizer state{' once the first step made it' if 'initialize' in when else ''}) + gathered at least {format_bytes(self.min_gathered)} (the root unit and the largest "
             f"unit) + working {format_bytes(self.working)} = {format_bytes(need)}. Nearest settings that fit: "
             + "; or ".join(hints)
         )
