@@ -75,7 +75,7 @@ def _worker(rank: int, world: int, layers: int, d_model: int, steps: int) -> lis
         zcfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, memory=memory)
         zmodel, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=zcfg)
         engine = get_engine(zmodel)
-        moved, secs, losses = run(zmodel, opt, lambda: engine.memory_stats()["gathered_bytes"])
+        moved, secs, losses = run(zmodel, opt, lambda e=engine: e.memory_stats()["gathered_bytes"])
         s = engine.memory_stats()
         out.append({"engine": f"zero3 cache {name}", "cap": caps[name], "moved": moved, "secs": secs,
                     "hits": s["cache_hits"], "evictions": s["cache_evictions"], "peak": s["cache_peak"],
@@ -125,12 +125,14 @@ def main() -> None:
     rows = launch(_worker, 2, args=(args.layers, args.d_model, args.steps), timeout=3000)[0]
     ref = rows[0]["losses"]
     print(f"GPT d_model={args.d_model}, {args.layers} blocks; 2 ranks; {args.steps} steps of 2 micro-steps\n")
-    print("| engine | cache cap MiB | gathered MiB/step | s/step | hits | evictions | cache peak MiB | max |loss - zero3 cache 0| |")
+    print(
+        "| engine | cache cap MiB | gathered MiB/step | s/step | hits | evictions | cache peak MiB | max |loss - zero3 cache 0| |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cap = "" if r["cap"] is None else f"{r['cap'] / 2**20:.2f}"
         diff = max(abs(a - b) for a, b in zip(r["losses"], ref))
-        extra = (f"{r['hits']} | {r['evictions']} | {r['peak'] / 2**20:.2f}" if "hits" in r else " |  | ")
+        extra = f"{r['hits']} | {r['evictions']} | {r['peak'] / 2**20:.2f}" if "hits" in r else " |  | "
         print(f"| {r['engine']} | {cap} | {r['moved'] / 2**20:.2f} | {r['secs']:.3f} | {extra} | {diff:.1e} |")
 
 

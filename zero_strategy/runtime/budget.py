@@ -103,7 +103,7 @@ class Budget:
         self._measured = True
         if self.ctx.device.type == "cuda":
             peak = int(torch.cuda.max_memory_allocated(self.ctx.device))
-            held = stats["tier_device"] - stats["params"] + cache.stats.peak + stats["comm_scratch_peak"]
+            held = stats["tier_device"] - stats["params"] + cache.peak + stats["comm_scratch_peak"]
             self.working = max(0, peak - held)
         self.check(stats, cache, when="after the first step, with the optimizer state")
 
@@ -145,7 +145,7 @@ def _cache_entries(cache: GatherCache) -> dict[str, int]:
     s = cache.stats
     return {
         "cache": cache.live(),
-        "cache_peak": s.peak,
+        "cache_peak": cache.peak,
         "cache_hits": s.hits,
         "cache_misses": s.misses,
         "cache_evictions": s.evictions,

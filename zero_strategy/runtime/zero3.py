@@ -99,7 +99,7 @@ class UnitScheduler:
         self._bwd_pos: int | None = None  # same, for the unit whose backward runs now
         self._warned_order = False
         self._ranges: dict[tuple[str, int], Any] = {}  # open profiler ranges (only inside zs.profile)
-        self.cache = GatherCache(storages, settings.cache)
+        self.cache = GatherCache(storage.meter, settings.cache)
         self._running: list[int] = []  # tags of the units whose forward runs now (the cache keeps them)
         self._step_live = False  # the root and pinned units are in use (a forward and its backward)
 
@@ -108,7 +108,6 @@ class UnitScheduler:
         """An on-demand gather of ``u``, for its use at ``position`` of the cache's order."""
         self.cache.gathering(u, self._busy(), position)
         u.unshard_async(self.step)
-        self.cache.observe()
 
     def _busy(self) -> set[int]:
         """Tags of the units in use, which the cache may not evict."""
@@ -159,7 +158,6 @@ class UnitScheduler:
                 return  # stage3_max_live_parameters
             ahead += u.numel
             u.unshard_async(self.step)
-            self.cache.observe()
 
     def _reuse_soon(self, u: UnitStorage, pos: int | None, direction: int) -> bool:
         """Will ``u`` run again in this pass (later in forward, or earlier in forward order during

@@ -30,7 +30,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from zero_strategy.sharding.states import ShardedState
-from zero_strategy.sharding.unit import UnitStorage
+from zero_strategy.sharding.unit import GatherMeter, UnitStorage
 
 __all__ = ["CacheStats", "EvictionPolicy", "GatherCache"]
 
@@ -98,15 +98,14 @@ class CacheStats:
         self.evictions = 0
         self.bytes_not_moved = 0  # full bytes of the gathers avoided
         self.overflows = 0  # gathers that went over the cap: only units in use were left
-        self.peak = 0  # the most cached bytes at once
 
 
 class GatherCache:
     """The ZeRO-3 cache tier of one engine: ``cap`` bytes of gathered parameters (None: no
     cache, each unit freed after use as without a budget)."""
 
-    def __init__(self, units: Sequence[UnitStorage], cap: int | None) -> None:
-        self.units = list(units)
+    def __init__(self, meter: GatherMeter, cap: int | None) -> None:
+        self.meter = meter
         self.cap = cap
         self.policy: EvictionPolicy[int] = EvictionPolicy()
         self.stats = CacheStats()
@@ -119,7 +118,7 @@ class GatherCache:
 
     def live(self) -> int:
         """Bytes of gathered (or gathering) units that are not persistent: the cache's contents."""
-        return sum(u.full_bytes for u in self.units if u.state is not ShardedState.SHARDED and not u.persistent)
+        return self.meter.cached_bytes
 
     def used(self, u: UnitStorage) -> None:
         """``u`` is used (its forward or backward starts); a hit if an earlier use's gather still
@@ -142,11 +141,7 @@ class GatherCache:
             return True
         live = self.live()
         while live + need > self.cap:
-            candidates = {
-                u.tag: u
-                for u in self.units
-                if u.state is not ShardedState.SHARDED and not u.persistent and u.tag not in busy and not u.holds
-            }
+            candidates = {tag: u for tag, u in self.meter.cached.items() if tag not in busy and not u.holds}
             tag = self.policy.victim(candidates, position)
             if tag is None or (before is not None and self.policy.distance(tag, position) <= before):
                 return False
@@ -172,6 +167,7 @@ class GatherCache:
                     self.live() + u.full_bytes,
                 )
 
-    def observe(self) -> None:
-        """After a gather: track the peak of cached bytes."""
-        self.stats.peak = max(self.stats.peak, self.live())
+    @property
+    def peak(self) -> int:
+        """The most cached bytes at once."""
+        return self.meter.cached_peak
