@@ -6,7 +6,7 @@ small for the model refused before training with each tier's bytes."""
 from __future__ import annotations
 
 # stage 3, every unit freed without a cache (persistence threshold 0, the Cell default), four blocks
-_BASE = {"stage": 3, "n_blocks": 4, "dtype": "float32"}
+_BASE = {"stage": 3, "n_blocks": 4, "dtype": "float32", "steps": 6}
 _BRANCH = {"unused": "some_steps", "policy": "blocks"}  # `extra`, its own unit, runs on some steps: the order changes
 _CELLS = [
     {"cache": "zero"},
