@@ -23,6 +23,42 @@ _CELLS = [
 _SWEEP = ["none", "zero", "unit", "half", "whole"]  # the same training under growing caches
 
 
+def _outside_calls(rank: int, cache: str) -> list[float]:
+    """Training with, between steps, a block called by itself (an outside call) and, once, a
+    parameter changed inside gathered_parameters(modifier_rank=0): the losses, the outside
+    call's sums and the final parameters' sum."""
+    import torch
+    import torch.nn.functional as F
+
+    import zero_strategy as zs
+    from zero_strategy.testing import parity as P
+
+    c = P.Cell(**{**_BASE, "cache": cache})
+    torch.manual_seed(0)
+    model = P.Net(c)
+    memory = {"budget": 10**9, "persistent": 0.5, "cache": P.cache_cap(c, model), "working": 0.1}
+    cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, memory=memory)
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=cfg)
+    out = []
+    for step in range(4):
+        for micro in range(2):
+            x, y = P.batch(step, micro, rank)
+            loss = F.cross_entropy(model(x).view(-1, P.VOCAB), y.reshape(-1)) / 2
+            loss.backward()
+            out.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            out.append(float(model.blocks[1](model.tok(x)).sum()))
+        if step == 1:
+            with zs.gathered_parameters(model, modifier_rank=0), torch.no_grad():
+                if rank == 0:
+                    model.blocks[2].mlp.fc.weight.mul_(0.5)
+    with zs.gathered_parameters(model):
+        out.append(float(sum(p.double().sum() for p in model.parameters())))
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     import warnings
 
@@ -46,6 +82,10 @@ def _worker(rank: int, world: int) -> dict:
         moved = int(C.comm_stats()["all_gather"]["bytes"])
         stats = P.LAST_STATS
         sweep[cache] = (stats.get("gathered_bytes", -1), moved, stats.get("gathers", -1))
+
+    # outside calls and gathered_parameters(modifier_rank=...) between steps: the same numbers
+    # with every cache as without one (cache 0)
+    outside = {cache: _outside_calls(rank, cache) for cache in ("zero", "unit", "whole")}
 
     # a budget too small for the model: refused at initialize, naming each tier's bytes
     torch.manual_seed(0)
@@ -76,7 +116,7 @@ def _worker(rank: int, world: int) -> dict:
     shrink = [
         (s["budget"], s["budget_cache"], s["cache_cap"], s["persistent"], s["working"]) for s in (at_start, after)
     ]
-    return {"sweep": sweep, "too_small": too_small, "said": said, "shrink": shrink}
+    return {"sweep": sweep, "too_small": too_small, "said": said, "shrink": shrink, "outside": outside}
 
 
 def test_cache_tier_matches_ddp_caps_gathers_and_refuses_a_budget_too_small(launch) -> None:
@@ -94,6 +134,8 @@ def test_cache_tier_matches_ddp_caps_gathers_and_refuses_a_budget_too_small(laun
         # whole model: each of the 5 units (4 blocks and the root) once per step: in the first
         # step's forward, then in the evaluation after each of the 4 steps (the next step reuses it)
         assert sweep["whole"][2] == 5 * (1 + 4), (rank, sweep)
+        runs = got["outside"]
+        assert len(runs["zero"]) == 13 and all(runs[c] == runs["zero"] for c in runs), (rank, runs)
         msg = got["too_small"]
         assert "does not fit" in msg and "persistent" in msg and "working" in msg and "gathered" in msg, msg
         assert "Nearest settings that fit" in msg and "memory.budget of at least" in msg, msg
