@@ -32,7 +32,18 @@ def not_applied_settings(cfg: ZeroConfig) -> list[str]:
         if not cfg.explicitly_set(name) or (neutral is not None and getattr(cfg, name) == neutral):
             continue
         out.append(f"{name}={getattr(cfg, name)!r} is read but not applied by zero_strategy; in DeepSpeed it {what}")
+    if cfg.memory.enabled:  # the budget's cache cap governs ZeRO-3's gathered parameters (memory.py)
+        for name in _GOVERNED_BY_BUDGET:
+            if cfg.explicitly_set(name):
+                out.append(
+                    f"{name}={getattr(cfg, name)!r} is not applied: zero_strategy.memory is set, and its cache cap "
+                    "governs how many gathered parameters stay (prefetch included); remove one of the two"
+                )
     return out
+
+
+# DeepSpeed's element-count knobs that a memory budget replaces
+_GOVERNED_BY_BUDGET = ("stage3_max_live_parameters", "stage3_max_reuse_distance")
 
 
 def _show(name: str, value: Any) -> str:

@@ -18,6 +18,7 @@ import warnings
 from typing import Any
 
 from zero_strategy.config.blocks import _DTYPE_NAMES, PrecisionConfig, _precision_name
+from zero_strategy.config.memory import MemoryConfig, format_bytes
 from zero_strategy.config.overrides import not_applied_settings, resolve_overrides
 from zero_strategy.config.values import ConfigError, collecting
 from zero_strategy.config.zero_config import (
@@ -43,6 +44,7 @@ class CheckReport:
     auto: list[str] = dataclasses.field(default_factory=list)
     ignored: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (key, why)
     notes: list[str] = dataclasses.field(default_factory=list)
+    memory: list[str] = dataclasses.field(default_factory=list)  # the budget's bytes per tier
 
     @property
     def ok(self) -> bool:
@@ -57,6 +59,7 @@ class CheckReport:
         out += [f"  {name:<{left}}  {value:<{width}}  {origin}" for name, value, origin in self.resolved]
         sections = (
             ("DeepSpeed keys honoured (key -> field)", [f"{k} -> {f}" for k, f in self.honoured.items()]),
+            ("memory budget (bytes per tier)", self.memory),
             ("read but not applied", self.not_applied),
             ('left "auto" (the default, or what the front-end sets)', self.auto),
             ("ignored", [f"{key}: {why}" for key, why in self.ignored]),
@@ -113,8 +116,25 @@ def check_file(path: str | os.PathLike[str], *, stage: int | None = None, world_
         return report
     report.resolved = [(name, _show(getattr(cfg, name)), reader.where.get(name, "default")) for name in _FIELD_NAMES]
     report.honoured = reader.honoured
+    report.memory = _memory_lines(cfg.memory)
     report.not_applied = not_applied_settings(cfg)
     report.auto = reader.auto
     report.ignored = [(key, "not implemented by zero_strategy") for key in reader.ignored]
     report.ignored += [(key, "the training loop / front-end owns it") for key in reader.frontend]
     return report
+
+
+def _memory_lines(memory: MemoryConfig) -> list[str]:
+    """The budget's tiers in bytes, or how they will be resolved (a fraction of the device)."""
+    if not memory.enabled:
+        return []
+    if isinstance(memory.budget, int):
+        tiers = memory.resolve(None)
+        return [
+            f"{name}: {format_bytes(getattr(tiers, name))}" for name in ("budget", "persistent", "cache", "working")
+        ]
+    shares = ", ".join(f"{name} {getattr(memory, name)}" for name in ("persistent", "cache", "working"))
+    return [
+        f"budget: {memory.budget} of the device's memory ({shares}); resolved to bytes at start on the device "
+        "(logged once); on a CPU device give bytes"
+    ]

@@ -42,6 +42,7 @@ from zero_strategy.config.blocks import (
     _to_reduce_dtype,
 )
 from zero_strategy.config.comm import CompressionConfig, LoadBalanceConfig
+from zero_strategy.config.memory import MemoryConfig
 from zero_strategy.config.values import (
     FAILED,
     Rule,
@@ -187,6 +188,8 @@ class ZeroConfig:
     load_balance: LoadBalanceConfig = setting(
         LoadBalanceConfig(), read=_nested(LoadBalanceConfig, "preset", (str,)), ds=_OWN
     )
+    # the memory budget and its three tiers, ZeRO-3 (memory.py; its cache: sharding/cache.py)
+    memory: MemoryConfig = setting(MemoryConfig(), read=_nested(MemoryConfig, "budget", (str, int, float)), ds=_OWN)
     _explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -346,6 +349,11 @@ def _conflicts(cfg: ZeroConfig, world_size: int | None, given: Callable[[str], b
         out.append(
             "compression.type='topk' works at ZeRO stages 1 and 2: ZeRO-3 reduces each unit's gradients while its "
             "backward runs and keeps no full-size gradient to compensate. Use stage 2, or set compression: {type: none}"
+        )
+    if rule(cfg.memory.enabled and cfg.stage != 3, "memory", "stage"):
+        out.append(
+            f"{_OWN}.memory needs stage 3 (got stage {cfg.stage}): its cache holds ZeRO-3's gathered parameters, "
+            "and at stages 1 and 2 every rank keeps full parameters anyway. Use stage 3, or remove memory"
         )
     for name, block in (("offload_optimizer", opt), ("offload_param", param)):
         if rule(lb.enabled and cfg.stage == 3 and block.device == "nvme", "load_balance", "stage", name):

@@ -50,9 +50,10 @@ from zero_strategy.reduction.grads import (
     ReduceAtUnitEnd,
     ReduceInBackward,
 )
+from zero_strategy.runtime.budget import Budget, cache_stats
 from zero_strategy.runtime.torch_clipping import LiveEngines
 from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
-from zero_strategy.runtime.zero3_hooks import Zero3Hooks
+from zero_strategy.runtime.zero3_hooks import Zero3Hooks, refuse_load_state_dict, refuse_sharded_state_dict
 from zero_strategy.sharding.construction import materialize_full
 from zero_strategy.sharding.group import (
     GroupSpec,
@@ -64,7 +65,7 @@ from zero_strategy.sharding.group import (
 )
 from zero_strategy.sharding.memory import model_state_bytes
 from zero_strategy.sharding.partition import UnitPolicy, find_units
-from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, is_placeholder, sharded_init_piece
+from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, sharded_init_piece
 from zero_strategy.sharding.precision import select_precision, select_scaler
 from zero_strategy.sharding.setup_checks import (
     agree_on_setup,
@@ -183,7 +184,9 @@ class ZeroEngine:
             describe_step=self._step_label,
             compression=build_compression(config.compression, self.groups, self.ctx, steps=lambda: self.step_count),
         )
+        self.budget: Budget | None = None  # the memory budget's tiers (budget.py), ZeRO-3 only
         if isinstance(self.params, ShardedParams):
+            self.budget = Budget(config.memory, self.ctx, self.params) if config.memory.enabled else None
             settings = Zero3Settings(
                 prefetch=config.prefetch,
                 prefetch_bucket_size=config.stage3_prefetch_bucket_size,
@@ -192,8 +195,11 @@ class ZeroEngine:
                 check_unit_order=config.check_unit_order,
                 defer_checks=config.gather_checks == "deferred"
                 or (config.gather_checks == "auto" and self.ctx.device.type != "cpu"),
+                cache=self.budget.cache if self.budget is not None else None,
             )
             self.zero3 = UnitScheduler(self.params, self._plan, self.reducer, settings)
+            if self.budget is not None:  # does the model fit? (raises with each tier's bytes)
+                self.budget.check(self.memory_stats(), self.zero3.cache, when="at initialize")
             self.reducer.deferred_check = self.params.checks  # read with the gradient flags
         else:
             self.zero3 = None
@@ -337,13 +343,13 @@ class ZeroEngine:
                                      backward_coming=self._queue_end_of_backward,
                                      call_started=self._outside_call_started, call_done=self._outside_call_done)  # fmt: skip
             self._hooks += self._calls.install(m)
-            self._hooks.append(m.register_load_state_dict_pre_hook(self._refuse_load_state_dict))
+            self._hooks.append(m.register_load_state_dict_pre_hook(refuse_load_state_dict))
             sharded = {id(p) for u in self.zero3.all_units for p in u.params}
             for sub in m.modules():
                 local = [n for n, p in sub._parameters.items() if p is not None and id(p) in sharded]
                 if local:
                     self._hooks.append(
-                        sub._register_state_dict_hook(functools.partial(self._refuse_sharded_state_dict, local))
+                        sub._register_state_dict_hook(functools.partial(refuse_sharded_state_dict, local))
                     )
         else:  # masters that are not views of the parameters must follow a load
             self._hooks.append(m.register_load_state_dict_post_hook(lambda mod, incompatible: self._refresh_masters()))
@@ -355,33 +361,6 @@ class ZeroEngine:
         # through it: it holds the engine weakly, so a dropped model frees its engine.
         hook = functools.partial(_call_weakly, weakref.ref(self), "on_grad_accumulated")
         return [p.register_post_accumulate_grad_hook(hook) for g in self.groups for p in g.params]
-
-    def _refuse_load_state_dict(self, *args: Any) -> None:
-        raise RuntimeError(
-            "model.load_state_dict() cannot write into a ZeRO-3 model: each rank holds only pieces of the "
-            "parameters. Use zero_strategy.load_full_state_dict(model, state_dict_or_path) instead."
-        )
-
-    def _refuse_sharded_state_dict(
-        self, local_names: list[str], module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any
-    ) -> None:
-        """On every module that owns sharded parameters. Outside gathering, a sharded value
-        would be a placeholder: raise. A gathered value is copied, because the gathered storage
-        is freed at the next release (a view kept past it would read freed memory).
-        ``keep_vars=True`` (the Parameter objects, e.g. for their names) is left alone."""
-        for local in local_names:
-            name = prefix + local
-            value = state_dict.get(name)
-            if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
-                continue
-            if is_placeholder(value):
-                raise RuntimeError(
-                    f"state_dict() of a ZeRO-3 model: '{name}' is sharded (this rank holds only a piece), so "
-                    "its value would be a placeholder. Use zero_strategy.full_state_dict(model) (a collective: call "
-                    "it on every rank; Accelerate: accelerator.get_state_dict(model)), or call state_dict() inside "
-                    "`with zero_strategy.gathered_parameters(model):` on every rank"
-                )
-            state_dict[name] = value.clone()
 
     def root_call_done(self, ok: bool) -> None:
         """The outermost call of the root module returned (``ok``) or raised. On success the
@@ -613,6 +592,8 @@ class ZeroEngine:
         if self._scratch_budget is None and not skipped:  # once the optimizer state exists
             stats = self.memory_stats()
             self._scratch_budget = int(SCRATCH_SHARE * (stats["model_state"] - stats["tier_disk"]))
+            if self.budget is not None and self.zero3 is not None:  # the optimizer state exists now
+                self.budget.after_first_step(stats, self.zero3.cache)
         if self._scratch_budget is not None:
             self.ctx.pool.trim(self._scratch_budget)
 
@@ -734,7 +715,9 @@ class ZeroEngine:
         ZeRO-3 parameter rows (the persistent shards), gradient shards, fp32 masters that are
         not views, optimizer state of the master pieces, any full gradients still in
         ``p.grad``; then the working communication buffers (now and at peak) and, at ZeRO-3,
-        the gathered parameters (the cache) now and at peak.
+        the gathered parameters now and at peak, the gathers issued and their bytes, the cache
+        tier's bytes and counters and, with ``zero_strategy.memory``, each tier's budget
+        (``budget.py``; the keys are listed in docs/memory_budget.md).
 
         The same model-state bytes are also counted by memory tier (``memory.py``); the disk
         tier's buffers are ``swap_buffers``."""
@@ -751,9 +734,10 @@ class ZeroEngine:
         out["swap_buffers"] = self.disk.buffer_bytes()
         out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps
         out["comm_scratch_peak"] = self.ctx.pool.peak
-        if sharded is not None:
-            out["gathered"] = sharded.meter.live
-            out["gathered_peak"] = sharded.meter.peak
+        if sharded is not None and self.zero3 is not None:
+            meter = sharded.meter
+            out |= {"gathered": meter.live, "gathered_peak": meter.peak, "gathers": meter.gathers,
+                    "gathered_bytes": meter.gathered_bytes} | cache_stats(self.zero3.cache, self.budget)  # fmt: skip
         return out
 
     def close(self) -> None:

@@ -14,6 +14,12 @@ be the same on every rank. Afterwards each forward pre-hook issues the gather of
 ``prefetch`` units before waiting for its own, and each backward pre-hook does the same in
 reverse order. If a step takes another path, prefetch stops for that step, the new order is
 recorded, and this is logged once.
+
+Cache (``zero_strategy.memory``, ``sharding/cache.py``). With a cache cap, units are not freed
+after use: they stay until a gather needs their room, and then the one whose next use is
+farthest goes (the uses repeat as the forward order, then the same order backwards). Prefetch
+fills the cache within the cap, evicting only units needed later than the one it fetches;
+``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` are not applied then.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from torch import nn
 from zero_strategy.comm import collectives as C
 from zero_strategy.comm import profiling as P
 from zero_strategy.reduction.grads import GradReducer
+from zero_strategy.sharding.cache import GatherCache
 from zero_strategy.sharding.partition import UnitPlan
 from zero_strategy.sharding.states import ShardedState
 from zero_strategy.sharding.unit import ShardedParams, UnitStorage
@@ -47,6 +54,7 @@ class Zero3Settings:
     max_reuse_distance: int
     check_unit_order: bool
     defer_checks: bool = False  # gather checks read once per step once the unit order is known
+    cache: int | None = None  # the cache cap in bytes (memory budget); None or 0: free each unit after use
 
 
 class UnitScheduler:
@@ -84,16 +92,44 @@ class UnitScheduler:
         self._in_backward = False
         self._outside = False  # a submodule called outside the model's forward is running (zero3_hooks.py)
         self._outside_gathered: list[UnitStorage] = []  # the units that call gathered
+        self._outside_units: list[UnitStorage] = []  # the units that call needs (the cache keeps them)
         self._sync = True  # whether the running backward reduces
         self._active: UnitStorage | None = None  # unit whose backward runs now
         self._fwd_pos: int | None = None  # position in the recorded order of the unit in forward
         self._bwd_pos: int | None = None  # same, for the unit whose backward runs now
         self._warned_order = False
         self._ranges: dict[tuple[str, int], Any] = {}  # open profiler ranges (only inside zs.profile)
+        self.cache = GatherCache(storage.meter, settings.cache)
+        self._running: list[int] = []  # tags of the units whose forward runs now (the cache keeps them)
+        self._step_live = False  # the root and pinned units are in use (a forward and its backward)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _gather(self, u: UnitStorage) -> None:
+    def _gather(self, u: UnitStorage, position: int | None = None) -> None:
+        """An on-demand gather of ``u``, for its use at ``position`` of the cache's order."""
+        self.cache.gathering(u, self._busy(), position)
         u.unshard_async(self.step)
+
+    def _busy(self) -> set[int]:
+        """Tags of the units in use, which the cache may not evict."""
+        busy = set(self._running)
+        if self._active is not None:
+            busy.add(self._active.tag)
+        if self._step_live or self._outside:
+            busy |= self.pinned | ({self.root.tag} if self.root is not None else set())
+        if self._outside:
+            busy |= {u.tag for u in self._outside_units}
+        return busy
+
+    def _use_index(self, pos: int | None, direction: int) -> int | None:
+        """Where a use is in the cache's order: forward position ``pos``, or the backward of it."""
+        if pos is None or self.order is None or not self._on_path:
+            return None
+        return pos if direction > 0 else 2 * len(self.order) - 1 - pos
+
+    def _release(self, u: UnitStorage) -> None:
+        """Done with ``u`` for now: freed, unless the cache keeps it (until its room is needed)."""
+        if not self.cache.enabled:
+            u.release()
 
     def _prefetch(self, position: int, direction: int) -> None:
         depth = self.settings.prefetch
@@ -107,15 +143,21 @@ class UnitScheduler:
         )
         cap, budget = self.settings.max_live_parameters, self.settings.prefetch_bucket_size
         ahead = 0  # elements this prefetch gathers
+        here = self._use_index(position, direction)
         for j in nxt:
             u = self.all_units[tags[j] - 1]
             if u.state is not ShardedState.SHARDED:
                 continue
-            live = sum(v.numel for v in self.all_units if v.state is not ShardedState.SHARDED)
-            if live + u.numel > cap or ahead + u.numel > budget:
-                return  # stage3_max_live_parameters / stage3_prefetch_bucket_size: gather it on demand instead
+            if ahead + u.numel > budget:
+                return  # stage3_prefetch_bucket_size: gather it on demand instead
+            if self.cache.enabled:  # within the cap, evicting only units needed later than u
+                soon = self.cache.policy.distance(u.tag, here)
+                if not self.cache.make_room(u.full_bytes, self._busy(), here, before=soon):
+                    return
+            elif sum(v.numel for v in self.all_units if v.state is not ShardedState.SHARDED) + u.numel > cap:
+                return  # stage3_max_live_parameters
             ahead += u.numel
-            self._gather(u)
+            u.unshard_async(self.step)
 
     def _reuse_soon(self, u: UnitStorage, pos: int | None, direction: int) -> bool:
         """Will ``u`` run again in this pass (later in forward, or earlier in forward order during
@@ -182,11 +224,15 @@ class UnitScheduler:
         self._training = training
         self._seq = []
         self._on_path = True
+        self._step_live = True
+        self._running = []  # a forward that raised left its units here
         # a known unit order: each gather's checks stay on the device until the step's flags
         self.checks.deferred = self.settings.defer_checks and self.order is not None
         pinned = [u for u in self.all_units if u.tag in self.pinned]
+        if self.root is not None:
+            self.cache.used(self.root)
         for u in ([self.root] if self.root is not None else []) + pinned:
-            self._gather(u)
+            self._gather(u, self._use_index(0, +1))
         for u in ([self.root] if self.root is not None else []) + pinned:
             u.wait_unshard(self.names)
 
@@ -201,9 +247,11 @@ class UnitScheduler:
         if not torch.is_grad_enabled():
             if ok:  # no backward follows: this forward's deferred gather checks are read now
                 self.checks.check_now()
+            if only is None:
+                self._step_live = False
             for u in self.all_units if only is None else only:  # eval / no_grad: nothing but persistent units stays
                 if ok or u.state is not ShardedState.UNSHARDING:
-                    u.release()
+                    self._release(u)
 
     def outside_pre_forward(self, enclosing: UnitStorage | None) -> None:
         """A submodule is called outside the model's forward: gather what a forward would have
@@ -215,6 +263,7 @@ class UnitScheduler:
             units.append(enclosing)
         # what this call gathers is all it may free: a forward's backward may still be pending
         self._outside_gathered = [u for u in units if u.state is ShardedState.SHARDED]
+        self._outside_units = units
         for u in units:
             self._gather(u)
         for u in units:
@@ -225,11 +274,14 @@ class UnitScheduler:
         without gradients only what the call gathered is freed (the units a pending backward
         needs stay: a call between a forward and its backward)."""
         self._outside = False
-        gathered, self._outside_gathered = self._outside_gathered, []
+        gathered, self._outside_gathered, self._outside_units = self._outside_gathered, [], []
         self.root_post_forward(ok=ok, only=gathered)
 
     # -- units -----------------------------------------------------------------------------
     def pre_forward(self, u: UnitStorage) -> None:
+        # a recomputation inside backward (activation checkpointing) may stop early, without the
+        # post hook: only the latest one counts as running
+        self._running = [u.tag] if self._in_backward else [*self._running, u.tag]
         self._gather_for_forward(u)
         if P.enabled():  # the unit's compute, named in a profile (zs.profile)
             self._ranges[("forward", u.tag)] = P.open_range("zero: forward", u.name)
@@ -255,17 +307,23 @@ class UnitScheduler:
                         self.names.get(self.order[pos]) if pos < len(self.order) else "the end of the recorded order",
                     )
             self._fwd_pos = pos
-            self._gather(u)
+            self.cache.used(u)
+            self._gather(u, self._use_index(pos, +1))
             self._prefetch(pos, +1)
         else:
             self._fwd_pos = None
+            self.cache.used(u)
             self._gather(u)
         u.wait_unshard(self.names)
 
     def post_forward(self, u: UnitStorage) -> None:
         P.close_range(self._ranges.pop(("forward", u.tag), None))
+        if u.tag in self._running:  # the innermost call of it
+            del self._running[len(self._running) - 1 - self._running[::-1].index(u.tag)]
         # a checkpoint's recomputation keeps it for the backward; a unit that runs again soon
         # in this forward stays gathered (stage3_max_reuse_distance); a pinned one stays too
+        if self.cache.enabled:
+            return
         if not self._in_backward and u.tag not in self.pinned and not self._reuse_soon(u, self._fwd_pos, +1):
             u.release()
 
@@ -282,11 +340,13 @@ class UnitScheduler:
             return
         if self._active is u and u.state is ShardedState.UNSHARDED:
             return
+        self._running = []  # a recomputation for this backward is over
         if self._active is not None and self._active is not u:
             self._finish_backward(self._active)
         self._active = u
         self._bwd_pos = self._backward_position(u)
-        self._gather(u)
+        self.cache.used(u)
+        self._gather(u, self._use_index(self._bwd_pos, -1))
         if self._bwd_pos is not None:
             self._prefetch(self._bwd_pos, -1)
         u.wait_unshard(self.names)
@@ -307,8 +367,8 @@ class UnitScheduler:
     def _finish_backward(self, u: UnitStorage) -> None:
         P.close_range(self._ranges.pop(("backward", u.tag), None))
         if self._sync and u.group is not None:
-            self.reducer.launch(u.group)
-        if not self._reuse_soon(u, self._bwd_pos, -1):
+            self.reducer.launch(u.group)  # whether the cache keeps the parameters or not
+        if not self.cache.enabled and not self._reuse_soon(u, self._bwd_pos, -1):
             u.release()
 
     def abort_backward(self) -> None:
@@ -316,6 +376,8 @@ class UnitScheduler:
         self._in_backward = False
         self._active = None
         self._bwd_pos = None
+        self._step_live = False
+        self._running = []
         for u in self.all_units:
             u.reshard()
 
@@ -325,8 +387,9 @@ class UnitScheduler:
         self._in_backward = False
         self._active = None
         self._bwd_pos = None
+        self._step_live = False
         for u in self.all_units:
-            u.release()
+            self._release(u)
         if self._seq:
             self._adopt_order(self._seq)
             self._seq = []
@@ -335,6 +398,7 @@ class UnitScheduler:
         """After a training backward: the first recorded order is checked to be the same on
         every rank (a collective every rank reaches at its first backward); later changes are
         adopted locally, since every gather checks which unit each rank is gathering."""
+        self.cache.policy.set_order(seq + seq[::-1])  # the uses: forward, then backward
         if self.order is not None or not self.settings.check_unit_order:
             self.order = list(seq)  # check_unit_order=False: trust the order, no collective
             return

@@ -22,6 +22,9 @@ stay); with gradients it stays gathered until the end of the backward, as after 
 unit order is not recorded from such calls (prefetch follows the model's forward). A call inside
 the model's forward, or inside a backward (activation checkpointing recomputes there), is not
 an outside call: the hooks only check two counters then.
+
+State-dict hooks. ``load_state_dict`` cannot write into sharded parameters, and ``state_dict``
+of a sharded parameter would be a placeholder: both refuse and name the call that works.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.runtime.zero3 import UnitScheduler
+from zero_strategy.sharding.pieces import is_placeholder
 from zero_strategy.sharding.unit import UnitStorage
 
-__all__ = ["Zero3Hooks"]
+__all__ = ["Zero3Hooks", "refuse_load_state_dict", "refuse_sharded_state_dict"]
 
 
 def _tensors(*trees: Any) -> list[torch.Tensor]:
@@ -157,3 +161,33 @@ class Zero3Hooks:
             self._depth, self._frame = 0, None
             self._call_done(False, None)
             self.scheduler.outside_post_forward(ok=False)
+
+
+def refuse_load_state_dict(*args: Any) -> None:
+    """A ZeRO-3 model's load_state_dict pre-hook: it cannot write into sharded parameters."""
+    raise RuntimeError(
+        "model.load_state_dict() cannot write into a ZeRO-3 model: each rank holds only pieces of the "
+        "parameters. Use zero_strategy.load_full_state_dict(model, state_dict_or_path) instead."
+    )
+
+
+def refuse_sharded_state_dict(
+    local_names: list[str], module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any
+) -> None:
+    """On every module that owns sharded parameters. Outside gathering, a sharded value
+    would be a placeholder: raise. A gathered value is copied, because the gathered storage
+    is freed at the next release (a view kept past it would read freed memory).
+    ``keep_vars=True`` (the Parameter objects, e.g. for their names) is left alone."""
+    for local in local_names:
+        name = prefix + local
+        value = state_dict.get(name)
+        if not isinstance(value, torch.Tensor) or isinstance(value, nn.Parameter):
+            continue
+        if is_placeholder(value):
+            raise RuntimeError(
+                f"state_dict() of a ZeRO-3 model: '{name}' is sharded (this rank holds only a piece), so "
+                "its value would be a placeholder. Use zero_strategy.full_state_dict(model) (a collective: call "
+                "it on every rank; Accelerate: accelerator.get_state_dict(model)), or call state_dict() inside "
+                "`with zero_strategy.gathered_parameters(model):` on every rank"
+            )
+        state_dict[name] = value.clone()

@@ -232,15 +232,38 @@ class GatherChecks:
 
 
 class GatherMeter:
-    """Bytes of full parameters gathered right now, and the peak since the last reset."""
+    """Bytes of full parameters gathered right now, the peak since the last reset, the gathers
+    issued with their full bytes (ever), and the gathered units that are not persistent (the
+    cache tier's contents, ``cache.py``) with their bytes and peak."""
 
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
+        self.gathers = 0
+        self.gathered_bytes = 0
+        self.cached: dict[int, UnitStorage] = {}  # tag -> a gathered unit that is not persistent
+        self.cached_bytes = 0
+        self.cached_peak = 0
 
     def add(self, nbytes: int) -> None:
         self.live += nbytes
         self.peak = max(self.peak, self.live)
+
+    def gathered(self, u: UnitStorage) -> None:
+        """``u``'s gather buffer exists from now on."""
+        self.add(u.full_bytes)
+        self.gathers += 1
+        self.gathered_bytes += u.full_bytes
+        if not u.persistent:
+            self.cached[u.tag] = u
+            self.cached_bytes += u.full_bytes
+            self.cached_peak = max(self.cached_peak, self.cached_bytes)
+
+    def freed(self, u: UnitStorage) -> None:
+        """``u``'s full parameters are gone."""
+        self.add(-u.full_bytes)
+        if self.cached.pop(u.tag, None) is not None:
+            self.cached_bytes -= u.full_bytes
 
 
 class UnitStorage:
@@ -341,6 +364,7 @@ class UnitStorage:
         # a small unit stays gathered from its first use until the optimizer step changes it
         self.persistent = sum(lay.numels) <= persistence_threshold
         self.holds = 0  # open gathered_parameters() blocks that gathered this unit: release() leaves it
+        self.gathers = 0  # all-gathers issued for this unit (the cache tells its hits by it)
         # Each parameter gets a full-shaped tensor with a storage of its own that is resized to
         # 0 bytes while sharded; ``p.data`` points at it only while the unit is gathered and is
         # a memory-less placeholder otherwise (reads give NaN, writes raise), so touching a
@@ -446,7 +470,8 @@ class UnitStorage:
         self._buf, self._step = buf, step
         self._handle = C.all_gather(self.ctx, buf, slot, what=f"parameters of {self.name} ({step})")
         self._to(ShardedState.UNSHARDING, "unshard_async")
-        self.meter.add(self.full_bytes)  # counted from the moment its gather buffer exists
+        self.meter.gathered(self)  # counted from the moment its gather buffer exists
+        self.gathers += 1
 
     def wait_unshard(self, names: dict[int, str]) -> None:
         if self.state is ShardedState.UNSHARDED:
@@ -464,7 +489,7 @@ class UnitStorage:
             self.ctx.pool.put(self._buf)
             self._handle, self._buf = None, None
             self._to(ShardedState.SHARDED, "a diverged gather")
-            self.meter.add(-self.full_bytes)
+            self.meter.freed(self)
             raise
         with torch.no_grad():
             for p, f, nbytes in zip(self.params, self.full, self._numel_bytes):
@@ -490,7 +515,7 @@ class UnitStorage:
             p.data = placeholder(p.shape, f.dtype, f.device)
             f.untyped_storage().resize_(0)
         self._to(ShardedState.SHARDED, "reshard")
-        self.meter.add(-self.full_bytes)
+        self.meter.freed(self)
 
     def store_full(self, i: int, full: torch.Tensor) -> None:
         """Write this rank's piece of the full value ``full`` of parameter ``i`` into its row
@@ -721,8 +746,8 @@ class ShardedParams(ParamStorage):
             u.unshard_async(step)
         for u in self.units:
             u.wait_unshard(self.names)
+            self.meter.freed(u)
             u.persistent = True  # nothing frees them again
-            self.meter.add(-u.full_bytes)
             u.full = [
                 torch.empty(0, dtype=f.dtype, device=f.device) for f in u.full
             ]  # the parameters own the storages now

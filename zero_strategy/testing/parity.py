@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 import zero_strategy as zs
 from zero_strategy.config import DTYPES, PrecisionConfig
 from zero_strategy.config.comm import CompressionConfig, LoadBalanceConfig
+from zero_strategy.config.memory import MemoryConfig
 from zero_strategy.models.gpt import Block, GPTConfig
 from zero_strategy.runtime.module import ZeroModule, get_engine
 from zero_strategy.runtime.optimizer import ZeroOptimizer
@@ -75,6 +76,11 @@ class Cell:
     topk: float = 0.0
     # load balancing: given scores, one per rank (empty: even shards)
     scores: tuple[float, ...] = ()
+    # the memory budget's cache tier (ZeRO-3): "none" (no budget), or a budget whose cache is 0,
+    # one unit (with the root unit), half the blocks, or the whole model (cache_cap)
+    cache: str = "none"
+    n_blocks: int = 2
+    evals: bool = False  # a no_grad forward after each step (its loss compared too)
 
 
 # a plain loop's torch.nn.utils clipping over the model's (or the optimizer's) parameters, in the
@@ -165,7 +171,7 @@ class Net(nn.Module):
         self.ckpt = c.ckpt
         self.tok = nn.Embedding(VOCAB, 16)
         self.pos = nn.Embedding(SEQ, 16)
-        blocks = [Block(cfg) for _ in range(2)]
+        blocks = [Block(cfg) for _ in range(c.n_blocks)]
         self.blocks = nn.ModuleList(blocks)
         self.norm = nn.BatchNorm1d(16) if c.buffers else nn.LayerNorm(16)
         self.head = nn.Linear(16, VOCAB, bias=False)
@@ -262,10 +268,66 @@ def oracle_kind(c: Cell, world: int) -> str:
     return "ddp" if world > 1 else "local"
 
 
+def cache_cap(c: Cell, model: Net) -> int:
+    """The cache cap in bytes that ``c.cache`` names, for ``model`` under the default policy
+    (each block a unit, the rest the root unit; ``policy="blocks"`` makes ``extra`` one too)."""
+    size = {"float64": 8, "float32": 4}[c.dtype]
+    units = [*model.blocks] + ([model.extra] if c.policy == "blocks" and model.extra is not None else [])
+    sizes = sorted(sum(p.numel() for p in u.parameters()) * size for u in units)
+    total = sum(p.numel() for p in model.parameters()) * size
+    root = total - sum(sizes)
+    caps = {"zero": 0, "unit": root + sizes[-1], "half": root + sum(sizes[len(sizes) // 2 :]), "whole": total}
+    return caps[c.cache]
+
+
+class GatheredProbe:
+    """An independent count of live gathered storage: at every module's forward (before and
+    after) and every gradient accumulation, the bytes the ZeRO-3 units' full tensors hold
+    (persistent units aside); ``peak`` is the most seen. ``step()`` after each optimizer step:
+    ``most_gathers`` is the most all-gathers of one unit between two steps."""
+
+    def __init__(self, model: nn.Module) -> None:
+        engine = get_engine(model)
+        self.units = [u for u in engine.zero3.all_units if not u.persistent] if engine.zero3 is not None else []
+        self.peak = 0
+        self.most_gathers = 0
+        self._seen = [u.gathers for u in self.units]
+        for m in model.modules():
+            m.register_forward_pre_hook(lambda *a: self.look())
+            m.register_forward_hook(lambda *a: self.look())
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda *a: self.look())
+
+    def look(self) -> None:
+        live = sum(f.untyped_storage().nbytes() for u in self.units for f in u.full)
+        self.peak = max(self.peak, live)
+
+    def step(self) -> None:
+        now = [u.gathers for u in self.units]
+        self.most_gathers = max([self.most_gathers, *(b - a for a, b in zip(self._seen, now))])
+        self._seen = now
+
+
+LAST_STATS: dict[str, int] = {}  # memory_stats() of the last engine _train ran (cache cells)
+
+
+def _check_cache(c: Cell, stats: dict[str, int], probe: GatheredProbe, cap: int, rank: int) -> None:
+    """The cache cap holds (memory_stats' peak and the probe's), and the cache works."""
+    if cap and not (0 < stats["cache_peak"] <= cap and 0 < probe.peak <= cap and stats["cache_overflows"] == 0):
+        raise AssertionError(f"rank {rank}: cache cap {cap}: peak {stats['cache_peak']}, probe {probe.peak}: {stats}")
+    if cap and not stats["cache_hits"] > 0:
+        raise AssertionError(f"rank {rank}: cache cap {cap} but no hit: {stats}")
+    if c.cache == "whole" and (probe.most_gathers != 1 or stats["cache_evictions"]):  # each unit once per step
+        raise AssertionError(f"rank {rank}: whole-model cache: a unit gathered {probe.most_gathers} times in a step")
+
+
 def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
     dtype = getattr(torch, c.dtype)
     torch.manual_seed(0)
     model = Net(c).to(dtype)
+    cap = cache_cap(c, model) if c.cache != "none" else None
+    probe: GatheredProbe | None = None
     opt = make_optimizer(c, model)
     n_micro = 1 if c.accum == "none" else 2
     losses: list[float] = []
@@ -285,9 +347,11 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
             collective_impl=c.impl, overlap_comm=c.overlap, precision=PrecisionConfig(reduce_dtype=DTYPES[c.reduce]),
             compression=CompressionConfig(type="topk", ratio=c.topk) if c.topk else CompressionConfig(),
             load_balance=LoadBalanceConfig(scores=c.scores) if c.scores else LoadBalanceConfig(),
+            memory=MemoryConfig() if cap is None else MemoryConfig(budget=10**9, persistent=0.5, cache=cap, working=0.1),
             **OFFLOADS[c.offload],
         )  # fmt: skip
         zero_model, zero_opt = zs.initialize(model, opt, config=cfg, policy=policy)
+        probe = GatheredProbe(zero_model) if cap is not None else None
         if zero_opt is None:
             raise AssertionError("initialize() returned no optimizer although it was given one")
         wrapped, opt = zero_model, zero_opt
@@ -323,10 +387,21 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
                 norms.append(float(torch.nn.utils.clip_grad_norm_(params or model.parameters(), c.clip)))
         opt.step()
         opt.zero_grad(set_to_none=c.set_to_none)
+        if probe is not None:
+            probe.step()
+        if c.evals:  # evaluation between steps: a forward without gradients
+            with torch.no_grad():
+                x, y = batch(step, 9, rank)
+                losses.append(F.cross_entropy(wrapped(x).view(-1, VOCAB), y.reshape(-1)).item())
     if mode == "zero":
         engine = cast(ZeroModule, wrapped).zero_engine
         files = engine.disk.file_paths()
         check_tiers(c, engine.memory_stats(), files)
+        if cap is not None and probe is not None:
+            probe.step()
+            LAST_STATS.clear()
+            LAST_STATS.update(engine.memory_stats())
+            _check_cache(c, LAST_STATS, probe, cap, rank)
     with zs.gathered_parameters(model) if mode == "zero" else contextlib.nullcontext():
         state = {k: v.detach().clone().to(torch.float64) for k, v in model.state_dict().items()}
     return losses, norms, state

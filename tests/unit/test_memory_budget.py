@@ -1,0 +1,95 @@
+"""The memory budget's config (``zero_strategy.memory``) and the cache's eviction policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from zero_strategy.config import ZeroConfig, not_applied_settings
+from zero_strategy.config.memory import MemoryConfig, TierBytes
+from zero_strategy.config.report import check_file
+from zero_strategy.sharding.cache import EvictionPolicy
+
+
+def test_budget_and_tiers_read_as_fractions_or_bytes() -> None:
+    m = MemoryConfig(budget="60GB", persistent=0.3, cache="20GiB", working="1.5GB")
+    assert m.budget == 60 * 10**9 and m.cache == 20 * 2**30 and m.working == 1_500_000_000
+    assert m.persistent == 0.3 and isinstance(m.persistent, float)
+    t = m.resolve(None)  # bytes: no device needed
+    assert t == TierBytes(budget=60 * 10**9, persistent=18 * 10**9, cache=20 * 2**30, working=1_500_000_000)
+    assert MemoryConfig(budget=1).budget == 1.0 and isinstance(MemoryConfig(budget=1).budget, float)  # a fraction
+    assert MemoryConfig(budget=4096).budget == 4096  # an integer above 1: bytes
+    frac = MemoryConfig(budget=0.5).resolve(80 * 10**9)
+    assert (frac.budget, frac.persistent, frac.cache, frac.working) == (40 * 10**9, 12 * 10**9, 20 * 10**9, 8 * 10**9)
+    assert not MemoryConfig().enabled and MemoryConfig(budget=0.9).enabled
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        ({"budget": 0.9, "persistent": 0.5, "cache": 0.5}, r"more than the whole budget \(1\)"),
+        ({"budget": "1GB", "cache": "2GB"}, r"add up to more than the budget"),
+        ({"budget": "sixty GB"}, r"could not read 'sixty GB' as a size"),
+        ({"budget": "60XB"}, r"could not read '60XB' as a size"),
+        ({"budget": 0}, r"must be > 0"),
+        ({"budget": 1.5}, r"above 1, so it is read as bytes, which must be whole"),
+        ({"budget": "1GB", "cache": -0.1}, r"must be >= 0"),
+    ],
+)
+def test_bad_budgets_name_the_field_and_the_fix(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        MemoryConfig(**kwargs)
+
+
+def test_a_fraction_of_a_cpu_device_asks_for_bytes() -> None:
+    with pytest.raises(
+        ValueError, match=r"budget=0.9 is a fraction of the device's memory, but the device is the CPU.*'8GB'"
+    ):
+        MemoryConfig(budget=0.9).resolve(None)
+
+
+def test_deepspeed_block_shorthand_and_the_knobs_the_budget_replaces() -> None:
+    cfg = ZeroConfig.from_dict(
+        {
+            "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 10**6},
+            "zero_strategy": {"memory": {"budget": "8GB", "cache": 0.25}},
+        }
+    )
+    assert cfg.memory == MemoryConfig(budget=8 * 10**9, cache=0.25)
+    said = not_applied_settings(cfg)
+    assert any(m.startswith("stage3_max_live_parameters=1000000 is not applied: zero_strategy.memory") for m in said)
+    assert not any("stage3_max_reuse_distance" in m for m in said)  # not set: nothing to say
+    assert ZeroConfig.from_dict({"zero_strategy": {"memory": "8GB"}}).memory.budget == 8 * 10**9
+    assert not_applied_settings(ZeroConfig(stage=3, stage3_max_live_parameters=10**6)) == []  # no budget: it governs
+    with pytest.raises(ValueError, match=r"zero_strategy.memory needs stage 3 \(got stage 1\)"):
+        ZeroConfig(stage=1, memory={"budget": "8GB"})
+    # the default stage (2), which a front-end may still set: a conflict of the resolved config
+    assert any("memory needs stage 3" in m for m in ZeroConfig(memory={"budget": "8GB"}).conflicts())
+
+
+def test_check_prints_the_bytes_per_tier(tmp_path: Path) -> None:
+    path = tmp_path / "z.yaml"
+    path.write_text("zero_optimization: {stage: 3}\nzero_strategy:\n  memory: {budget: 2GiB, cache: 0.5}\n")
+    text = check_file(path).format()
+    assert "memory budget (bytes per tier):" in text, text
+    assert "budget: 2.00 GiB (2147483648 B)" in text and "cache: 1.00 GiB (1073741824 B)" in text, text
+    path.write_text("zero_optimization: {stage: 3}\nzero_strategy:\n  memory: 0.9\n")
+    assert "budget: 0.9 of the device's memory" in check_file(path).format()
+
+
+def test_eviction_is_farthest_next_use_in_the_cyclic_order_else_lru() -> None:
+    p: EvictionPolicy[str] = EvictionPolicy()
+    for key in "abcd":
+        p.used(key)
+    assert p.victim("abcd", None) == "a"  # no order: least recently used
+    p.used("a")
+    assert p.victim("abcd", None) == "b"
+    p.set_order(list("abcddcba"))  # forward a b c d, backward d c b a
+    # at position 3 (d's forward): next uses d@4, c@5, b@6, a@7 -> a is farthest
+    assert p.victim("abc", 3) == "a"
+    # at position 6 (b's backward): a@7, then (next step) b@9, c@10, d@11: d is farthest
+    assert p.victim("abcd", 6) == "d"
+    assert p.distance("a", 7) == 1 and p.distance("d", 4) == 7  # the next step: a@8, d@11
+    p.set_order(list("abab"))
+    assert p.victim("abz", 0) == "z"  # never used in the order: first to go
