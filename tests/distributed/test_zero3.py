@@ -574,8 +574,8 @@ def case_t5_outside_calls(rank: int, persist: int | None) -> None:
 
 def case_persistent_parameters_read_outside_forward(rank: int) -> None:
     """Persistent parameters (below ``stage3_param_persistence_threshold``) are never
-    partitioned, as in DeepSpeed: read outside forward after a step they hold the stepped
-    values (Accelerate's own ``test_script.py`` reads ``model.a`` of its 0-dim ``RegressionModel``;
+    partitioned, as in DeepSpeed: read outside forward after initialize, a step or a load they
+    hold the current values (Accelerate's own ``test_script.py`` reads ``model.a`` of its 0-dim ``RegressionModel``;
     it read NaN)."""
     import torch
     from torch import nn
@@ -600,15 +600,25 @@ def case_persistent_parameters_read_outside_forward(rank: int) -> None:
     ddp, ref_opt = DDP(ref), torch.optim.SGD(ref.parameters(), lr=0.1)
     model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
     assert all(u.persistent for u in model.zero_engine.params.units), "the default threshold keeps these whole"
+
+    def check(when: str) -> None:
+        for name, want in ref.named_parameters():
+            got = model.get_parameter(name).detach()
+            assert_close(got, want.detach(), rtol=1e-12, atol=0.0, what=f"{name} read {when}")
+
+    check("after initialize")
     for step in range(3):
         x = torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * step + rank), dtype=torch.float64)
         for net, o in ((ddp, ref_opt), (model, opt)):
             net(x).pow(2).mean().backward()
             o.step()
             o.zero_grad()
-        for name, want in ref.named_parameters():
-            got = model.get_parameter(name).detach()
-            assert_close(got, want.detach(), rtol=1e-12, atol=0.0, what=f"{name} read after step {step}")
+        check(f"after step {step}")
+    with torch.no_grad():  # a load: every rank loads the same full weights
+        for p in ref.parameters():
+            p.mul_(0.5)
+    zs.load_full_state_dict(model, {k: v.clone() for k, v in ref.state_dict().items()})
+    check("after load_full_state_dict")
 
 
 def _hugging_face_worker(rank: int, world: int) -> int:

@@ -198,6 +198,7 @@ class ZeroEngine:
                 cache=self.budget.cache if self.budget is not None else None,
             )
             self.zero3 = UnitScheduler(self.params, self._plan, self.reducer, settings)
+            self.params.refresh_persistent("initialize")  # never partitioned for their readers
             if self.budget is not None:  # does the model fit? (raises with each tier's bytes)
                 self.budget.check(self.memory_stats(), self.zero3.cache, when="at initialize")
             self.reducer.deferred_check = self.params.checks  # read with the gradient flags

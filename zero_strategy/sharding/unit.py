@@ -699,6 +699,7 @@ class ShardedParams(ParamStorage):
         finally:
             stack, self._loading, self._loading_unit = self._loading, None, None
             stack.close()
+        self.refresh_persistent("load")  # not after an error: the ranks may not agree on where it stopped
 
     def load_full(self, p: torch.Tensor, full: torch.Tensor) -> None:
         u, i = self._unit_of_or_raise(p, "load_full")
@@ -717,7 +718,12 @@ class ShardedParams(ParamStorage):
         for u in self.units:
             u.pull_masters()
             u.reshard()
-        kept = [u for u in self.units if u.persistent]
+        self.refresh_persistent(step)
+
+    def refresh_persistent(self, step: str) -> None:
+        """Gather the persistent units that are sharded now (after a step, a load, at
+        initialize). Collective: every rank calls it at the same point."""
+        kept = [u for u in self.units if u.persistent and u.state is ShardedState.SHARDED]
         for u in kept:
             u.unshard_async(step)
         for u in kept:
