@@ -80,6 +80,8 @@ def main() -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         reloaded = GPT2LMHeadModel.from_pretrained(args.out).state_dict()
+        if not state_dict or set(reloaded) != set(state_dict):
+            raise SystemExit(f"saved {len(state_dict)} tensors; from_pretrained gave {len(reloaded)} other names")
         differ = sorted(k for k, v in state_dict.items() if not torch.equal(reloaded[k], v))
         if differ:  # torch.equal is False for NaN too
             raise SystemExit(f"from_pretrained gave other weights for {differ}")

@@ -8,30 +8,80 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from accelerate_zero.plugin import CONFIG_ENV as REQUEST_ENV
 from accelerate_zero.plugin import ZeroPlugin
+from zero_strategy.runtime.optimizer import engine_of
 
 __all__ = ["prepare_routed", "refuse_ddp"]
 
 _PLUGIN_ATTR = "_zero_autostart_plugin"
 
 
+def _ddp_inside(model: Any) -> nn.parallel.DistributedDataParallel | None:
+    """The DDP module inside ``model``, also under ``torch.compile``'s wrapper (``_orig_mod``)."""
+    for _ in range(4):
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            return model
+        model = getattr(model, "_orig_mod", None)
+        if model is None:
+            return None
+    return None
+
+
 def refuse_ddp(result: Any, call: str) -> None:
     """Raise if ``result`` is a model Accelerate wrapped in DDP although ZeRO was asked for."""
-    if isinstance(result, nn.parallel.DistributedDataParallel):
-        inner = type(result.module).__name__
+    ddp = _ddp_inside(result)
+    if ddp is not None:
+        inner = type(ddp.module).__name__
         raise RuntimeError(
             f"{call}: {REQUEST_ENV} asks for the ZeRO engine, but Accelerate wrapped {inner} in "
             "DistributedDataParallel (plain DDP, no sharding). Prepare the model with its optimizer through "
             "accelerator.prepare(model, optimizer, ...), which the ZeRO start-up hook routes to the engine, "
             f"or unset {REQUEST_ENV} to train with DDP"
         )
+
+
+# Models the engine took without an optimizer (evaluation models): an optimizer built
+# elsewhere that steps their parameters would train nothing at ZeRO-3 and everything
+# unsharded at ZeRO-1/2, so its step raises.
+_WITHOUT_OPTIMIZER: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_STEP_HOOK: list[Any] = []
+
+
+def _refuse_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _WITHOUT_OPTIMIZER:
+        return
+    try:
+        engine_of(optimizer)
+        return  # the engine's own optimizer
+    except ValueError:
+        pass
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for model in list(_WITHOUT_OPTIMIZER):
+        if any(id(p) in ids for p in model.parameters()):
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(): it updates parameters of {type(model).__name__}, which "
+                f"{REQUEST_ENV} gave to the ZeRO engine without an optimizer (accelerator.prepare(model) alone), so "
+                "this step would not train it as sharded. Prepare both in one call: "
+                "accelerator.prepare(model, optimizer, ...)"
+            )
+
+
+def _watch_models_without_optimizer(accelerator: Any) -> None:
+    binding = getattr(accelerator, "_zero_binding", None)
+    for model, optimizer in getattr(binding, "entries", ()):
+        if optimizer is None:
+            _WITHOUT_OPTIMIZER.add(model)
+    if _WITHOUT_OPTIMIZER and not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_foreign_step))
 
 
 def _plugin(accelerator: Any) -> ZeroPlugin:
@@ -78,9 +128,17 @@ def prepare_routed(
     if not fresh:
         _refuse_late_optimizer(accelerator, objects)
         return original(accelerator, *objects, device_placement=device_placement)
+    for model in fresh:
+        if _ddp_inside(model) is not None:
+            raise ValueError(
+                f"accelerator.prepare({type(model).__name__}): the model is already wrapped in "
+                f"DistributedDataParallel; with {REQUEST_ENV} set the ZeRO engine replaces DDP: pass the plain model"
+            )
     if device_placement is not None:
         raise ValueError(
             f"accelerator.prepare(..., device_placement={device_placement!r}): with {REQUEST_ENV} set the models go "
             "to the ZeRO engine, which places them on the Accelerator's device itself; drop device_placement"
         )
-    return _plugin(accelerator).prepare(accelerator, *objects)
+    prepared = _plugin(accelerator).prepare(accelerator, *objects)
+    _watch_models_without_optimizer(accelerator)
+    return prepared

@@ -18,7 +18,7 @@ import sys
 from accelerate_zero._autostart import PTH_NAME
 from accelerate_zero.plugin import ZeroPlugin
 
-__all__ = ["check_hook_installed", "hook_files", "launch", "main"]
+__all__ = ["check_hook_installed", "hook_active", "hook_files", "launch", "main"]
 
 LAUNCH_USAGE = (
     "usage: zero-strategy launch --zero-config FILE [--zero-stage N] [accelerate launch options] SCRIPT [SCRIPT ARGS]\n"
@@ -59,14 +59,25 @@ def hook_files() -> list[str]:
     return [p for p in (os.path.join(d, PTH_NAME) for d in dirs) if os.path.isfile(p)]
 
 
-def check_hook_installed() -> None:
+def hook_active(environ: dict[str, str]) -> bool:
+    """Whether a process started with ``environ`` (``ZERO_STRATEGY_CONFIG`` set) runs the hook:
+    a child Python reports the finder the ``.pth`` line installs (it imports no torch)."""
+    import subprocess
+
+    probe = "import sys; print(any(type(f).__name__ == '_PatchOnImport' for f in sys.meta_path))"
+    done = subprocess.run([sys.executable, "-c", probe], env=environ, capture_output=True, text=True, check=False)
+    return done.returncode == 0 and done.stdout.strip() == "True"
+
+
+def check_hook_installed(environ: dict[str, str]) -> None:
     """Refuse to launch when the processes would not run the start-up hook: they would train DDP."""
-    if not hook_files():
+    if not hook_active(environ):
+        found = ", ".join(hook_files()) or "none found"
         raise RuntimeError(
-            f"the start-up hook ({PTH_NAME}) is not installed in this Python's site-packages, so the launched "
-            "script's accelerator.prepare would wrap the model in plain DDP. Install the package with pip "
-            "(pip install 'zero-strategy[accelerate]', or pip install -e . in a checkout), or prepare the model in "
-            "code with accelerate_zero.ZeroPlugin.from_env().prepare(accelerator, ...)"
+            f"the start-up hook ({PTH_NAME}) does not run in this Python (installed lines: {found}), so the "
+            "launched script's accelerator.prepare would wrap the model in plain DDP. Install the package with "
+            "pip (pip install 'zero-strategy[accelerate]', or pip install -e . in a checkout), or prepare the "
+            "model in code with accelerate_zero.ZeroPlugin.from_env().prepare(accelerator, ...)"
         )
 
 
@@ -81,7 +92,7 @@ def launch(argv: list[str]) -> None:
     # a bad file fails here, before any process starts; so does a conflict in the config the processes will
     # resolve (ZeroConfig.conflicts: e.g. offload_param without stage 3, which the file alone may leave open)
     ZeroPlugin.from_env(environ={**os.environ, **env}).config.check(caller="the config from --zero-config/--zero-stage")
-    check_hook_installed()
+    check_hook_installed({**os.environ, **env})
     args = launch_command_parser().parse_args(rest)
     if args.cpu and (args.num_processes or 1) > 1:
         raise ValueError(

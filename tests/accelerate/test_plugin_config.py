@@ -3,6 +3,7 @@ and ``zero-strategy launch`` refusing a bad config before any process starts."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -214,9 +215,12 @@ def test_shipped_accelerate_configs_load_as_multi_process_launches(name: str, pr
 def test_launch_refuses_when_the_start_up_hook_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the installed ``.pth`` line the launched script would train DDP: refuse first."""
     assert launch.hook_files(), "the package's install (pip install -e .) puts zero_strategy_accelerate.pth here"
+    assert launch.hook_active({**os.environ, CONFIG_ENV: "z.yaml"}) and not launch.hook_active(
+        {**os.environ, CONFIG_ENV: ""}
+    )  # the probe sees the effect: a child with the variable runs the hook, one without does not
     good = write(tmp_path, "zero_optimization:\n  stage: 2\n", "good.yaml")
-    monkeypatch.setattr(launch, "hook_files", lambda: [])
-    with pytest.raises(RuntimeError, match=r"start-up hook \(zero_strategy_accelerate.pth\) is not installed"):
+    monkeypatch.setattr(launch, "hook_active", lambda environ: False)
+    with pytest.raises(RuntimeError, match=r"start-up hook \(zero_strategy_accelerate.pth\) does not run"):
         launch.launch(["--zero-config", good, "train.py"])
 
 

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -136,3 +137,48 @@ def test_the_accelerate_example_runs_unmodified_at_zero3(tmp_path: Path) -> None
     output = _launch_script(tmp_path, _zero_launch(CONFIGS / "zero3.yaml"), {}, example, args, last=last)
     assert ROUTED.findall(output) == ["3"] and last in output, output[-3000:]
     assert (tmp_path / "gpt2-state" / "latest").is_file() and (tmp_path / "gpt2" / "config.json").is_file()
+
+
+REFUSALS = r"""
+import os, torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1)
+from accelerate import Accelerator
+from accelerate_zero._routing import refuse_ddp
+seen = []
+
+def expect(kind, words, fn):
+    try:
+        fn()
+    except kind as exc:
+        if words not in str(exc):
+            raise AssertionError(f"{words!r} not in {exc}") from exc
+        seen.append(words)
+    else:
+        raise AssertionError(f"{words}: did not raise")
+
+acc = Accelerator()
+model = acc.prepare(nn.Linear(4, 4))  # the engine takes it without an optimizer
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.ones(2, 4)).sum().backward()
+expect(RuntimeError, "gave to the ZeRO engine without an optimizer", opt.step)
+other = nn.Linear(4, 4)
+torch.optim.SGD(other.parameters(), lr=0.1).step()  # an optimizer of another model steps as usual
+ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+expect(ValueError, "already wrapped in DistributedDataParallel", lambda: acc.prepare(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)))
+expect(RuntimeError, "wrapped Linear in DistributedDataParallel", lambda: refuse_ddp(torch.compile(ddp), "prepare_model"))
+print("REFUSED", len(seen))
+dist.destroy_process_group()
+"""
+
+
+def test_what_would_not_train_sharded_is_refused_in_one_process(tmp_path: Path) -> None:
+    """A model the hook gave to the engine alone, then stepped by an optimizer of its own; a
+    model the user wrapped in DDP; a DDP under ``torch.compile`` (each trained silently unsharded,
+    or not at all at ZeRO-3, before)."""
+    script = tmp_path / "refusals.py"
+    script.write_text(REFUSALS)
+    env = {**os.environ, "ZERO_STRATEGY_CONFIG": str(CONFIGS / "zero3.yaml"), "PORT": str(_free_port()),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0 and "REFUSED 3" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -1,11 +1,13 @@
 """``examples/train_gpt.py`` runs as its docstring says (fewer, smaller steps): ``torchrun`` on
-2 CPU processes at every stage, and one process with ``python``."""
+2 CPU processes at ZeRO-3 (stages 1 and 2 run the same script path), and one process with
+``python`` at ZeRO-2."""
 
 from __future__ import annotations
 
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -36,8 +38,11 @@ def test_train_gpt_with_torchrun(stage: int) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     output = proc.stdout + proc.stderr
     finished = "rank 1: model state" in proc.stdout
-    # gloo may abort a rank while destroying the group, after all the work printed here is done
-    assert proc.returncode == 0 or (finished and "exitcode  : -6" in proc.stderr), output[-4000:]
+    # gloo may abort a rank while destroying the group, after all the work printed here is done:
+    # tolerated only if every failed child died of SIGABRT (or torchrun's SIGTERM after it)
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)]
+    aborted = -signal.SIGABRT in codes and all(c in (-signal.SIGABRT, -signal.SIGTERM) for c in codes)
+    assert proc.returncode == 0 or (finished and aborted), output[-4000:]
     assert f"ZeRO stage {stage}, 2 rank(s)" in proc.stdout
     assert len(_losses(proc.stdout)) == 2  # steps 0 and 2
     assert "rank 0: model state" in proc.stdout and finished
