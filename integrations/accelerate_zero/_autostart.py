@@ -24,6 +24,10 @@ variable set:
 
 The explicit ``ZeroPlugin(...).prepare(accelerator, ...)`` keeps working with the variable set:
 the models it hands back to ``accelerator.prepare`` are already prepared and pass through.
+
+The same hook wraps the Hugging Face ``Trainer`` when ``transformers.trainer`` is imported: its
+``accelerator.prepare(model, optimizer)`` is routed as above, and its checkpoint methods are
+replaced by ones that every rank runs (``accelerate_zero.trainer``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ __all__ = ["PTH_NAME", "REQUEST_ENV", "install", "installed", "requested"]
 REQUEST_ENV = "ZERO_STRATEGY_CONFIG"  # the same variable ZeroPlugin.from_env reads
 PTH_NAME = "zero_strategy_accelerate.pth"  # the start-up line, installed beside the packages
 _TARGET = "accelerate.accelerator"
+_TRAINER = "transformers.trainer"  # wrapped by accelerate_zero.trainer.wrap_trainer
 _MARK = "_zero_strategy_autostart"
 
 
@@ -60,21 +65,35 @@ def installed() -> bool:
 def install() -> None:
     """Wrap ``Accelerator.prepare``/``prepare_model`` now if accelerate is imported, else when it
     is. Idempotent (a venv's ``lib64`` link makes Python read the ``.pth`` twice)."""
-    module = sys.modules.get(_TARGET)
-    if module is not None and hasattr(module, "Accelerator"):
-        _wrap(module)
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+    pending = False
+    for name, attr in ((_TARGET, "Accelerator"), (_TRAINER, "Trainer")):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, attr):
+            _patch(name, module)
+        else:
+            pending = True
+    if pending and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())
 
 
+def _patch(name: str, module: ModuleType) -> None:
+    if name == _TARGET:
+        _wrap(module)
+    else:  # the Trainer's wrappers import torch and the engine: loaded only when transformers.trainer is
+        from accelerate_zero.trainer import wrap_trainer
+
+        wrap_trainer(module)
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``accelerate.accelerator`` through the other finders and wraps its loader, so the
-    class is patched right after its module runs (before ``accelerate/__init__`` re-exports it)."""
+    """Finds ``accelerate.accelerator`` (and ``transformers.trainer``) through the other finders
+    and wraps its loader, so the class is patched right after its module runs (before the
+    package's ``__init__`` re-exports it)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _TARGET:
+        if fullname not in (_TARGET, _TRAINER):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -96,7 +115,7 @@ class _PatchingLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
-        _wrap(module)
+        _patch(module.__name__, module)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for tracebacks and inspect
         return getattr(self.inner, name)

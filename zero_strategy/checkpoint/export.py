@@ -158,15 +158,24 @@ def full_state_dict(
     tensors and the other ranks get ``{}``, so one process holds the full model, as with
     FSDP's ``full_state_dict`` option; ``rank0_only=False`` gives it to every rank. Floating
     tensors are cast to ``dtype`` if given. Parameters come as the model stores them (the
-    engine's ``param_dtype`` under mixed precision).
+    engine's ``param_dtype`` under mixed precision). Tied parameters (one Parameter under two
+    names, as GPT-2's embedding and head) are gathered once and share one tensor, as in
+    ``model.state_dict()``, so ``save_pretrained`` writes them once.
     """
     if not isinstance(model, nn.Module):
         entries, read_saved = _checkpoint_entries(os.fspath(model), dtype)
         return {n: read_saved(n).to(device=device, dtype=d).reshape(s) for n, s, d in entries}
     keep = not rank0_only or get_engine(model).ctx.rank == 0
     entries, read = _live_entries(model, dtype)
+    live = model.state_dict(keep_vars=True)
     out: dict[str, torch.Tensor] = {}
+    first: dict[int, str] = {}  # tied parameters: one gather, one tensor under every name
     for name, _, d in entries:
+        seen = first.setdefault(id(live[name]), name)
+        if seen != name:
+            if keep:
+                out[name] = out[seen]
+            continue
         t = read(name)
         if keep:
             out[name] = t.to(device=device, dtype=d)
