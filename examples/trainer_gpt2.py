@@ -62,7 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-total-limit", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.1, help="GPT-2's three dropout rates")
     p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward (transformers' activation_checkpointing)")  # fmt: skip
     p.add_argument("--resume", default=None, help="a checkpoint directory to resume from")
+    p.add_argument("--evaluate-first", action="store_true", help="trainer.evaluate() before training")
     p.add_argument("--greater-is-better", action="store_true",
                    help="keep the checkpoint with the highest eval loss as the best (tests: an early one)")  # fmt: skip
     return p.parse_args(argv)
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> Trainer:
         metric_for_best_model="eval_loss",
         greater_is_better=args.greater_is_better,
         bf16=args.bf16,
+        activation_checkpointing=args.activation_checkpointing or None,
         use_cpu=not torch.cuda.is_available(),
         dataloader_drop_last=True,
         report_to="none",
@@ -107,6 +111,8 @@ def main(argv: list[str] | None = None) -> Trainer:
         train_dataset=ByteWindows(64, 32, offset=0),
         eval_dataset=ByteWindows(16, 32, offset=64),
     )
+    if args.evaluate_first:
+        trainer.evaluate()
     trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(os.path.join(args.out, "final"))  # every process calls it, as with DDP
     if trainer.is_world_process_zero():

@@ -119,11 +119,35 @@ def _refuse_late_optimizer(accelerator: Any, objects: tuple[Any, ...]) -> None:
                 )
 
 
+def _take_back_evaluation_only(objects: tuple[Any, ...]) -> None:
+    """A model that Accelerate prepared for evaluation alone (``prepare_model(model,
+    evaluation_mode=True)``: the Hugging Face ``Trainer``'s ``evaluate()`` before ``train()``)
+    is a plain module with Accelerate's marks, and no DDP. Passed again with its optimizer, it
+    must go to the engine like a fresh one (Accelerate would hand it back as it is, and the
+    ranks would train it without reducing the gradients): its marks and autocast wrapper go."""
+    ids = {id(p) for o in objects if isinstance(o, torch.optim.Optimizer) for g in o.param_groups for p in g["params"]}
+    for model in objects:
+        if (
+            isinstance(model, nn.Module)
+            and not isinstance(model, nn.parallel.DistributedDataParallel)
+            and getattr(model, "_is_accelerate_prepared", False)
+            and getattr(model, "_zero_engine", None) is None
+            and any(id(p) in ids for p in model.parameters())
+        ):
+            model.__dict__.pop("_is_accelerate_prepared", None)
+            if (
+                "_original_forward" in model.__dict__
+            ):  # Accelerate's autocast around forward: the engine applies its own
+                model.__dict__.pop("forward", None)
+                model.__dict__.pop("_original_forward", None)
+
+
 def prepare_routed(
     accelerator: Any, objects: tuple[Any, ...], device_placement: Any, original: Callable[..., Any]
 ) -> Any:
     """``Accelerator.prepare`` under the hook, with ZeRO asked for: fresh models (with their optimizers) go to the
     engine through ``ZeroPlugin.from_env()``; anything else goes to Accelerate."""
+    _take_back_evaluation_only(objects)
     fresh = [o for o in objects if isinstance(o, nn.Module) and not getattr(o, "_is_accelerate_prepared", False)]
     if not fresh:
         _refuse_late_optimizer(accelerator, objects)

@@ -64,10 +64,14 @@ def refuse_other_engines(args: Any, *, deepspeed_enabled: bool = False, fsdp_ena
     """Raise if the ``Trainer`` would also run DeepSpeed or FSDP: ``TrainingArguments(deepspeed=...)``,
     ``TrainingArguments(fsdp=...)``, or an Accelerate config that enables either."""
     asked = []
-    if getattr(args, "deepspeed", None) or deepspeed_enabled:
-        asked.append(("DeepSpeed", "TrainingArguments(deepspeed=...) or the Accelerate config's DeepSpeed settings"))
-    if getattr(args, "fsdp", None) or fsdp_enabled:
-        asked.append(("FSDP", "TrainingArguments(fsdp=...) or the Accelerate config's FSDP settings"))
+    if getattr(args, "deepspeed", None):
+        asked.append(("DeepSpeed", f"TrainingArguments(deepspeed={args.deepspeed!r})"))
+    elif deepspeed_enabled:
+        asked.append(("DeepSpeed", "the Accelerate config (distributed_type: DEEPSPEED)"))
+    if getattr(args, "fsdp", None):
+        asked.append(("FSDP", f"TrainingArguments(fsdp={args.fsdp!r})"))
+    elif fsdp_enabled:
+        asked.append(("FSDP", "the Accelerate config (distributed_type: FSDP)"))
     if asked:
         engine, where = asked[0]
         raise ValueError(

@@ -6,7 +6,9 @@ whose config is ``ddp`` the variable is removed, so the ``Trainer`` takes its ow
 hook's wrappers hand every call to the ``Trainer``'s own methods); otherwise the variable names
 the job's ZeRO config. Run the DDP job first: the ZeRO jobs' engines are destroyed after each
 job, but nothing should depend on that. ``TRAINER_ARGS`` are the example's arguments (``{out}``
-is the job's directory under ``TRAINER_OUT``).
+is the job's directory under ``TRAINER_OUT``, ``{src}`` the job's name without a ``resume-``
+prefix: the run whose checkpoint it resumes); ``TRAINER_EXTRA`` (JSON) adds arguments for
+single jobs.
 
 Each rank writes ``$ACCEL_JOB_OUT/rank<r>.json`` (what ``run_launch`` collects): per job, which
 wrapper the Trainer trained (the DDP class, or the engine's model), the stage and the world size;
@@ -40,7 +42,9 @@ def main() -> None:
         else:
             os.environ["ZERO_STRATEGY_CONFIG"] = config
         out = root / name
-        argv = [a.replace("{out}", str(out)) for a in shlex.split(os.environ["TRAINER_ARGS"])]
+        src = name.removeprefix("resume-")
+        line = os.environ["TRAINER_ARGS"] + " " + json.loads(os.environ.get("TRAINER_EXTRA", "{}")).get(name, "")
+        argv = [a.replace("{out}", str(out)).replace("{src}", src) for a in shlex.split(line)]
         trainer = example.main(argv)
         engine = getattr(trainer.model, "_zero_engine", None)
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -49,6 +53,9 @@ def main() -> None:
             "engine": type(engine).__name__,
             "stage": None if engine is None else int(engine.config.stage),
             "world": dist.get_world_size() if dist.is_initialized() else 1,
+            "mixed_precision": str(trainer.accelerator.mixed_precision),
+            "autocast": None if engine is None else str(engine.config.precision.autocast_dtype),
+            "checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
         }
         results[name] = info
         if engine is not None:
@@ -57,12 +64,28 @@ def main() -> None:
             zs.destroy(trainer.model)
         if dist.is_initialized():
             dist.barrier()
+    if os.environ.get("TRAINER_REFUSE"):  # the Trainer's own FSDP together with ours
+        results["refused"] = _refused(root)
     rank = dist.get_rank() if dist.is_initialized() else 0
     report = Path(os.environ["ACCEL_JOB_OUT"])
     (report / f"rank{rank}.json").write_text(json.dumps(results))
     if dist.is_initialized():
         dist.barrier()
     (report / f"rank{rank}.done").write_text("")
+
+
+def _refused(root: Path) -> str:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    os.environ["ZERO_STRATEGY_CONFIG"] = os.environ["TRAINER_REFUSE"]
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))  # fmt: skip
+    args = TrainingArguments(output_dir=str(root / "refused"), fsdp=True, use_cpu=True, report_to="none")
+    try:
+        Trainer(model=model, args=args)
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
 
 
 if __name__ == "__main__":
