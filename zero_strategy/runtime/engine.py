@@ -51,7 +51,7 @@ from zero_strategy.reduction.grads import (
     ReduceInBackward,
 )
 from zero_strategy.runtime.engine_state import WholeModelState
-from zero_strategy.runtime.optimizer_set import OptimizerSet
+from zero_strategy.runtime.optimizer_set import OptimizerSet, key
 from zero_strategy.runtime.torch_clipping import LiveEngines
 from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
 from zero_strategy.runtime.zero3_hooks import Zero3Hooks
@@ -147,7 +147,7 @@ class ZeroEngine(WholeModelState):
         self._backward_sync = False
         self._sync_buffers_next = True
         self._root_depth = 0  # nesting of calls of the root module (only the outermost one acts)
-        self._clipped: set[int] = set()  # clipped since the last step: id of each optimizer, 0 for the whole model
+        self._clipped: set[int] = set()  # clipped since the last step: optimizer_set.key of each, 0 for the whole model
         self._scratch_budget: int | None = None  # communication buffers kept between steps (bytes)
         self._skip_step = False
         self.last_step_skipped = False
@@ -570,7 +570,7 @@ class ZeroEngine(WholeModelState):
         self.finalize_grads()
         scope = self.opts.scope(optimizer)
         total = self.reducer.clip_grad_norm_(max_norm, norm_type, only=scope)
-        self._clipped.add(0 if scope is None else id(optimizer))
+        self._clipped.add(0 if scope is None or optimizer is None else key(optimizer))
         return total
 
     def clip_grad_value_(self, clip_value: float, *, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -586,7 +586,7 @@ class ZeroEngine(WholeModelState):
         self._expect_idle("optimizer.step()", "call it after loss.backward() returns", forward_ok=True)
         self.finalize_grads()
         scope = self.opts.scope(optimizer)
-        clipped = 0 in self._clipped or (scope is not None and id(optimizer) in self._clipped)
+        clipped = 0 in self._clipped or (scope is not None and key(optimizer) in self._clipped)
         if self.config.gradient_clipping is not None and not clipped:
             self.clip_grad_norm_(self.config.gradient_clipping, optimizer=optimizer, _from_config=True)
         if self._skip_step:
@@ -626,10 +626,12 @@ class ZeroEngine(WholeModelState):
         if self.opts.scope(optimizer) is None:
             self._clipped.clear()
         else:  # a clip of the whole model holds until the next backward (the other optimizers step too)
-            self._clipped.discard(id(optimizer))
+            self._clipped.discard(key(optimizer))
         self._loss_scaled = False
         if not skipped:
             self.params.after_step(self._step_label())
+            if self.zero3 is not None and self._root_depth > 0:  # a step inside the forward (manual optimization)
+                self.zero3.regather_root()
         self.step_count += 1
         C.mark_step()  # the step's wall time, against which comm_report() sets the exposed communication
         if self.zero3 is not None:
@@ -647,8 +649,8 @@ class ZeroEngine(WholeModelState):
         self._expect_idle("zero_grad()", "call it between steps", forward_ok=True)
         scope = self.opts.scope(optimizer)
         self.reducer.zero_grad(set_to_none=set_to_none, full_grads=self.schedule.full_grads, only=scope)
-        if scope is not None:
-            self._clipped.discard(id(optimizer))
+        if scope is not None and optimizer is not None:
+            self._clipped.discard(key(optimizer))
             if self.grad_state is not GradState.EMPTY:
                 self._set_grad(GradState.ACCUMULATING, "zero_grad() of one of several optimizers")
             return

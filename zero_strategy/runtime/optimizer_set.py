@@ -31,7 +31,14 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-__all__ = ["OptimizerSet", "check_disjoint", "refuse_several"]
+__all__ = ["OptimizerSet", "check_disjoint", "key", "refuse_several"]
+
+
+def key(optimizer: torch.optim.Optimizer) -> int:
+    """What tells an optimizer apart: its ``param_groups`` list. A wrapper that shares the
+    optimizer's attributes (Lightning's ``LightningOptimizer``, whose class derives from the
+    optimizer's) calls the optimizer's methods with itself as ``self``: the same list."""
+    return id(optimizer.param_groups)
 
 
 class OptimizerSet:
@@ -44,15 +51,15 @@ class OptimizerSet:
         if len(self.optimizers) > 1:
             for opt in self.optimizers:
                 ids = (param_of_master.get(id(m)) for group in opt.param_groups for m in group["params"])
-                self._scopes[id(opt)] = frozenset(i for i in ids if i is not None)
+                self._scopes[key(opt)] = frozenset(i for i in ids if i is not None)
 
     @property
     def single(self) -> torch.optim.Optimizer | None:
         """The optimizer when there is exactly one; None when there are none or several."""
         return self.optimizers[0] if len(self.optimizers) == 1 else None
 
-    def __contains__(self, optimizer: object) -> bool:
-        return any(opt is optimizer for opt in self.optimizers)
+    def __contains__(self, optimizer: torch.optim.Optimizer) -> bool:
+        return any(key(opt) == key(optimizer) for opt in self.optimizers)
 
     def __len__(self) -> int:
         return len(self.optimizers)
@@ -62,7 +69,13 @@ class OptimizerSet:
         optimizer, or a call made on the model rather than on an optimizer)."""
         if optimizer is None or len(self.optimizers) < 2:
             return None
-        return self._scopes[id(optimizer)]
+        scope = self._scopes.get(key(optimizer))
+        if scope is None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} is not one of the optimizers bound to this model (it was replaced by "
+                "zero_strategy.replace_optimizer()); use the optimizers initialize() or replace_optimizer() returned"
+            )
+        return scope
 
 
 def check_disjoint(optimizers: Sequence[torch.optim.Optimizer], module: nn.Module, call: str) -> None:
