@@ -67,7 +67,8 @@ def build(ns: str) -> tuple[type, type]:
 
     class ZeroFabricStrategy(ZeroParallelMixin, ParallelStrategy):
         """ZeRO stages 1-3 from ``zero_strategy`` for ``Fabric(strategy=...)``; arguments as
-        for the Trainer's ``ZeroStrategy``. Set up the module and its one optimizer together."""
+        for the Trainer's ``ZeroStrategy``. Set up the module and its optimizer together (or
+        several optimizers over disjoint parameters of it: ``fabric.setup(gan, opt_g, opt_d)``)."""
 
         is_distributed = True
         _zero_dist, _zero_rank_zero, _zero_launcher = dist, rank_zero, launchers._SubprocessScriptLauncher
@@ -130,20 +131,20 @@ def build(ns: str) -> tuple[type, type]:
         def setup_module_and_optimizers(
             self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
         ) -> Any:
-            if len(optimizers) != 1:
-                raise ValueError(
-                    f"ZeroFabricStrategy: fabric.setup got {len(optimizers)} optimizers; the zero strategies shard exactly one"
-                )
-            module, optimizer = self._initialize(module, optimizers[0])
-            self.precision.optimizer = optimizer
-            return module, [optimizer], scheduler
+            if not optimizers:
+                raise ValueError("ZeroFabricStrategy: fabric.setup got no optimizer; use fabric.setup_module(module)")
+            # several: disjoint parameters of the module (zero_strategy.initialize checks)
+            module, bound = self._initialize(module, optimizers[0] if len(optimizers) == 1 else list(optimizers))
+            opts = [bound] if len(optimizers) == 1 else list(bound)
+            self.precision.optimizer = opts[0]
+            return module, opts, scheduler
 
         @override
         def setup_module(self, module: nn.Module) -> nn.Module:
             # no optimizer: evaluation, or gradients read by other code (full averaged p.grad at ZeRO-1/2)
             return self._initialize(module, None)[0]
 
-        def _initialize(self, module: nn.Module, optimizer: Any) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+        def _initialize(self, module: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
             # Fabric has no clipping or accumulation arguments: the engine applies the file's clipping
             engine_config = self._zero_apply_arguments("Fabric(precision=...)", precision=self.precision.precision)
             module, optimizer = zs.initialize(module, optimizer, config=engine_config, policy=self._policy)
@@ -188,16 +189,15 @@ def build(ns: str) -> tuple[type, type]:
                 raise TypeError(
                     "ZeroFabricStrategy.save_checkpoint: storage_options and filter are not supported (shards are written by zero_strategy)"
                 )
-            model_key, opt_key = _split(state)
+            model_key, opt_keys = _split(state)
             path = self._zero_checkpoint_path(path)
             rest = {
                 k: (v.state_dict() if isinstance(v, stateful) else v)
                 for k, v in state.items()
-                if k not in (model_key, opt_key)
+                if k != model_key and k not in opt_keys
             }
-            meta = {"model_key": model_key, "optimizer_key": opt_key, "state": rest}
-            optimizer = None if opt_key is None else state[opt_key]
-            self._zero_save_shards(path, state[model_key], optimizer, meta)
+            meta = {"model_key": model_key, "optimizer_keys": opt_keys, "state": rest}
+            self._zero_save_shards(path, state[model_key], _core_arg(state, opt_keys), meta)
 
         @override
         def load_checkpoint(
@@ -207,12 +207,12 @@ def build(ns: str) -> tuple[type, type]:
                 raise TypeError(
                     "ZeroFabricStrategy.load_checkpoint: pass the state dict to restore into, e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})"
                 )
-            model_key, opt_key = _split(state)
+            model_key, opt_keys = _split(state)
             path = self._zero_checkpoint_path(path)
-            meta = self._zero_load_shards(path, state[model_key], state.get(opt_key), weights_only)
+            meta = self._zero_load_shards(path, state[model_key], _core_arg(state, opt_keys), weights_only)
             saved = dict(meta["state"])
             for key, obj in list(state.items()):
-                if key in (model_key, opt_key):
+                if key == model_key or key in opt_keys:
                     continue
                 if key not in saved:
                     if strict:
@@ -231,8 +231,14 @@ def build(ns: str) -> tuple[type, type]:
     return ZeroFabricStrategy, ZeroFabricPrecision
 
 
-def _split(state: Mapping[str, Any]) -> tuple[str, Optional[str]]:
-    """The keys of the one zero-managed module and its optimizer in Fabric's state dict."""
+def _core_arg(state: Mapping[str, Any], keys: list[str]) -> Any:
+    """The optimizers under ``keys`` as the core takes them: None, the one, or the list."""
+    return None if not keys else state[keys[0]] if len(keys) == 1 else [state[k] for k in keys]
+
+
+def _split(state: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """The keys of the one zero-managed module and of its optimizers in Fabric's state dict
+    (several: sorted by key, so a save and a load under the same keys pair them alike)."""
     models = [k for k, v in state.items() if isinstance(v, nn.Module) and getattr(v, "zero_engine", None) is not None]
     if len(models) != 1:
         raise ValueError(
@@ -244,4 +250,4 @@ def _split(state: Mapping[str, Any]) -> tuple[str, Optional[str]]:
         for k, v in state.items()
         if isinstance(v, torch.optim.Optimizer) and getattr(v, "zero_engine", None) is engine
     ]
-    return models[0], (opts[0] if opts else None)
+    return models[0], sorted(opts)
