@@ -15,6 +15,7 @@ from typing_extensions import override
 
 import zero_strategy as zs
 from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
+from lightning_zero._deepspeed_args import DEEPSPEED_ARGUMENTS, apply_deepspeed_arguments
 from zero_strategy.runtime.module import get_engine
 
 FABRIC_OBJECT = "fabric"  # the non-model entries of Fabric's state dict (fabric.pt)
@@ -68,7 +69,13 @@ def build(ns: str) -> tuple[type, type]:
     class ZeroFabricStrategy(ZeroParallelMixin, ParallelStrategy):
         """ZeRO stages 1-3 from ``zero_strategy`` for ``Fabric(strategy=...)``; arguments as
         for the Trainer's ``ZeroStrategy``. Set up the module and its optimizer together (or
-        several optimizers over disjoint parameters of it: ``fabric.setup(gan, opt_g, opt_d)``)."""
+        several optimizers over disjoint parameters of it: ``fabric.setup(gan, opt_g, opt_d)``).
+
+        Fabric's ``DeepSpeedStrategy`` arguments are taken too, read as for the Trainer's
+        strategy (``lightning_zero._deepspeed_args``): those that mean the same thing go into the
+        config, the others are named in one warning; None is "not given". ``load_full_weights``:
+        ``fabric.load`` of a single full-weights file is refused with the call that loads one.
+        """
 
         is_distributed = True
         _zero_dist, _zero_rank_zero, _zero_launcher = dist, rank_zero, launchers._SubprocessScriptLauncher
@@ -88,7 +95,48 @@ def build(ns: str) -> tuple[type, type]:
             checkpoint_io: Any = None,
             precision: Any = None,
             offload: Optional[Mapping[str, Any]] = None,
+            # Fabric's DeepSpeedStrategy arguments (lightning_zero._deepspeed_args); None: not given
+            zero_optimization: Optional[bool] = None,
+            remote_device: Optional[str] = None,
+            offload_optimizer: Optional[bool] = None,
+            offload_parameters: Optional[bool] = None,
+            offload_params_device: Optional[str] = None,
+            nvme_path: Optional[str] = None,
+            params_buffer_count: Optional[int] = None,
+            params_buffer_size: Optional[int] = None,
+            max_in_cpu: Optional[int] = None,
+            offload_optimizer_device: Optional[str] = None,
+            optimizer_buffer_count: Optional[int] = None,
+            block_size: Optional[int] = None,
+            queue_depth: Optional[int] = None,
+            single_submit: Optional[bool] = None,
+            overlap_events: Optional[bool] = None,
+            thread_count: Optional[int] = None,
+            pin_memory: Optional[bool] = None,
+            sub_group_size: Optional[int] = None,
+            contiguous_gradients: Optional[bool] = None,
+            overlap_comm: Optional[bool] = None,
+            allgather_partitions: Optional[bool] = None,
+            reduce_scatter: Optional[bool] = None,
+            allgather_bucket_size: Optional[int] = None,
+            reduce_bucket_size: Optional[int] = None,
+            zero_allow_untested_optimizer: Optional[bool] = None,
+            logging_batch_size_per_gpu: Optional[Union[str, int]] = None,
+            logging_level: Optional[int] = None,
+            loss_scale: Optional[float] = None,
+            initial_scale_power: Optional[int] = None,
+            loss_scale_window: Optional[int] = None,
+            hysteresis: Optional[int] = None,
+            min_loss_scale: Optional[float] = None,
+            partition_activations: Optional[bool] = None,
+            cpu_checkpointing: Optional[bool] = None,
+            contiguous_memory_optimization: Optional[bool] = None,
+            synchronize_checkpoint_boundary: Optional[bool] = None,
+            load_full_weights: Optional[bool] = None,
+            exclude_frozen_parameters: Optional[bool] = None,
         ) -> None:
+            given = locals()
+            deepspeed = {name: given[name] for name in DEEPSPEED_ARGUMENTS}
             super().__init__(
                 accelerator=accelerator,
                 parallel_devices=parallel_devices,
@@ -97,6 +145,8 @@ def build(ns: str) -> tuple[type, type]:
                 precision=precision,
             )
             self._zero_init("ZeroFabricStrategy", config, stage, offload, policy, process_group_backend, timeout)
+            self.zero_config = apply_deepspeed_arguments(self.zero_config, deepspeed, "ZeroFabricStrategy")
+            self.load_full_weights = bool(load_full_weights)
             self._num_nodes = 1
             self._backward_sync_control = BackwardSync()
 
@@ -209,6 +259,12 @@ def build(ns: str) -> tuple[type, type]:
                 )
             model_key, opt_keys = _split(state)
             path = self._zero_checkpoint_path(path)
+            if path.is_file():
+                raise ValueError(
+                    f"ZeroFabricStrategy.load_checkpoint: {path} is a file; fabric.load reads sharded checkpoint "
+                    "directories (written by fabric.save). Load full weights with "
+                    "zero_strategy.load_full_state_dict(model, path) on every rank"
+                )
             meta = self._zero_load_shards(path, state[model_key], _core_arg(state, opt_keys), weights_only)
             saved = dict(meta["state"])
             for key, obj in list(state.items()):
