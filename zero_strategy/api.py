@@ -60,7 +60,7 @@ def initialize(
     :func:`replace_optimizer`.
 
     A list (or tuple) of optimizers over *disjoint* parameters of the model (a GAN's generator
-    and discriminator) binds them all and returns the same list: each ``step()``,
+    and discriminator) binds them all and returns them, the same objects, as a list: each ``step()``,
     ``zero_grad()`` and ``clip_grad_norm_`` acts on its own optimizer's parameters, as under
     DDP (``runtime/optimizer_set.py``); a parameter in two of them is refused.
     """
