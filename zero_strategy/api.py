@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,8 +14,10 @@ from zero_strategy.offload.swapped_state import base_step
 from zero_strategy.runtime.engine import ZeroEngine, live_engines
 from zero_strategy.runtime.module import get_engine, swap_module_class
 from zero_strategy.runtime.optimizer import bind_optimizer, build_optimizer, check_optimizer
+from zero_strategy.runtime.optimizer_set import check_disjoint, refuse_several
 from zero_strategy.sharding.construction import outside_sharded_init
 from zero_strategy.sharding.partition import UnitPolicy
+from zero_strategy.sharding.precision import select_precision
 from zero_strategy.storage.offload import OnDisk, optimizer_offload
 
 __all__ = [
@@ -30,17 +32,18 @@ __all__ = [
 ]
 
 ConfigLike = ZeroConfig | Mapping[str, Any] | str | None
+OptimizerLike = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 def initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
+    optimizer: OptimizerLike | Sequence[torch.optim.Optimizer] | None,
     *,
     config: ConfigLike = None,
     process_group: Any = None,
     policy: UnitPolicy = None,
     **overrides: Any,
-) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+) -> tuple[nn.Module, Any]:
     """Shard ``optimizer`` (and, with stage 2, gradients) of ``model`` across the ranks of
     ``process_group`` (default: the default group; none needed for a single process).
 
@@ -55,6 +58,11 @@ def initialize(
     outside ``no_sync()`` leaves the full averaged gradient in every ``p.grad``; at ZeRO-3 the
     parameters are sharded. All parameters may be frozen then. Bind an optimizer later with
     :func:`replace_optimizer`.
+
+    A list (or tuple) of optimizers over *disjoint* parameters of the model (a GAN's generator
+    and discriminator) binds them all and returns them, the same objects, as a list: each ``step()``,
+    ``zero_grad()`` and ``clip_grad_norm_`` acts on its own optimizer's parameters, as under
+    DDP (``runtime/optimizer_set.py``); a parameter in two of them is refused.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
@@ -71,51 +79,75 @@ def initialize(
 
 def _initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
+    optimizer: OptimizerLike | Sequence[torch.optim.Optimizer] | None,
     cfg: ZeroConfig,
     process_group: Any,
     policy: UnitPolicy | None,
-) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    opt = None if optimizer is None else build_optimizer(optimizer, model)
-    if opt is not None:
-        check_optimizer(opt, model, stacklevel=4)  # before anything is changed (initialize -> _initialize)
-        if isinstance(optimizer_offload(cfg), OnDisk):
-            base_step(opt)  # an optimizer subclass whose step the disk tier cannot split is refused now
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError(
-                "initialize(): the model has no parameter with requires_grad=True, so the optimizer has nothing to "
-                "train; pass optimizer=None to set it up for evaluation or inference"
-            )
+) -> tuple[nn.Module, Any]:
+    several = isinstance(optimizer, (list, tuple))
+    opts = _built(optimizer, model, cfg, "initialize()", stacklevel=5)  # before anything is changed
+    if opts and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "initialize(): the model has no parameter with requires_grad=True, so the optimizer has nothing to "
+            "train; pass optimizer=None to set it up for evaluation or inference"
+        )
     engine = ZeroEngine(model, cfg, process_group, policy)
     swap_module_class(model, engine)
-    if opt is not None:
-        engine.set_optimizer(bind_optimizer(opt, engine))
-    return model, engine.optimizer
+    if opts:
+        engine.set_optimizers([bind_optimizer(opt, engine) for opt in opts])
+    return model, (list(engine.opts.optimizers) if several else engine.optimizer)
 
 
-def replace_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-) -> torch.optim.Optimizer:
-    """Bind a new optimizer (built on ``model.parameters()``) to a model that ``initialize``
-    already manages, and return it, as a fresh optimizer would start under DDP: the previous
-    optimizer's state is dropped and stepping the previous optimizer raises. For front-ends
-    that set a model up for evaluation first and for training later (Lightning's
-    ``validate`` then ``fit``)."""
+def _built(
+    optimizer: OptimizerLike | Sequence[torch.optim.Optimizer] | None,
+    model: nn.Module,
+    cfg: ZeroConfig,
+    call: str,
+    stacklevel: int,
+) -> list[torch.optim.Optimizer]:
+    """The optimizers to bind, checked before anything is changed: each one's class and
+    parameters, disjoint parameters and the settings that take one optimizer only."""
+    if optimizer is None:
+        return []
+    given: list[Any] = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not given:
+        raise ValueError(f"{call}: an empty list of optimizers; pass None to set the model up without one")
+    opts = [build_optimizer(o, model) for o in given]
+    for opt in opts:
+        check_optimizer(opt, model, stacklevel=stacklevel)
+        if isinstance(optimizer_offload(cfg), OnDisk):
+            base_step(opt)  # an optimizer subclass whose step the disk tier cannot split is refused now
+    check_disjoint(opts, model, call)
+    refuse_several(
+        len(opts),
+        loss_scaling=select_precision(cfg.precision).uses_loss_scaling,
+        on_disk=isinstance(optimizer_offload(cfg), OnDisk),
+        compression=cfg.compression.enabled,
+        call=call,
+    )
+    return opts
+
+
+def replace_optimizer(model: nn.Module, optimizer: OptimizerLike | Sequence[torch.optim.Optimizer]) -> Any:
+    """Bind a new optimizer (built on ``model.parameters()``; or a list of them over disjoint
+    parameters) to a model that ``initialize`` already manages, and return it, as a fresh
+    optimizer would start under DDP: the previous optimizers' state is dropped and stepping a
+    previous optimizer raises. For front-ends that set a model up for evaluation first and for
+    training later (Lightning's ``validate`` then ``fit``)."""
     engine = get_engine(model)
-    opt = build_optimizer(optimizer, model)
-    if getattr(opt, "zero_engine", None) is not None:
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if any(getattr(o, "zero_engine", None) is not None for o in given):
         raise ValueError(
             "replace_optimizer(optimizer=...): this optimizer is already bound to a zero_strategy model; build a new one"
         )
-    check_optimizer(opt, model)
-    if isinstance(engine.offload_optimizer, OnDisk):
-        base_step(opt)
-    engine.set_optimizer(bind_optimizer(opt, engine))
-    return opt
+    opts = _built(optimizer, model, engine.config, "replace_optimizer()", stacklevel=4)
+    engine.set_optimizers([bind_optimizer(opt, engine) for opt in opts])
+    return list(engine.opts.optimizers) if isinstance(optimizer, (list, tuple)) else engine.opts.optimizers[0]
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip by the global gradient norm over all ranks' shards; same as ``optimizer.clip_grad_norm_``."""
+    """Clip by the global gradient norm over all ranks' shards, of every parameter of the model
+    (with one optimizer the same as ``optimizer.clip_grad_norm_``)."""
     return get_engine(model).clip_grad_norm_(max_norm, norm_type)
 
 

@@ -1,6 +1,7 @@
 """What every front-end (Lightning's strategies, the Accelerate plugin) does alike where its own
 arguments meet the config file: the precision flags it accepts, its arguments over the file's
-settings, adopting the file's ``gradient_accumulation_steps``, and the config the engine gets.
+settings, adopting the file's ``gradient_accumulation_steps``, and the config the engine gets;
+and, for several optimizers on one model, the model parameters each one steps.
 
 A front-end's defaults ("32-true"/"no", accumulation 1) count as "not given", so the file's
 values then apply; a value given on both sides that differs raises (``resolve_overrides``).
@@ -12,16 +13,37 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 import zero_strategy as zs
 from zero_strategy.config import FRONTEND_PRECISION
+from zero_strategy.runtime.optimizer import engine_of
 
 __all__ = [
     "accumulation_to_adopt",
     "apply_frontend_settings",
     "format_precision_flags",
     "frontend_engine_config",
+    "optimizer_parameters",
     "precision_flags",
 ]
+
+
+def optimizer_parameters(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The model parameters a bound optimizer steps, in its ``param_groups`` order (which hold
+    this rank's master pieces instead). Front-ends that set ``requires_grad`` per optimizer
+    (Lightning's ``toggle_optimizer``) act on these."""
+    engine = engine_of(optimizer)
+    param_of = {id(m): p for g in engine.groups for p, m in zip(g.params, g.masters)}
+    names = {id(p): p for p in engine.module.parameters()}
+    out = []
+    for group in optimizer.param_groups:
+        for m in group["params"]:
+            p = param_of.get(id(m), names.get(id(m)))  # a frozen parameter is kept as itself
+            if p is not None:
+                out.append(p)
+    return out
 
 
 def precision_flags(frontend: str) -> tuple[str, ...]:

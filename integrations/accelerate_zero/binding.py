@@ -3,9 +3,10 @@
 Accelerate 1.15 has no hook for another data-parallel engine, and several of its plain-path
 methods would give wrong results for a ZeRO model, so the first ``prepare`` binds replacements
 onto that Accelerator *instance* (the class is untouched, other Accelerators are unaffected).
-Any number of models may be prepared, each with its optimizer or without one (evaluation
-models, gradient checks: ``zero_strategy.initialize(model, None)``); the replacements act on
-the ZeRO models and hand everything else to the Accelerator's own methods:
+Any number of models may be prepared, each with its optimizer, several optimizers over disjoint
+parameters (a GAN), or none (evaluation models, gradient checks:
+``zero_strategy.initialize(model, None)``); the replacements act on the ZeRO models and hand
+everything else to the Accelerator's own methods:
 
 - Each model is initialized by ``zero_strategy`` and flagged ``_is_accelerate_prepared``, so
   Accelerate tracks it without DDP and without its autocast wrapper (the engine runs the
@@ -15,7 +16,9 @@ the ZeRO models and hand everything else to the Accelerator's own methods:
   again and check overflows per rank; the engine checks on every rank at once).
 - ``clip_grad_norm_``: the global norm over all ranks' shards (torch's
   ``clip_grad_norm_``, which Accelerate's plain path calls, is routed to the same while an
-  engine lives: ``runtime/torch_clipping.py``). It clips at the micro-step that synchronises;
+  engine lives: ``runtime/torch_clipping.py``): the model's parameters, or, with several
+  optimizers, exactly one optimizer's (that optimizer's norm, as DDP's clipping of those
+  parameters; ``model.discriminator.parameters()``). It clips at the micro-step that synchronises;
   on the others it returns None, as Accelerate does under DDP. A model prepared
   without an optimizer has DDP's full gradients in ``p.grad``: Accelerate's own clipping.
 - ``clip_grad_value_`` clips this rank's averaged gradient pieces; ``unscale_gradients`` is a
@@ -25,7 +28,7 @@ the ZeRO models and hand everything else to the Accelerator's own methods:
 - ``get_state_dict``: the full weights gathered to rank 0 (other ranks get ``{}``), for
   ``save_pretrained``.
 - ``save_state``/``load_state``: save and load pre-hooks write each model's (and optimizer's)
-  shards through ``zero_strategy.save_checkpoint`` (subdirectories ``zero_strategy_model``,
+  shards (every optimizer's) through ``zero_strategy.save_checkpoint`` (subdirectories ``zero_strategy_model``,
   ``zero_strategy_model_1``, ...), which load at any number of processes; Accelerate itself
   saves a small marker for each optimizer (its own code would write rank 0's shard only) and
   no full model weights. ``save_state(dir)`` writes the whole save, Accelerate's scheduler,
@@ -52,9 +55,8 @@ from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from torch import nn
 
 import zero_strategy as zs
-from zero_strategy.frontend import accumulation_to_adopt, frontend_engine_config
+from zero_strategy.frontend import accumulation_to_adopt, frontend_engine_config, optimizer_parameters
 from zero_strategy.runtime.module import get_engine
-from zero_strategy.runtime.optimizer import engine_of
 
 __all__ = ["CHECKPOINT_DIR", "OPTIMIZER_MARKER", "ZeroAcceleratedOptimizer", "check_accelerator", "prepare_with_zero"]
 
@@ -107,23 +109,32 @@ class _Marker(dict):
     """A ZeRO model's entry in the weights list during ``save_state`` (removed by the pre-hook)."""
 
 
+Entry = tuple[int, nn.Module, list[torch.optim.Optimizer]]
+
+
+def _core_arg(opts: list[torch.optim.Optimizer]) -> Any:
+    """What the core takes for a model's optimizers: None, the one, or the list of several."""
+    return None if not opts else opts[0] if len(opts) == 1 else list(opts)
+
+
 class _Binding:
     """The state shared by the functions bound onto one Accelerator: its ZeRO models, each with
-    its optimizer or None, in the order they were prepared."""
+    its optimizers (none, one, or several over disjoint parameters), in the order they were
+    prepared."""
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
-        self.entries: list[tuple[nn.Module, torch.optim.Optimizer | None]] = []
+        self.entries: list[tuple[nn.Module, list[torch.optim.Optimizer]]] = []
         self.saving = False
         self.marker = _Marker()
         self.loaded_step: int | None = None
         # the Accelerator's own methods, for models and parameters that are not ours
         self.original = {name: getattr(accelerator, name) for name in _BOUND}
 
-    def add(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.entries.append((model, optimizer))
+    def add(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.entries.append((model, optimizers))
 
-    def entry_of(self, model: Any) -> tuple[int, nn.Module, torch.optim.Optimizer | None] | None:
+    def entry_of(self, model: Any) -> Entry | None:
         unwrapped = self.accelerator.unwrap_model(model) if model is not None else None
         for k, (m, opt) in enumerate(self.entries):
             if model is m or unwrapped is m:
@@ -132,30 +143,35 @@ class _Binding:
 
     def entry_of_parameters(
         self, parameters: Any, call: str
-    ) -> tuple[int, nn.Module, torch.optim.Optimizer | None] | None:
-        """The ZeRO model whose parameters these are (they must be all of its trainable ones),
-        or None if they belong to no ZeRO model."""
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], torch.optim.Optimizer | None] | None:
+        """The ZeRO model whose parameters these are, its optimizers, and the one optimizer whose
+        parameters they are exactly (several optimizers; None: the whole model's trainable ones);
+        None if they belong to no ZeRO model."""
         given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         ids = {id(p) for p in given}
-        for k, (m, opt) in enumerate(self.entries):
+        for m, opts in self.entries:
             every = {id(p) for p in m.parameters()}
             if not ids & every:
                 continue
             trainable = {id(p) for p in m.parameters() if p.requires_grad}
-            if opt is not None and not (trainable <= ids <= every):
-                raise ValueError(
-                    f"accelerator.{call}(parameters=<{len(given)} tensors>): with ZeroPlugin the gradients are "
-                    "sharded across processes, so clip the whole model: pass model.parameters() of the model "
-                    "prepared by ZeroPlugin.prepare"
-                )
-            return k, m, opt
+            if not opts or trainable <= ids <= every:
+                return m, opts, None
+            for opt in opts if len(opts) > 1 else ():
+                if ids == {id(p) for p in optimizer_parameters(opt)}:
+                    return m, opts, opt
+            raise ValueError(
+                f"accelerator.{call}(parameters=<{len(given)} tensors>): with ZeroPlugin the gradients are "
+                "sharded across processes, so clip the whole model: pass model.parameters() of the model "
+                "prepared by ZeroPlugin.prepare"
+                + (", or the parameters of exactly one of its optimizers" if len(opts) > 1 else "")
+            )
         return None
 
     # -- bound methods -----------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         kwargs.pop("learning_rate", None)  # LOMO's argument; not a ZeRO optimizer
         loss = loss / self.accelerator.gradient_accumulation_steps
-        scaled = [m for m, opt in self.entries if opt is not None and get_engine(m).scaler.enabled]
+        scaled = [m for m, opts in self.entries if opts and get_engine(m).scaler.enabled]
         if len(scaled) > 1:
             raise ValueError(
                 f"accelerator.backward(): {len(scaled)} ZeroPlugin models train with an fp16 loss scale each, and "
@@ -168,19 +184,23 @@ class _Binding:
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
         found = self.entry_of_parameters(parameters, "clip_grad_norm_")
-        if found is None or found[2] is None:  # not ours, or model-only: full gradients in p.grad
+        if found is None or not found[1]:  # not ours, or model-only: full gradients in p.grad
             return self.original["clip_grad_norm_"](parameters, max_norm, norm_type)
         if not self.accelerator.sync_gradients:
             return None  # gradients are still accumulating: they are clipped at the synchronising micro-step
-        return zs.clip_grad_norm_(found[1], max_norm, norm_type)
+        model, _, one = found
+        if one is not None:  # one of several optimizers: the norm over its parameters
+            return get_engine(model).clip_grad_norm_(max_norm, norm_type, optimizer=one)
+        return zs.clip_grad_norm_(model, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         found = self.entry_of_parameters(parameters, "clip_grad_value_")
-        if found is None or found[2] is None:
+        if found is None or not found[1]:
             return self.original["clip_grad_value_"](parameters, clip_value)
         if not self.accelerator.sync_gradients:
             return None
-        engine_of(found[2]).clip_grad_value_(clip_value)  # element-wise on this rank's averaged pieces
+        # element-wise on this rank's averaged pieces (of one optimizer's parameters, or all)
+        get_engine(found[0]).clip_grad_value_(clip_value, optimizer=found[2])
         return None
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
@@ -211,14 +231,14 @@ class _Binding:
 
     def save_hook(self, models: list[nn.Module], weights: list[dict[str, Any]], output_dir: str) -> None:
         weights[:] = [w for w in weights if w is not self.marker]
-        for k, (model, optimizer) in enumerate(self.entries):
+        for k, (model, opts) in enumerate(self.entries):
             # keep_last=1: saving again into the same directory replaces it, as plain Accelerate does
-            zs.save_checkpoint(self._dir(output_dir, k), model, optimizer, extra=self._extra(), keep_last=1)
+            zs.save_checkpoint(self._dir(output_dir, k), model, _core_arg(opts), extra=self._extra(), keep_last=1)
 
     def load_hook(self, models: list[nn.Module], input_dir: str) -> None:
         ours = {id(m) for m, _ in self.entries}
         models[:] = [m for m in models if id(m) not in ours]
-        for k, (model, optimizer) in enumerate(self.entries):
+        for k, (model, opts) in enumerate(self.entries):
             root = self._dir(input_dir, k)
             if not os.path.isdir(root):
                 raise FileNotFoundError(
@@ -226,7 +246,7 @@ class _Binding:
                     f"written by accelerator.save_state with ZeroPlugin for {len(self.entries)} ZeRO model(s), so it "
                     "holds no ZeRO shards to load"
                 )
-            extra = zs.load_checkpoint(root, model, optimizer)
+            extra = zs.load_checkpoint(root, model, _core_arg(opts))
             self.loaded_step = extra.get("accelerate_step")
 
     def _extra(self) -> dict[str, Any]:
@@ -322,7 +342,7 @@ def _binding_of(accelerator: Accelerator) -> _Binding:
 def prepare_with_zero(
     accelerator: Accelerator,
     objects: tuple[Any, ...],
-    pairs: list[tuple[nn.Module, torch.optim.Optimizer | None]],
+    pairs: list[tuple[nn.Module, list[torch.optim.Optimizer]]],
     config: zs.ZeroConfig,
     policy: Any,
 ) -> Any:
@@ -337,10 +357,10 @@ def prepare_with_zero(
     engine_config = frontend_engine_config(config)
     binding = _binding_of(accelerator)
     swapped: dict[int, Any] = {}
-    for model, optimizer in pairs:
+    for model, opts in pairs:
         if accelerator.device_placement:
             model.to(accelerator.device)
-        model, optimizer = zs.initialize(model, optimizer, config=engine_config, policy=policy)
+        zs.initialize(model, _core_arg(opts), config=engine_config, policy=policy)  # the same objects, bound
         prepared = cast(_AcceleratePrepared, model)
         if config.precision.autocast_dtype is not None:
             # as Accelerate's own mixed precision: the engine autocasts inside forward, the outputs
@@ -350,10 +370,10 @@ def prepare_with_zero(
             prepared.forward = MethodType(convert_outputs_to_fp32(forward.__func__), model)
             get_engine(model).on_destroy(partial(_drop_forward_wrapper, model))
         prepared._is_accelerate_prepared = True  # tracked by the Accelerator, not wrapped in DDP or autocast
-        if optimizer is not None:
+        for optimizer in opts:
             wrapped = ZeroAcceleratedOptimizer(optimizer, model)
             wrapped._is_accelerate_prepared = True
             swapped[id(optimizer)] = wrapped
-        binding.add(model, optimizer)
+        binding.add(model, opts)
     accelerator.scaler = None  # the engine's loss scaler replaces Accelerate's GradScaler
     return accelerator.prepare(*(swapped.get(id(o), o) for o in objects))

@@ -161,10 +161,12 @@ class ZeroPlugin:
         return prepare_with_zero(accelerator, objects, pairs, self.resolved_config(accelerator), self.policy)
 
 
-def pair_models_and_optimizers(objects: tuple[Any, ...]) -> list[tuple[nn.Module, torch.optim.Optimizer | None]]:
-    """Every model among ``objects`` with the optimizer built on its parameters (None: the model
-    is prepared without one, for evaluation or for gradients read elsewhere). Models and
-    optimizers that ``accelerator.prepare`` has already seen are refused."""
+def pair_models_and_optimizers(objects: tuple[Any, ...]) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:
+    """Every model among ``objects`` with the optimizers built on its parameters, in the order
+    given (none: the model is prepared without one, for evaluation or for gradients read
+    elsewhere; several: they step disjoint parameters of the model, a GAN's generator and
+    discriminator, which ``zero_strategy.initialize`` checks). Models and optimizers that
+    ``accelerator.prepare`` has already seen are refused."""
     models = [o for o in objects if isinstance(o, nn.Module)]
     optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
     if not models:
@@ -181,7 +183,7 @@ def pair_models_and_optimizers(objects: tuple[Any, ...]) -> list[tuple[nn.Module
                     "parameter; two engines would reduce and step it twice. Prepare one module that holds both "
                     "(e.g. an nn.ModuleDict)"
                 )
-    paired: dict[int, torch.optim.Optimizer] = {}
+    paired: dict[int, list[torch.optim.Optimizer]] = {}
     no_model = -1  # the owner of a parameter that is in no model given here
     for opt in optimizers:
         ks = {owner.get(id(p), no_model) for g in opt.param_groups for p in g["params"]}
@@ -191,16 +193,10 @@ def pair_models_and_optimizers(objects: tuple[Any, ...]) -> list[tuple[nn.Module
                 + ("no model given here" if no_model in ks else f"{len(ks)} of the models given")
                 + "; build each optimizer on the parameters of one model and pass that model too"
             )
-        k = ks.pop()
-        if k in paired:
-            raise ValueError(
-                f"ZeroPlugin.prepare(): two optimizers are built on {type(models[k]).__name__}; ZeRO shards one "
-                "optimizer per model (put several parameter groups into one optimizer)"
-            )
-        paired[k] = opt
-    pairs = [(m, paired.get(k)) for k, m in enumerate(models)]
-    for model, optimizer in pairs:
-        if getattr(model, "_is_accelerate_prepared", False) or getattr(optimizer, "_is_accelerate_prepared", False):
+        paired.setdefault(ks.pop(), []).append(opt)
+    pairs = [(m, paired.get(k, [])) for k, m in enumerate(models)]
+    for model, opts in pairs:
+        if any(getattr(o, "_is_accelerate_prepared", False) for o in (model, *opts)):
             raise ValueError(
                 "ZeroPlugin.prepare(): the model or optimizer was already passed to accelerator.prepare (DDP-wrapped); "
                 "pass the plain model and optimizer to ZeroPlugin.prepare instead"

@@ -267,9 +267,8 @@ class ZeroParallelMixin(_ParallelStrategyBase):
         """Rank 0's path, on every rank (each rank writes its shards into the same directory)."""
         return Path(self.broadcast(os.fspath(path)))
 
-    def _zero_save_shards(
-        self, path: Path, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], state: Any
-    ) -> None:
+    def _zero_save_shards(self, path: Path, module: torch.nn.Module, optimizer: Any, state: Any) -> None:
+        """``optimizer``: None, one, or a list of several (every one's state is saved)."""
         # keep_last=1: saving again under the same name replaces that save, as a plain checkpoint file is overwritten
         zs.save_checkpoint(path, module, optimizer, objects={self._zero_object: state}, keep_last=1)
 
@@ -277,7 +276,7 @@ class ZeroParallelMixin(_ParallelStrategyBase):
         self,
         path: Path,
         module: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
+        optimizer: Any,
         weights_only: Optional[bool],
     ) -> Any:
         """Load the shards into ``module`` (and ``optimizer``); returns Lightning's own state."""

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 import zero_strategy as zs
 from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
+from lightning_zero._deepspeed_args import DEEPSPEED_ARGUMENTS, apply_deepspeed_arguments
 from zero_strategy.runtime.module import get_engine
 
 FABRIC_OBJECT = "fabric"  # the non-model entries of Fabric's state dict (fabric.pt)
@@ -67,7 +68,14 @@ def build(ns: str) -> tuple[type, type]:
 
     class ZeroFabricStrategy(ZeroParallelMixin, ParallelStrategy):
         """ZeRO stages 1-3 from ``zero_strategy`` for ``Fabric(strategy=...)``; arguments as
-        for the Trainer's ``ZeroStrategy``. Set up the module and its one optimizer together."""
+        for the Trainer's ``ZeroStrategy``. Set up the module and its optimizer together (or
+        several optimizers over disjoint parameters of it: ``fabric.setup(gan, opt_g, opt_d)``).
+
+        Fabric's ``DeepSpeedStrategy`` arguments are taken too, read as for the Trainer's
+        strategy (``lightning_zero._deepspeed_args``): those that mean the same thing go into the
+        config, the others are named in one warning; None is "not given". ``load_full_weights``:
+        ``fabric.load`` of a single full-weights file is refused with the call that loads one.
+        """
 
         is_distributed = True
         _zero_dist, _zero_rank_zero, _zero_launcher = dist, rank_zero, launchers._SubprocessScriptLauncher
@@ -87,7 +95,48 @@ def build(ns: str) -> tuple[type, type]:
             checkpoint_io: Any = None,
             precision: Any = None,
             offload: Optional[Mapping[str, Any]] = None,
+            # Fabric's DeepSpeedStrategy arguments (lightning_zero._deepspeed_args); None: not given
+            zero_optimization: Optional[bool] = None,
+            remote_device: Optional[str] = None,
+            offload_optimizer: Optional[bool] = None,
+            offload_parameters: Optional[bool] = None,
+            offload_params_device: Optional[str] = None,
+            nvme_path: Optional[str] = None,
+            params_buffer_count: Optional[int] = None,
+            params_buffer_size: Optional[int] = None,
+            max_in_cpu: Optional[int] = None,
+            offload_optimizer_device: Optional[str] = None,
+            optimizer_buffer_count: Optional[int] = None,
+            block_size: Optional[int] = None,
+            queue_depth: Optional[int] = None,
+            single_submit: Optional[bool] = None,
+            overlap_events: Optional[bool] = None,
+            thread_count: Optional[int] = None,
+            pin_memory: Optional[bool] = None,
+            sub_group_size: Optional[int] = None,
+            contiguous_gradients: Optional[bool] = None,
+            overlap_comm: Optional[bool] = None,
+            allgather_partitions: Optional[bool] = None,
+            reduce_scatter: Optional[bool] = None,
+            allgather_bucket_size: Optional[int] = None,
+            reduce_bucket_size: Optional[int] = None,
+            zero_allow_untested_optimizer: Optional[bool] = None,
+            logging_batch_size_per_gpu: Optional[Union[str, int]] = None,
+            logging_level: Optional[int] = None,
+            loss_scale: Optional[float] = None,
+            initial_scale_power: Optional[int] = None,
+            loss_scale_window: Optional[int] = None,
+            hysteresis: Optional[int] = None,
+            min_loss_scale: Optional[float] = None,
+            partition_activations: Optional[bool] = None,
+            cpu_checkpointing: Optional[bool] = None,
+            contiguous_memory_optimization: Optional[bool] = None,
+            synchronize_checkpoint_boundary: Optional[bool] = None,
+            load_full_weights: Optional[bool] = None,
+            exclude_frozen_parameters: Optional[bool] = None,
         ) -> None:
+            given = locals()
+            deepspeed = {name: given[name] for name in DEEPSPEED_ARGUMENTS}
             super().__init__(
                 accelerator=accelerator,
                 parallel_devices=parallel_devices,
@@ -96,6 +145,8 @@ def build(ns: str) -> tuple[type, type]:
                 precision=precision,
             )
             self._zero_init("ZeroFabricStrategy", config, stage, offload, policy, process_group_backend, timeout)
+            self.zero_config = apply_deepspeed_arguments(self.zero_config, deepspeed, "ZeroFabricStrategy")
+            self.load_full_weights = bool(load_full_weights)
             self._num_nodes = 1
             self._backward_sync_control = BackwardSync()
 
@@ -130,20 +181,20 @@ def build(ns: str) -> tuple[type, type]:
         def setup_module_and_optimizers(
             self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
         ) -> Any:
-            if len(optimizers) != 1:
-                raise ValueError(
-                    f"ZeroFabricStrategy: fabric.setup got {len(optimizers)} optimizers; the zero strategies shard exactly one"
-                )
-            module, optimizer = self._initialize(module, optimizers[0])
-            self.precision.optimizer = optimizer
-            return module, [optimizer], scheduler
+            if not optimizers:
+                raise ValueError("ZeroFabricStrategy: fabric.setup got no optimizer; use fabric.setup_module(module)")
+            # several: disjoint parameters of the module (zero_strategy.initialize checks)
+            module, bound = self._initialize(module, optimizers[0] if len(optimizers) == 1 else list(optimizers))
+            opts = [bound] if len(optimizers) == 1 else list(bound)
+            self.precision.optimizer = opts[0]
+            return module, opts, scheduler
 
         @override
         def setup_module(self, module: nn.Module) -> nn.Module:
             # no optimizer: evaluation, or gradients read by other code (full averaged p.grad at ZeRO-1/2)
             return self._initialize(module, None)[0]
 
-        def _initialize(self, module: nn.Module, optimizer: Any) -> tuple[nn.Module, Optional[torch.optim.Optimizer]]:
+        def _initialize(self, module: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
             # Fabric has no clipping or accumulation arguments: the engine applies the file's clipping
             engine_config = self._zero_apply_arguments("Fabric(precision=...)", precision=self.precision.precision)
             module, optimizer = zs.initialize(module, optimizer, config=engine_config, policy=self._policy)
@@ -188,16 +239,15 @@ def build(ns: str) -> tuple[type, type]:
                 raise TypeError(
                     "ZeroFabricStrategy.save_checkpoint: storage_options and filter are not supported (shards are written by zero_strategy)"
                 )
-            model_key, opt_key = _split(state)
+            model_key, opt_keys = _split(state)
             path = self._zero_checkpoint_path(path)
             rest = {
                 k: (v.state_dict() if isinstance(v, stateful) else v)
                 for k, v in state.items()
-                if k not in (model_key, opt_key)
+                if k != model_key and k not in opt_keys
             }
-            meta = {"model_key": model_key, "optimizer_key": opt_key, "state": rest}
-            optimizer = None if opt_key is None else state[opt_key]
-            self._zero_save_shards(path, state[model_key], optimizer, meta)
+            meta = {"model_key": model_key, "optimizer_keys": opt_keys, "state": rest}
+            self._zero_save_shards(path, state[model_key], _core_arg(state, opt_keys), meta)
 
         @override
         def load_checkpoint(
@@ -207,12 +257,18 @@ def build(ns: str) -> tuple[type, type]:
                 raise TypeError(
                     "ZeroFabricStrategy.load_checkpoint: pass the state dict to restore into, e.g. fabric.load(path, {'model': model, 'optimizer': optimizer})"
                 )
-            model_key, opt_key = _split(state)
+            model_key, opt_keys = _split(state)
             path = self._zero_checkpoint_path(path)
-            meta = self._zero_load_shards(path, state[model_key], state.get(opt_key), weights_only)
+            if path.is_file():
+                raise ValueError(
+                    f"ZeroFabricStrategy.load_checkpoint: {path} is a file; fabric.load reads sharded checkpoint "
+                    "directories (written by fabric.save). Load full weights with "
+                    "zero_strategy.load_full_state_dict(model, path) on every rank"
+                )
+            meta = self._zero_load_shards(path, state[model_key], _core_arg(state, opt_keys), weights_only)
             saved = dict(meta["state"])
             for key, obj in list(state.items()):
-                if key in (model_key, opt_key):
+                if key == model_key or key in opt_keys:
                     continue
                 if key not in saved:
                     if strict:
@@ -231,8 +287,14 @@ def build(ns: str) -> tuple[type, type]:
     return ZeroFabricStrategy, ZeroFabricPrecision
 
 
-def _split(state: Mapping[str, Any]) -> tuple[str, Optional[str]]:
-    """The keys of the one zero-managed module and its optimizer in Fabric's state dict."""
+def _core_arg(state: Mapping[str, Any], keys: list[str]) -> Any:
+    """The optimizers under ``keys`` as the core takes them: None, the one, or the list."""
+    return None if not keys else state[keys[0]] if len(keys) == 1 else [state[k] for k in keys]
+
+
+def _split(state: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """The keys of the one zero-managed module and of its optimizers in Fabric's state dict
+    (several: sorted by key, so a save and a load under the same keys pair them alike)."""
     models = [k for k, v in state.items() if isinstance(v, nn.Module) and getattr(v, "zero_engine", None) is not None]
     if len(models) != 1:
         raise ValueError(
@@ -244,4 +306,4 @@ def _split(state: Mapping[str, Any]) -> tuple[str, Optional[str]]:
         for k, v in state.items()
         if isinstance(v, torch.optim.Optimizer) and getattr(v, "zero_engine", None) is engine
     ]
-    return models[0], (opts[0] if opts else None)
+    return models[0], sorted(opts)

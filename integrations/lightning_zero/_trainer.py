@@ -23,6 +23,7 @@ from typing_extensions import override
 import zero_strategy as zs
 from lightning_zero._common import ZeroParallelMixin, ZeroPrecisionMixin, publish, zero_optimizer
 from lightning_zero._deepspeed_args import DEEPSPEED_ARGUMENTS, apply_deepspeed_arguments
+from lightning_zero._toggle import install_toggles
 from zero_strategy.frontend import accumulation_to_adopt
 from zero_strategy.runtime.module import get_engine
 
@@ -234,18 +235,20 @@ def build(ns: str) -> tuple[type, type]:
             engine_ready = getattr(self.model, "zero_engine", None) is not None
             if fitting:
                 self._reset_optimizers_and_schedulers()
-                super().setup_optimizers(trainer)
-                if len(self.optimizers) != 1:
+                super().setup_optimizers(trainer)  # several: Lightning requires manual optimization
+                if not self.optimizers:
                     raise ValueError(
-                        f"ZeroStrategy: configure_optimizers returned {len(self.optimizers)} optimizers; the zero "
-                        "strategies shard exactly one optimizer (put several parameter groups into one optimizer)"
+                        "ZeroStrategy: configure_optimizers returned no optimizer; return one (or several over "
+                        "disjoint parameters, with manual optimization)"
                     )
             if not engine_ready:
                 if self._layer_sync is not None:  # sync_batchnorm=True, before the engine sees the modules
                     self.model = self._layer_sync.apply(self.model)
                 self.model_to_device()
-                optimizer = self.optimizers[0] if fitting else None  # validate/test/predict: no optimizer, as DDP
-                zs.initialize(self.model, optimizer, config=wanted, policy=self._policy)
+                # validate/test/predict: no optimizer, as DDP
+                zs.initialize(
+                    self.model, self._zero_optimizers() if fitting else None, config=wanted, policy=self._policy
+                )
             else:
                 current = get_engine(self.model).config
                 if current != wanted:
@@ -257,9 +260,15 @@ def build(ns: str) -> tuple[type, type]:
                     )
                 if fitting and getattr(self.optimizers[0], "zero_engine", None) is None:
                     # set up before for validate/test/predict (or an earlier fit): a fresh optimizer, as under DDP
-                    zs.replace_optimizer(self.model, self.optimizers[0])
+                    zs.replace_optimizer(self.model, self._zero_optimizers())
+            if fitting and len(self.optimizers) > 1:  # toggle_optimizer over the model's parameters
+                install_toggles(self._zero_lightning_module("setup"), pl.LightningModule)
             self._bind_precision()
             self.setup_precision_plugin()
+
+        def _zero_optimizers(self) -> Any:
+            """The optimizer, or the list of several (disjoint parameters), for the core."""
+            return self.optimizers[0] if len(self.optimizers) == 1 else list(self.optimizers)
 
         def _bind_precision(self) -> None:
             plugin = self.precision_plugin
@@ -351,7 +360,7 @@ def build(ns: str) -> tuple[type, type]:
                     f"ZeroStrategy: {path} is a file; sharded checkpoints are directories (remove it or pick another name)"
                 )
             state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            optimizer = self.optimizers[0] if self.optimizers else None
+            optimizer = self._zero_optimizers() if self.optimizers else None
             self._zero_save_shards(path, self._zero_model("save_checkpoint"), optimizer, state)
 
         @override
@@ -368,7 +377,7 @@ def build(ns: str) -> tuple[type, type]:
                         stacklevel=2,
                     )
                 return checkpoint
-            optimizer = self.optimizers[0] if self.optimizers else None
+            optimizer = self._zero_optimizers() if self.optimizers else None
             return self._zero_load_shards(path, self._zero_model("load_checkpoint"), optimizer, weights_only)
 
         @override

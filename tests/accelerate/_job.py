@@ -17,6 +17,10 @@
   Accelerator's ``mixed_precision`` (set by ``accelerate launch --mixed_precision``), and
   Accelerate's regression model against fp32 training.
 - ``sync``: Accelerate's own ``test_sync.py`` functions on ZeroPlugin models (see ``job_sync``).
+- ``gan``: one GAN model with two optimizers over its generator and discriminator (toggling
+  ``requires_grad`` per half, clipping the discriminator's parameters), Accelerate's DDP, then
+  ZeroPlugin at stages 1-3; ZeRO modes ``save_state`` halfway, and a fresh model at the same
+  stage resumes with ``load_state``.
 """
 
 from __future__ import annotations
@@ -381,6 +385,92 @@ def job_hf(save_dir: str) -> dict[str, Any]:
     return result
 
 
+def _gan() -> torch.nn.Module:
+    """A GAN in the shape of Lightning's example: MLP generator and discriminator (dropout)."""
+    from torch import nn
+
+    class GAN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.generator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 12), nn.Tanh())
+            self.discriminator = nn.Sequential(nn.Linear(12, 16), nn.LeakyReLU(0.2), nn.Dropout(0.25), nn.Linear(16, 1))
+
+        def forward(self, z, real=None):
+            fake = self.generator(z)
+            if real is None:
+                return self.discriminator(fake)
+            return self.discriminator(real), self.discriminator(fake.detach())
+
+    torch.manual_seed(0)
+    return GAN()
+
+
+GAN_STEPS, GAN_SAVE_AT, GAN_CLIP = 6, 3, 0.05
+
+
+def _gan_run(mode: str, start: int, save_dir: str | None, load_dir: str | None) -> dict[str, Any]:
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    if mode == "ddp":  # each half leaves the other's parameters unused
+        acc = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    else:
+        acc = Accelerator()
+    model = _gan()
+    opt_g = torch.optim.Adam(model.generator.parameters(), lr=2e-3, betas=(0.5, 0.999))
+    opt_d = torch.optim.Adam(model.discriminator.parameters(), lr=1e-3, betas=(0.5, 0.999))
+    if mode == "ddp":
+        model, opt_g, opt_d = acc.prepare(model, opt_g, opt_d)
+    else:
+        plugin = ZeroPlugin({"zero_optimization": {"stage": int(mode[-1]), "stage3_param_persistence_threshold": 0}})
+        model, opt_g, opt_d = plugin.prepare(acc, model, opt_g, opt_d)
+    if load_dir is not None:
+        acc.load_state(load_dir)
+    inner = acc.unwrap_model(model)
+    world, rank = acc.num_processes, acc.process_index
+    losses, norms = [], []
+    for step in range(start, GAN_STEPS):
+        g = torch.Generator().manual_seed(100 + step)
+        z, real = (
+            torch.randn(4 * world, 8, generator=g).chunk(world)[rank],
+            torch.rand(4 * world, 12, generator=g).chunk(world)[rank],
+        )
+        ones, zeros = torch.ones(len(z), 1), torch.zeros(len(z), 1)
+        torch.manual_seed(10 * step + rank)  # the same dropout masks in every run
+        inner.discriminator.requires_grad_(False)
+        g_loss = F.binary_cross_entropy_with_logits(model(z), ones)
+        acc.backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        inner.discriminator.requires_grad_(True)
+        inner.generator.requires_grad_(False)
+        real_logit, fake_logit = model(z, real)
+        d_loss = (
+            F.binary_cross_entropy_with_logits(real_logit, ones) + F.binary_cross_entropy_with_logits(fake_logit, zeros)
+        ) / 2
+        acc.backward(d_loss)
+        norms.append(float(acc.clip_grad_norm_(inner.discriminator.parameters(), GAN_CLIP)))
+        opt_d.step()
+        opt_d.zero_grad()
+        inner.generator.requires_grad_(True)
+        losses += [
+            float(acc.reduce(g_loss.detach(), reduction="mean")),
+            float(acc.reduce(d_loss.detach(), reduction="mean")),
+        ]
+        if save_dir is not None and step + 1 == GAN_SAVE_AT:
+            acc.save_state(save_dir)
+    return {"losses": losses, "norms": norms, "weights": {k: v.tolist() for k, v in final_weights(acc, model).items()}}
+
+
+def job_gan(out: dict[str, Any]) -> None:
+    ckpt = os.environ["ACCEL_JOB_CKPT"]
+    out["ddp"] = _gan_run("ddp", 0, None, None)
+    for stage in (1, 2, 3):
+        mode = f"zero{stage}"
+        save_dir = os.path.join(ckpt, f"gan-{mode}")
+        out[mode] = _gan_run(mode, 0, save_dir, None)
+        out[f"{mode}_resumed"] = _gan_run(mode, GAN_SAVE_AT, None, save_dir)
+
+
 def main() -> None:
     """Writes ``rank<r>.json`` (results), then ``rank<r>.done`` after the final barrier, or
     ``rank<r>.error`` with the traceback if anything raised: the test tolerates a non-zero exit
@@ -390,9 +480,14 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     try:
         out: dict[str, Any] = {}
-        {"train": job_train, "resume": job_resume, "precision": job_precision, "env": job_env, "sync": job_sync}[job](
-            out
-        )
+        {
+            "train": job_train,
+            "resume": job_resume,
+            "precision": job_precision,
+            "env": job_env,
+            "sync": job_sync,
+            "gan": job_gan,
+        }[job](out)
         rank = dist.get_rank() if dist.is_initialized() else 0
         out["world"] = dist.get_world_size() if dist.is_initialized() else 1
         with open(os.path.join(out_dir, f"rank{rank}.json.tmp"), "w") as f:

@@ -265,3 +265,22 @@ def test_zero_strategy_launch_cli_with_offload(trained: dict[str, Any], tmp_path
     assert rel_diff(got["losses"], ref["zero3"]["losses"]) < REL
     assert rel_diff(got["losses"], ref["ddp"]["losses"]) < REL
     assert rel_diff(got["norms"], ref["ddp"]["norms"]) < REL
+
+
+def test_gan_two_optimizers_on_one_model_equal_ddp(tmp_path: Path) -> None:
+    """One model, two optimizers over its generator and discriminator (``_job.py``'s ``gan``):
+    ZeroPlugin at stages 1-3 equals Accelerate's DDP (losses, the discriminator's clipped norms,
+    final weights), and ``save_state``/``load_state`` halfway keep both optimizers' state."""
+    r0 = run_launch(tmp_path, "gan", 2, env={"ACCEL_JOB_CKPT": str(tmp_path / "ckpt")})[0]
+    ddp = r0["ddp"]
+    assert len(ddp["losses"]) == 12 and len(ddp["norms"]) == 6 and min(ddp["norms"]) > 0.05  # clipping active
+    for stage in (1, 2, 3):
+        zero, resumed = r0[f"zero{stage}"], r0[f"zero{stage}_resumed"]
+        assert_close(zero["losses"], ddp["losses"], rtol=REL, what=f"zero{stage} GAN losses")
+        assert_close(zero["norms"], ddp["norms"], rtol=REL, what=f"zero{stage} GAN norms")
+        assert_close(resumed["losses"], ddp["losses"][6:], rtol=REL, what=f"zero{stage} resumed GAN losses")
+        assert_close(resumed["norms"], ddp["norms"][3:], rtol=REL, what=f"zero{stage} resumed GAN norms")
+        for run in (zero, resumed):
+            assert sorted(run["weights"]) == sorted(ddp["weights"])
+            for k, v in ddp["weights"].items():
+                assert_close(run["weights"][k], v, rtol=1e-5, atol=1e-6, what=f"zero{stage} GAN {k}")

@@ -125,16 +125,17 @@ def test_accelerator_settings_map_onto_the_engine(tmp_path: Path) -> None:
 def test_prepare_pairs_each_model_with_its_optimizer() -> None:
     model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert pair_models_and_optimizers((model, opt, None)) == [(model, opt)]
+    assert pair_models_and_optimizers((model, opt, None)) == [(model, [opt])]
     # several models, one of them without an optimizer (evaluation, gradient checks)
-    assert pair_models_and_optimizers((other, model, opt)) == [(other, None), (model, opt)]
-    assert pair_models_and_optimizers((model,)) == [(model, None)]
+    assert pair_models_and_optimizers((other, model, opt)) == [(other, []), (model, [opt])]
+    assert pair_models_and_optimizers((model,)) == [(model, [])]
+    # several optimizers on one model, in the order given (disjoint parameters: initialize checks)
+    weight, bias = torch.optim.SGD([model.weight], lr=0.1), torch.optim.SGD([model.bias], lr=0.1)
+    assert pair_models_and_optimizers((model, bias, other, weight)) == [(model, [bias, weight]), (other, [])]
     with pytest.raises(ValueError, match="no model among the objects"):
         pair_models_and_optimizers((opt,))
     with pytest.raises(ValueError, match="holds parameters of no model given here"):
         pair_models_and_optimizers((other, opt))
-    with pytest.raises(ValueError, match="two optimizers are built on Linear"):
-        pair_models_and_optimizers((model, opt, torch.optim.SGD(model.parameters(), lr=0.1)))
     mixed = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
     with pytest.raises(ValueError, match="holds parameters of 2 of the models given"):
         pair_models_and_optimizers((model, other, mixed))

@@ -28,15 +28,12 @@ def test_every_deepspeed_strategy_argument_is_a_zero_strategy_argument() -> None
     assert [n for n in theirs if n not in ours] == []
 
 
-def test_all_deepspeed_arguments_map_into_the_config(tmp_path) -> None:
-    """Every argument at once, each with a value other than DeepSpeed's default."""
+def _every_argument(tmp_path, env, **precision) -> dict:
+    """Every DeepSpeedStrategy argument, each with a value other than DeepSpeed's default;
+    ``precision``: the Trainer's ``precision_plugin=None`` or Fabric's ``precision=None``."""
     import torch
-    from lightning.pytorch.plugins.environments import LightningEnvironment
 
-    import lightning_zero
-
-    env = LightningEnvironment()
-    given = dict(
+    return dict(
         accelerator=None, zero_optimization=True, stage=3, remote_device="cpu",
         offload_optimizer=True, offload_parameters=True, offload_params_device="nvme", nvme_path=str(tmp_path),
         params_buffer_count=7, params_buffer_size=12_345, max_in_cpu=999, offload_optimizer_device="cpu",
@@ -47,9 +44,19 @@ def test_all_deepspeed_arguments_map_into_the_config(tmp_path) -> None:
         parallel_devices=[torch.device("cpu")], cluster_environment=env, loss_scale=128.0, initial_scale_power=8,
         loss_scale_window=50, hysteresis=3, min_loss_scale=2, partition_activations=True, cpu_checkpointing=True,
         contiguous_memory_optimization=True, synchronize_checkpoint_boundary=True, load_full_weights=True,
-        precision_plugin=None, process_group_backend="gloo", timeout=timedelta(minutes=5),
-        exclude_frozen_parameters=True,
+        process_group_backend="gloo", timeout=timedelta(minutes=5), exclude_frozen_parameters=True, **precision,
     )  # fmt: skip
+
+
+def test_all_deepspeed_arguments_map_into_the_config(tmp_path) -> None:
+    """Every argument at once, each with a value other than DeepSpeed's default."""
+    import torch
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    import lightning_zero
+
+    env = LightningEnvironment()
+    given = _every_argument(tmp_path, env, precision_plugin=None)
     assert sorted(given) == sorted(_deepspeed_parameters())
     level = logging.getLogger("zero_strategy").level
     try:
@@ -149,3 +156,45 @@ def test_the_migration_line_from_the_issue() -> None:
     s = lightning_zero.ZeroStrategy(stage=3, offload_optimizer=True, allgather_bucket_size=5e8)
     assert s.zero_config.stage == 3 and s.zero_config.offload_optimizer.device == "cpu"
     assert s.zero_config.allgather_bucket_size == 500_000_000
+
+
+def _fabric_deepspeed_parameters() -> list[str]:
+    from lightning.fabric.strategies import DeepSpeedStrategy
+
+    return [n for n in inspect.signature(DeepSpeedStrategy.__init__).parameters if n != "self"]
+
+
+def test_every_fabric_deepspeed_argument_builds_the_fabric_strategy(tmp_path) -> None:
+    """Fabric's DeepSpeedStrategy arguments, every one with a value other than DeepSpeed's
+    default, build ZeroFabricStrategy with the config the Trainer's ZeroStrategy gets from the
+    same arguments, and the same one warning."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    import lightning_zero
+
+    theirs = _fabric_deepspeed_parameters()
+    ours = set(inspect.signature(lightning_zero.ZeroFabricStrategy.__init__).parameters)
+    assert len(theirs) >= 46 and [n for n in theirs if n not in ours] == [], theirs
+    given = _every_argument(tmp_path, LightningEnvironment(), precision=None)
+    assert sorted(given) == sorted(theirs)
+    level = logging.getLogger("zero_strategy").level
+    built, messages = [], []
+    try:
+        for cls, precision_key in ((lightning_zero.ZeroFabricStrategy, "precision"),
+                                   (lightning_zero.ZeroStrategy, "precision_plugin")):  # fmt: skip
+            args = {k: v for k, v in given.items() if k != "precision"} | {precision_key: None}  # the Trainer's name
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                built.append(cls(**args))
+            messages.append([str(w.message) for w in caught if cls.__name__ in str(w.message)])
+        assert logging.getLogger("zero_strategy").level == logging.INFO
+    finally:
+        logging.getLogger("zero_strategy").setLevel(level)
+    fabric, trainer = built
+    assert fabric.zero_config == trainer.zero_config
+    assert fabric.zero_config.stage == 3 and fabric.zero_config.offload_param.device == "nvme"
+    assert fabric.zero_config.loss_scale.hysteresis == 3 and fabric.zero_config.reduce_bucket_size == 3_000_000
+    assert len(messages[0]) == 1, messages[0]  # one warning naming every argument without a meaning here
+    assert messages[0][0].split(":", 1)[1] == messages[1][0].split(":", 1)[1]
+    assert "partition_activations=" in messages[0][0] and "overlap_comm=" not in messages[0][0].split(":", 1)[1]
+    assert fabric.load_full_weights is True and fabric.process_group_backend == "gloo"

@@ -33,7 +33,7 @@ import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -137,9 +137,20 @@ def _piece(
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
+OptimizerArg = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
+def _optimizers(optimizer: OptimizerArg) -> list[torch.optim.Optimizer]:
+    """The optimizers given to a save or a load: none, one, or several over disjoint parameters
+    (their state is saved by parameter name, so one checkpoint holds all of them)."""
+    if optimizer is None:
+        return []
+    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]  # type: ignore[list-item]  # narrowed by isinstance
+
+
 def _state(
     engine: ZeroEngine,
-    optimizer: torch.optim.Optimizer | None,
+    optimizers: list[torch.optim.Optimizer],
     want_optim: Mapping[str, Any] | None,
     swapped: dict[int, dict[str, torch.Tensor]],
     saved: set[str] | None = None,
@@ -153,13 +164,15 @@ def _state(
     mesh = _Meshes(engine)
     sd: dict[str, Any] = {}
     names = engine.param_names()
-    group_of = {id(m): group for group in optimizer.param_groups for m in group["params"]} if optimizer else {}
+    group_of = {id(m): group for opt in optimizers for group in opt.param_groups for m in group["params"]}
+    opt_of = {id(m): opt for opt in optimizers for group in opt.param_groups for m in group["params"]}
     for g in engine.groups:
         for i, (p, m) in enumerate(zip(g.params, g.masters)):
             fqn, numel = names[id(p)], g.layout.numels[i]
             offset = None if g.layout.even else g.layout.local_range(i)[0]
             sd[f"model.{fqn}"] = _piece(engine, mesh, m.data, numel, offset)
-            if optimizer is None:
+            optimizer = opt_of.get(id(m), optimizers[0] if len(optimizers) == 1 else None)
+            if optimizer is None:  # no optimizer, or a parameter none of several steps
                 continue
             state = optimizer.state[m]
             on_disk = swapped.get(id(m), {})
@@ -248,7 +261,7 @@ def _residuals(engine: ZeroEngine, mesh: _Meshes, saved: set[str] | None) -> dic
 def save_checkpoint(
     root: str | os.PathLike[str],
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: OptimizerArg = None,
     extra: dict[str, Any] | None = None,
     *,
     tag: str | None = None,
@@ -258,7 +271,9 @@ def save_checkpoint(
     """Write a sharded checkpoint into ``root/<tag>`` (every rank writes its own pieces), then
     point ``root/latest`` at it. Returns the checkpoint directory. Collective.
 
-    ``extra``: a JSON-serialisable dict, returned by :func:`load_checkpoint`. ``objects``: name
+    ``optimizer``: one, or a list of the model's optimizers over disjoint parameters (all of
+    their state is saved). ``extra``: a JSON-serialisable dict, returned by
+    :func:`load_checkpoint`. ``objects``: name
     -> any picklable object (a front-end's training state), written by rank 0 as
     ``<name>.pt`` inside the versioned directory before ``latest`` moves, so it is covered by
     the same atomicity and checks; read back with :func:`read_checkpoint_object`.
@@ -279,6 +294,7 @@ def save_checkpoint(
             raise ValueError(f"save_checkpoint(objects={{{key!r}: ...}}): use a plain identifier as the name")
     started = time.perf_counter()
     engine = get_engine(model)
+    optimizers = _optimizers(optimizer)
     engine.wait_for_reductions()
     explicit = tag is not None
     tag = tag or f"step-{engine.step_count}"
@@ -332,7 +348,7 @@ def save_checkpoint(
         writer, sums, write_errors = checksumming_writer(path)
         with engine.swapped_state(writable=False) as swapped:
             dcp.save(
-                _state(engine, optimizer, None, swapped),
+                _state(engine, optimizers, None, swapped),
                 storage_writer=writer,
                 process_group=C.bounded_group(engine.ctx),
             )
@@ -352,7 +368,7 @@ def save_checkpoint(
                     os.replace(tmp, os.path.join(path, f"{obj_name}.pt"))
                     all_sums[f"{obj_name}.pt"] = zlib.crc32(blob)
                 _fault("after_objects", rank)
-                _write_meta(engine, optimizer, extra, path, all_sums)
+                _write_meta(engine, optimizers, extra, path, all_sums)
                 _fault("before_latest", rank)
             except Exception as exc:
                 failure = exc
@@ -403,7 +419,7 @@ def _agree(engine: ZeroEngine, failure: BaseException | None, what: str) -> None
         raise RuntimeError(f"{what} failed{detail}") from failure
 
 
-def _write_meta(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None, path: str,
+def _write_meta(engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any] | None, path: str,
                 sums: dict[str, int]) -> None:  # fmt: skip
     shapes = {n: list(p.shape) for n, p in engine.module.named_parameters()}
     names = engine.param_names()
@@ -426,7 +442,9 @@ def _write_meta(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, ext
         "shapes": shapes,
         "extra": extra or {},
         # optimizer hyperparameters by group (lr as an LR scheduler left it, betas, ...)
-        "param_groups": _group_settings(optimizer),
+        # (several optimizers: one such list per optimizer, in order)
+        "param_groups": _group_settings(optimizers[0]) if len(optimizers) == 1 else None,
+        "param_groups_per_optimizer": [_group_settings(o) for o in optimizers] if len(optimizers) > 1 else None,
         # for export: every state_dict name (tied weights under each), its shape, and the
         # saved name it is an alias of
         "state_names": list(tensors),
@@ -437,9 +455,7 @@ def _write_meta(engine: ZeroEngine, optimizer: torch.optim.Optimizer | None, ext
     write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
 
 
-def _group_settings(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
-    if optimizer is None:
-        return None
+def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     out = []
     for group in optimizer.param_groups:
         kept: dict[str, Any] = {}
@@ -478,8 +494,15 @@ def _restore_group_settings(optimizer: torch.optim.Optimizer, saved: list[dict[s
                 group[key] = value
 
 
+def _saved_groups(meta: dict[str, Any]) -> list[list[dict[str, Any]]] | None:
+    """Each saved optimizer's param-group settings (None: saved without an optimizer)."""
+    if meta.get("param_groups_per_optimizer") is not None:
+        return list(meta["param_groups_per_optimizer"])
+    return None if meta.get("param_groups") is None else [meta["param_groups"]]
+
+
 def _validate_for_load(
-    engine: ZeroEngine, path: str, meta: dict[str, Any], optimizer: torch.optim.Optimizer | None
+    engine: ZeroEngine, path: str, meta: dict[str, Any], optimizers: list[torch.optim.Optimizer]
 ) -> None:
     """This rank's checks before any collective of the load (shapes, groups, its share of the
     files' sizes and checksums)."""
@@ -490,12 +513,19 @@ def _validate_for_load(
                 f"load_checkpoint(): parameter '{name}' has shape {shape} in the model but "
                 f"{meta['shapes'].get(name, 'no entry')} in the checkpoint {path!r}; load a checkpoint of this model"
             )
-    groups = meta.get("param_groups")
-    if optimizer is not None and groups is not None and len(groups) != len(optimizer.param_groups):
+    saved = _saved_groups(meta)
+    if optimizers and saved is not None and len(saved) != len(optimizers):
         raise ValueError(
-            f"load_checkpoint(): the optimizer has {len(optimizer.param_groups)} parameter groups but the checkpoint "
-            f"{path!r} has {len(groups)}; build the optimizer with the same groups as the saved run"
+            f"load_checkpoint(): {len(optimizers)} optimizer(s) given but the checkpoint {path!r} holds {len(saved)}; "
+            "pass the same optimizers, in the same order, as the saved run"
         )
+    for k, (optimizer, groups) in enumerate(zip(optimizers, saved or [])):
+        if len(groups) != len(optimizer.param_groups):
+            which = "the optimizer" if len(optimizers) == 1 else f"optimizer {k}"
+            raise ValueError(
+                f"load_checkpoint(): {which} has {len(optimizer.param_groups)} parameter groups but the checkpoint "
+                f"{path!r} has {len(groups)}; build the optimizer with the same groups as the saved run"
+            )
     files = _file_records(meta.get("files", {}))
     names = sorted(files)
     n, r = engine.ctx.world_size, engine.ctx.rank
@@ -503,11 +533,11 @@ def _validate_for_load(
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike[str], model: torch.nn.Module, optimizer: OptimizerArg = None
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (``path``: its root, whose
     ``latest`` is followed, or a versioned subdirectory) at any world size and stage into this
-    model (and optimizer). The optimizer's param-group settings (lr as a scheduler left it,
+    model (and optimizer, or the list of optimizers saved with it). The optimizer's param-group settings (lr as a scheduler left it,
     betas, weight decay, ...) are restored too, replacing the ones it was built with. Returns
     the ``extra`` dict that was saved. Collective.
 
@@ -517,13 +547,14 @@ def load_checkpoint(
     (:class:`SafeFileSystemReader`)."""
     started = time.perf_counter()
     engine = get_engine(model)
+    optimizers = _optimizers(optimizer)
     failure: BaseException | None = None
     resolved = os.fspath(path)
     meta: dict[str, Any] = {}
     in_file: dict[str, Any] = {}  # key -> its DCP metadata (size, dtype)
     try:
         resolved, meta = read_meta(path, "load_checkpoint()", _pointer_name(engine))
-        _validate_for_load(engine, resolved, meta, optimizer)
+        _validate_for_load(engine, resolved, meta, optimizers)
         in_file = dict(SafeFileSystemReader(resolved).read_metadata().state_dict_metadata)
     except Exception as exc:
         failure = exc
@@ -539,15 +570,15 @@ def load_checkpoint(
             f"load_checkpoint(): another rank refused the checkpoint: {text}"
         )
     engine.wait_for_reductions()
-    want = {k: v for k, v in in_file.items() if k.startswith("optim.")} if optimizer is not None else None
+    want = {k: v for k, v in in_file.items() if k.startswith("optim.")} if optimizers else None
     with engine.swapped_state(writable=True) as swapped:
-        sd = _state(engine, optimizer, want, swapped, set(in_file))
+        sd = _state(engine, optimizers, want, swapped, set(in_file))
         if int(meta.get("format", 1)) < 4:
             del sd["engine.loss_scaler_counters"]  # an older checkpoint: the schedule restarts its window
         dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))
     engine.load_progress(sd)  # step, loss scale; the parameters follow the loaded masters
-    if optimizer is not None and meta.get("param_groups") is not None:
-        _restore_group_settings(optimizer, meta["param_groups"])
+    for optimizer, groups in zip(optimizers, _saved_groups(meta) or []):
+        _restore_group_settings(optimizer, groups)
     if engine.ctx.rank == 0:
         log.info("load_checkpoint: read %s, %.1f MiB, in %.2f s", resolved, dir_bytes(resolved) / 2**20,
                  time.perf_counter() - started)  # fmt: skip

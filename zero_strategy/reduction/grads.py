@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -308,8 +308,14 @@ class GradReducer:
             self.compression.reset()  # the residuals hold the overflow too: the skipped step drops them
         return overflow
 
-    def master_grads(self) -> list[torch.Tensor]:
-        return [m.grad for g in self.groups for m in g.masters if m.grad is not None]
+    def master_grads(self, only: Collection[int] | None = None) -> list[torch.Tensor]:
+        """The master pieces' gradients (``only``: of the parameters with these ids)."""
+        return [
+            m.grad
+            for g in self.groups
+            for p, m in zip(g.params, g.masters)
+            if m.grad is not None and (only is None or id(p) in only)
+        ]
 
     def drop_master_grads(self) -> None:
         """Every master gradient None: the optimizer leaves every piece alone (a skipped step)."""
@@ -317,10 +323,13 @@ class GradReducer:
             for m in g.masters:
                 m.grad = None
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """Scale the master gradients by the *global* norm over all ranks' shards (DDP's
-        ``clip_grad_norm_``); returns that norm. Collective. Call after :meth:`finish`."""
-        grads = self.master_grads()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float, *, only: Collection[int] | None = None
+    ) -> torch.Tensor:
+        """Scale the master gradients (``only``: of the parameters with these ids, one
+        optimizer's) by their *global* norm over all ranks' shards (DDP's ``clip_grad_norm_``
+        over those parameters); returns that norm. Collective. Call after :meth:`finish`."""
+        grads = self.master_grads(only)
         norm_type = float(norm_type)
         if norm_type <= 0:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): use a positive p-norm or float('inf')")
@@ -350,23 +359,27 @@ class GradReducer:
             torch._foreach_mul_(tensors, coef.to(device))
         return total
 
-    def clip_grad_value_(self, clip_value: float) -> None:
+    def clip_grad_value_(self, clip_value: float, *, only: Collection[int] | None = None) -> None:
         """Clamp every master gradient element to ``[-clip_value, clip_value]`` (element-wise:
         the shards give DDP's result without communication). Call after :meth:`finish`."""
         if not clip_value > 0:
             raise ValueError(f"clip_grad_value_(clip_value={clip_value}): use a positive value")
-        grads = self.master_grads()
+        grads = self.master_grads(only)
         if grads:
             torch._foreach_clamp_min_(grads, -float(clip_value))
             torch._foreach_clamp_max_(grads, float(clip_value))
 
-    def zero_grad(self, *, set_to_none: bool, full_grads: bool) -> None:
+    def zero_grad(self, *, set_to_none: bool, full_grads: bool, only: Collection[int] | None = None) -> None:
         """Forget this window's gradients. Full gradients in ``p.grad`` are dropped, except that
         with ``full_grads`` (``p.grad`` is DDP's) and ``set_to_none=False`` they are zeroed. With
         ``set_to_none=False`` the master pieces keep zeroed gradients, and parameters that had
         one keep counting as "has a gradient" (the optimizer still updates them, e.g. with
-        weight decay), as with a zeroed ``.grad`` under DDP."""
+        weight decay), as with a zeroed ``.grad`` under DDP. ``only``: forget the gradients
+        of the parameters with these ids (one of several optimizers'), keep the others'."""
         self.wait_all()
+        if only is not None:
+            self._zero_some(only, set_to_none=set_to_none)
+            return
         for g in self.groups:
             for p in g.params:
                 if full_grads and not set_to_none and p.grad is not None:
@@ -380,6 +393,22 @@ class GradReducer:
                 g.grad_shard.zero_()
         if set_to_none:
             self.reset_window()
+
+    def _zero_some(self, only: Collection[int], *, set_to_none: bool) -> None:
+        """:meth:`zero_grad` for some parameters: their full gradients go, their pieces of the
+        gradient shard are zeroed (a later reduction adds to the shard the others keep)."""
+        for g in self.groups:
+            mine = [i for i, p in enumerate(g.params) if id(p) in only]
+            shard = g.grad_shard_if_allocated
+            for i in mine:
+                g.params[i].grad = None
+                if shard is not None:
+                    g.layout.local_view(shard, i).zero_()
+                if set_to_none:
+                    g.masters[i].grad = None
+                    self._used[self._where[id(g.params[i])][2]] = 0
+            if set_to_none and len(mine) == len(g.params):
+                g.grad_valid = False
 
     def full_grad(self, p: torch.Tensor, name: str) -> torch.Tensor | None:
         """The full averaged gradient of ``p`` after :meth:`finish` (None if no rank had one):

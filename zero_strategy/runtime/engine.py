@@ -27,7 +27,7 @@ import contextlib
 import functools
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -50,7 +50,9 @@ from zero_strategy.reduction.grads import (
     ReduceAtUnitEnd,
     ReduceInBackward,
 )
-from zero_strategy.runtime.budget import Budget, cache_stats
+from zero_strategy.runtime.budget import Budget
+from zero_strategy.runtime.engine_state import WholeModelState
+from zero_strategy.runtime.optimizer_set import OptimizerSet, key
 from zero_strategy.runtime.torch_clipping import LiveEngines
 from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
 from zero_strategy.runtime.zero3_hooks import Zero3Hooks, refuse_load_state_dict, refuse_sharded_state_dict
@@ -63,14 +65,12 @@ from zero_strategy.sharding.group import (
     bucket_numel,
     build_groups,
 )
-from zero_strategy.sharding.memory import model_state_bytes
 from zero_strategy.sharding.partition import UnitPolicy, find_units
 from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, sharded_init_piece
 from zero_strategy.sharding.precision import select_precision, select_scaler
 from zero_strategy.sharding.setup_checks import (
     agree_on_setup,
     check_params,
-    persistent_buffers,
     refuse_norm_layers_with_running_stats,
 )
 from zero_strategy.sharding.states import (
@@ -99,8 +99,8 @@ def _call_weakly(ref: weakref.ref[ZeroEngine], method: str, *args: Any) -> None:
         getattr(engine, method)(*args)
 
 
-class ZeroEngine:
-    optimizer: torch.optim.Optimizer | None  # the bound optimizer (set_optimizer), None: model only
+class ZeroEngine(WholeModelState):
+    opts: OptimizerSet  # the bound optimizers (set_optimizers; several step disjoint parameters), none: model only
     params: ParamStorage
     groups: list[ShardGroup]  # the optimizer's shard groups (ZeRO-3: one per unit with trainable parameters)
     zero3: UnitScheduler | None  # ZeRO-3's unit lifecycle, None at ZeRO-1/2
@@ -133,7 +133,7 @@ class ZeroEngine:
         weakref.finalize(self, self.disk.close)  # a dropped engine takes its I/O threads and files along
         self.precision = select_precision(config.precision)
         self.scaler = select_scaler(config.loss_scale, self.precision, explicit=config.explicitly_set("loss_scale"))
-        self.optimizer = None
+        self.opts = OptimizerSet((), {})
         self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         # optimizer.step() calls in progress: torch fires the step hooks again when a subclass's step
         # calls super().step(); the engine acts when the depth goes 0 -> 1 and 1 -> 0 only
@@ -148,7 +148,7 @@ class ZeroEngine:
         self._backward_sync = False
         self._sync_buffers_next = True
         self._root_depth = 0  # nesting of calls of the root module (only the outermost one acts)
-        self._clipped_with: float | None = None
+        self._clipped: set[int] = set()  # clipped since the last step: optimizer_set.key of each, 0 for the whole model
         self._scratch_budget: int | None = None  # communication buffers kept between steps (bytes)
         self._skip_step = False
         self.last_step_skipped = False
@@ -204,7 +204,7 @@ class ZeroEngine:
             self.reducer.deferred_check = self.params.checks  # read with the gradient flags
         else:
             self.zero3 = None
-        self.schedule: GradSchedule = self._schedule_for(None)
+        self.schedule: GradSchedule = self._schedule_for(())
         self._install_hooks()
         _LIVE.add(self)
 
@@ -259,25 +259,31 @@ class ZeroEngine:
             self.ctx, self.groups, [p for _, p in named], max_in_flight=2 if config.overlap_comm else 0
         )
 
-    def _schedule_for(self, optimizer: torch.optim.Optimizer | None) -> GradSchedule:
+    def _schedule_for(self, optimizers: Sequence[torch.optim.Optimizer]) -> GradSchedule:
         if self.config.stage == 3:
             return ReduceAtUnitEnd()
-        if optimizer is None:  # model-only ZeRO-1/2: DDP's full averaged gradients in p.grad
+        if not optimizers:  # model-only ZeRO-1/2: DDP's full averaged gradients in p.grad
             return AllReduceAtEnd()
         return ReduceAtStep() if self.config.stage == 1 else ReduceInBackward()
 
-    def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Bind (or, with None, drop) the optimizer whose masters this engine feeds; the
-        gradient schedule follows (without an optimizer ZeRO-1/2 reduce full gradients)."""
-        self._expect_idle("set_optimizer()", "call it between steps")
+    def set_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Bind (or, with none, drop) the optimizers whose masters this engine feeds (several:
+        disjoint parameters, ``optimizer_set.py``); the gradient schedule follows (without an
+        optimizer ZeRO-1/2 reduce full gradients)."""
+        self._expect_idle("set_optimizers()", "call it between steps")
         self.zero_grad(set_to_none=True)
         for h in self._schedule_hooks:
             h.remove()
         self.reset_step_calls()
-        self.optimizer = optimizer
-        self.schedule = self._schedule_for(optimizer)
+        self.opts = OptimizerSet(optimizers, {id(m): pid for pid, m in self._master.items()})
+        self.schedule = self._schedule_for(optimizers)
         self._schedule_hooks = self._install_schedule_hooks()
-        self.disk.bind(optimizer, [g for g in self.groups if g.tier != "device"], guard=self._internal_step)
+        self.disk.bind(self.optimizer, [g for g in self.groups if g.tier != "device"], guard=self._internal_step)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The bound optimizer when there is exactly one (None: none, or several: ``opts``)."""
+        return self.opts.single
 
     @property
     def swapped(self) -> SwappedOptimizerState | None:
@@ -447,6 +453,8 @@ class ZeroEngine:
             return  # queued already
         self._set_training(TrainingState.BACKWARD, "backward")
         self._set_grad(GradState.ACCUMULATING, "backward")
+        if len(self.opts) > 1:
+            self._clipped.discard(0)  # new gradients: a clip of the whole model is over
         if self.zero3 is not None:
             self.zero3.backward_started(sync=self._backward_sync)
         Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -522,7 +530,16 @@ class ZeroEngine:
         self._skip_step = self.reducer.finish(check_overflow=self.scaler.enabled)
         self._set_grad(GradState.FINAL, "finalize_grads()")
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, _from_config: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        _from_config: bool = False,
+    ) -> torch.Tensor:
+        """Clip by the global norm over all ranks' shards: of ``optimizer``'s parameters when
+        several optimizers are bound, else of the whole model. Returns that norm."""
         cfg_clip = self.config.gradient_clipping
         if not _from_config and cfg_clip is not None and float(max_norm) != float(cfg_clip):
             raise ValueError(
@@ -531,23 +548,27 @@ class ZeroEngine:
                 "clip_grad_norm_ with the same value)"
             )
         self.finalize_grads()
-        total = self.reducer.clip_grad_norm_(max_norm, norm_type)
-        self._clipped_with = float(max_norm)
+        scope = self.opts.scope(optimizer)
+        total = self.reducer.clip_grad_norm_(max_norm, norm_type, only=scope)
+        self._clipped.add(0 if scope is None or optimizer is None else key(optimizer))
         return total
 
-    def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp every gradient element to ``[-clip_value, clip_value]``."""
+    def clip_grad_value_(self, clip_value: float, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Clamp every gradient element (of ``optimizer``'s parameters, when several optimizers
+        are bound) to ``[-clip_value, clip_value]``."""
         if not clip_value > 0:
             raise ValueError(f"clip_grad_value_(clip_value={clip_value}): use a positive value")
         self.finalize_grads()
-        self.reducer.clip_grad_value_(clip_value)
+        self.reducer.clip_grad_value_(clip_value, only=self.opts.scope(optimizer))
 
     # -- optimizer step ------------------------------------------------------------------
-    def before_optimizer_step(self) -> None:
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._expect_idle("optimizer.step()", "call it after loss.backward() returns", forward_ok=True)
         self.finalize_grads()
-        if self.config.gradient_clipping is not None and self._clipped_with is None:
-            self.clip_grad_norm_(self.config.gradient_clipping, _from_config=True)
+        scope = self.opts.scope(optimizer)
+        clipped = 0 in self._clipped or (scope is not None and key(optimizer) in self._clipped)
+        if self.config.gradient_clipping is not None and not clipped:
+            self.clip_grad_norm_(self.config.gradient_clipping, optimizer=optimizer, _from_config=True)
         if self._skip_step:
             self.reducer.drop_master_grads()
         elif self.swapped is not None and self.optimizer is not None:
@@ -577,15 +598,20 @@ class ZeroEngine:
         self.internal_step = False
         self._restore_stashed_grads()
 
-    def after_optimizer_step(self) -> None:
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._restore_stashed_grads()
         skipped = self._skip_step
         self.last_step_skipped = skipped
         self.scaler.update(skipped)
-        self._clipped_with = None
+        if self.opts.scope(optimizer) is None:
+            self._clipped.clear()
+        else:  # a clip of the whole model holds until the next backward (the other optimizers step too)
+            self._clipped.discard(key(optimizer))
         self._loss_scaled = False
         if not skipped:
             self.params.after_step(self._step_label())
+            if self.zero3 is not None and self._root_depth > 0:  # a step inside the forward (manual optimization)
+                self.zero3.regather_root()
         self.step_count += 1
         C.mark_step()  # the step's wall time, against which comm_report() sets the exposed communication
         if self.zero3 is not None:
@@ -598,11 +624,19 @@ class ZeroEngine:
         if self._scratch_budget is not None:
             self.ctx.pool.trim(self._scratch_budget)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget this window's gradients (see :meth:`GradReducer.zero_grad`)."""
+    def zero_grad(self, set_to_none: bool = True, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Forget this window's gradients (see :meth:`GradReducer.zero_grad`): with several
+        optimizers bound, ``optimizer``'s parameters' only; the others' stay, and the next
+        step finishes them again (idempotent: a small flag all-reduce)."""
         self._expect_idle("zero_grad()", "call it between steps", forward_ok=True)
-        self.reducer.zero_grad(set_to_none=set_to_none, full_grads=self.schedule.full_grads)
-        self._clipped_with = None
+        scope = self.opts.scope(optimizer)
+        self.reducer.zero_grad(set_to_none=set_to_none, full_grads=self.schedule.full_grads, only=scope)
+        if scope is not None and optimizer is not None:
+            self._clipped.discard(key(optimizer))
+            if self.grad_state is not GradState.EMPTY:
+                self._set_grad(GradState.ACCUMULATING, "zero_grad() of one of several optimizers")
+            return
+        self._clipped.clear()
         self._loss_scaled = False
         self._set_grad(GradState.EMPTY, "zero_grad()")
 
@@ -619,36 +653,6 @@ class ZeroEngine:
         plist = None if params is None else [params] if isinstance(params, torch.Tensor) else list(params)
         with self.params.gathered(plist, modifier_rank, self._step_label()):
             yield
-
-    def load_full_state_dict(self, get: Callable[[str], torch.Tensor], keys: list[str], *, strict: bool) -> None:
-        """Copy full tensors into this rank's parameters, rows and masters, one at a time (a
-        ZeRO-3 unit that is gathered, a persistent one say, is freed: its next use gathers the
-        new values). Expects what ``state_dict()`` holds: non-persistent buffers are left alone."""
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        buffers = persistent_buffers(self.module)
-        expected = set(params) | set(buffers)
-        missing, unexpected = sorted(expected - set(keys)), sorted(set(keys) - expected)
-        if strict and (missing or unexpected):
-            raise ValueError(
-                f"load_full_state_dict(): the weights do not match the model: missing {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; "
-                "load weights of the same architecture or pass strict=False"
-            )
-        with torch.no_grad(), self.params.loading():
-            for key in keys:
-                if key not in expected:
-                    continue
-                t = get(key)
-                target = params[key] if key in params else buffers[key]
-                if tuple(t.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"load_full_state_dict(): '{key}' has shape {tuple(t.shape)} in the weights but "
-                        f"{tuple(target.shape)} in the model"
-                    )
-                if key in params:
-                    self.params.load_full(target, t)
-                else:
-                    target.copy_(t)
 
     # -- loss scaling ----------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -710,36 +714,6 @@ class ZeroEngine:
             if "engine.loss_scaler_counters" in state:
                 self.scaler.load_counters(state["engine.loss_scaler_counters"])
         self.params.after_step(f"load ({self._step_label()})")
-
-    def memory_stats(self) -> dict[str, int]:
-        """Bytes held by this rank, by kind: full parameters (at ZeRO-3 only while gathered),
-        ZeRO-3 parameter rows (the persistent shards), gradient shards, fp32 masters that are
-        not views, optimizer state of the master pieces, any full gradients still in
-        ``p.grad``; then the working communication buffers (now and at peak) and, at ZeRO-3,
-        the gathered parameters now and at peak, the gathers issued and their bytes, the cache
-        tier's bytes and counters and, with ``zero_strategy.memory``, each tier's budget
-        (``budget.py``; the keys are listed in docs/memory_budget.md).
-
-        The same model-state bytes are also counted by memory tier (``memory.py``); the disk
-        tier's buffers are ``swap_buffers``."""
-        sharded = self.params if isinstance(self.params, ShardedParams) else None
-        out = model_state_bytes(
-            [p for _, p in self.module.named_parameters(remove_duplicate=True)],
-            sharded.units if sharded is not None else [],
-            self.groups,
-            self.optimizer,
-            self.disk.disk_bytes(),
-            self.ctx.device,
-            self.reducer.compression.residuals.values() if self.reducer.compression is not None else (),
-        )
-        out["swap_buffers"] = self.disk.buffer_bytes()
-        out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps
-        out["comm_scratch_peak"] = self.ctx.pool.peak
-        if sharded is not None and self.zero3 is not None:
-            meter = sharded.meter
-            out |= {"gathered": meter.live, "gathered_peak": meter.peak, "gathers": meter.gathers,
-                    "gathered_bytes": meter.gathered_bytes} | cache_stats(self.zero3.cache, self.budget)  # fmt: skip
-        return out
 
     def close(self) -> None:
         """Remove the engine's hooks (the model keeps its current parameters) and the swap files

@@ -68,12 +68,14 @@ class ZeroOptimizer(_OptimizerBase):
         return self._zero_engine
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of all shards by their *global* norm; return that norm."""
-        return self._zero_engine.clip_grad_norm_(max_norm, norm_type)
+        """Clip the gradients of all shards by their *global* norm; return that norm. With
+        several optimizers on the model: this optimizer's parameters only."""
+        return self._zero_engine.clip_grad_norm_(max_norm, norm_type, optimizer=self)
 
     def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp all gradient shards element-wise to ``[-clip_value, clip_value]``."""
-        self._zero_engine.clip_grad_value_(clip_value)
+        """Clamp all gradient shards (with several optimizers: this one's) element-wise to
+        ``[-clip_value, clip_value]``."""
+        self._zero_engine.clip_grad_value_(clip_value, optimizer=self)
 
     @property
     def step_was_skipped(self) -> bool:
@@ -85,7 +87,7 @@ class ZeroOptimizer(_OptimizerBase):
         return self._zero_engine.scale_loss(loss)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zero_engine.zero_grad(set_to_none=set_to_none)
+        self._zero_engine.zero_grad(set_to_none=set_to_none, optimizer=self)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """The class's own ``step`` (its hooks run the engine's work); whatever happens inside,
@@ -276,7 +278,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         return
     try:
         _check_step_call(optimizer, engine, args, kwargs)
-        engine.before_optimizer_step()
+        engine.before_optimizer_step(optimizer)
     except BaseException:
         engine.reset_step_calls()  # nothing is in progress after a refused or failed start
         raise
@@ -285,7 +287,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 def _check_step_call(optimizer: torch.optim.Optimizer, engine: ZeroEngine, args: Any, kwargs: Any) -> None:
     if engine.destroyed:
         raise RuntimeError("optimizer.step(): its model's zero_strategy engine was destroyed; build a new optimizer")
-    if engine.optimizer is not optimizer:
+    if optimizer not in engine.opts:
         raise RuntimeError(
             "optimizer.step(): this optimizer was replaced by zero_strategy.replace_optimizer(); step the new one"
         )
@@ -302,4 +304,4 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         return
     engine.step_depth -= 1
     if engine.step_depth == 0:  # the outermost step call: everything the subclass did is in the masters
-        engine.after_optimizer_step()
+        engine.after_optimizer_step(optimizer)

@@ -236,6 +236,17 @@ class UnitScheduler:
         for u in ([self.root] if self.root is not None else []) + pinned:
             u.wait_unshard(self.names)
 
+    def regather_root(self) -> None:
+        """An optimizer step ran inside the model's forward (Lightning's manual optimization
+        steps inside ``training_step``) and freed every gathered unit, whose copies held the old
+        values. The root unit and the pinned units are gathered once per forward, so the rest of
+        this forward would read freed storage: gather them again. Collective, as the step is."""
+        units = ([self.root] if self.root is not None else []) + [u for u in self.all_units if u.tag in self.pinned]
+        for u in units:
+            self._gather(u)
+        for u in units:
+            u.wait_unshard(self.names)
+
     def root_post_forward(self, *, ok: bool = True, only: list[UnitStorage] | None = None) -> None:
         """The forward ended (``ok``) or raised. After an exception nothing may wait on the
         other ranks: a gather still in flight stays so (its next use waits on it). Without

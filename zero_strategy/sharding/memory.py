@@ -30,7 +30,7 @@ def model_state_bytes(
     params: Iterable[torch.Tensor],
     units: Sequence[UnitStorage],
     groups: Sequence[ShardGroup],
-    optimizer: torch.optim.Optimizer | None,
+    optimizers: Sequence[torch.optim.Optimizer],
     disk_bytes: Mapping[str, int] | None = None,
     compute: torch.device | None = None,
     residuals: Iterable[torch.Tensor] = (),
@@ -71,7 +71,7 @@ def model_state_bytes(
         for m in g.masters:
             out["masters"] += nbytes(m, g.tier)
             tier_of[id(m)] = g.tier
-    if optimizer is not None:
+    for optimizer in optimizers:
         for master, st in optimizer.state.items():
             for v in st.values():
                 if isinstance(v, torch.Tensor):

@@ -1,0 +1,68 @@
+"""Several optimizers on one model in one process (a world of one): the refusals, each made
+before anything is changed, and which calls act on one optimizer's parameters only. Equality
+with DDP on several ranks is ``tests/distributed/test_several_optimizers.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zero_strategy as zs
+
+
+def _gan() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"g": nn.Linear(4, 4), "d": nn.Linear(4, 1)}).double()
+
+
+def _two(model: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SGD(model["g"].parameters(), lr=0.1), torch.optim.SGD(model["d"].parameters(), lr=0.1)]
+
+
+@pytest.mark.parametrize(
+    ("opts", "overrides", "words"),
+    [
+        (lambda m: [torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(m["d"].parameters(), lr=0.1)], {},
+         "parameter 'd.weight' is in optimizers 0 and 1; several optimizers must step disjoint parameters"),
+        (lambda m: [_two(m)[0]] * 2, {}, "optimizer 1 is the same object as an earlier one"),
+        (lambda m: [], {}, "an empty list of optimizers; pass None"),
+        (_two, {"precision": "fp16"}, "fp16 loss scaling"),
+        (_two, {"offload_optimizer": {"device": "nvme", "nvme_path": "."}}, "offload_optimizer device 'nvme'"),
+    ],
+)  # fmt: skip
+def test_refusals_before_anything_changes(opts, overrides, words) -> None:
+    model = _gan()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=words):
+        zs.initialize(model, opts(model), stage=2, **overrides)
+    assert getattr(model, "zero_engine", None) is None and type(model) is nn.ModuleDict
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_optimizer_zero_grads_steps_and_clips_its_own(stage: int) -> None:
+    model = _gan()
+    ref = _gan()
+    model, (opt_g, opt_d) = zs.initialize(model, _two(model), stage=stage)
+    ref_g, ref_d = _two(ref)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for m in (model, ref):
+        m["d"](m["g"](x)).square().sum().backward()
+    # clipping one optimizer: the norm over its own parameters (DDP: clip_grad_norm_ of those)
+    got = opt_d.clip_grad_norm_(1e-3)
+    want = torch.nn.utils.clip_grad_norm_(ref["d"].parameters(), 1e-3)
+    assert torch.allclose(got, want, rtol=1e-12), (got, want)
+    opt_g.step()
+    ref_g.step()
+    opt_g.zero_grad()  # the discriminator's gradients stay for its own step
+    ref_g.zero_grad()
+    opt_d.step()
+    ref_d.step()
+    with zs.gathered_parameters(model):
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.allclose(p, q, rtol=1e-12, atol=1e-15), n
+    # an optimizer that was replaced cannot step or zero_grad
+    zs.replace_optimizer(model, _two(model))
+    with pytest.raises(RuntimeError, match="not one of the optimizers bound to this model"):
+        opt_g.zero_grad()

@@ -1,0 +1,98 @@
+"""What an engine reads and writes of its model as a whole, outside the training step: full
+weights copied into this rank's parameters, ZeRO-3 rows and masters, and the bytes it holds
+by kind and by tier. A base class of ``ZeroEngine``, kept apart so that ``engine.py`` holds
+the lifecycle; it reads only the attributes declared on it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from zero_strategy.comm import collectives as C
+from zero_strategy.offload.disk_tier import DiskTier
+from zero_strategy.reduction.grads import GradReducer
+from zero_strategy.runtime.budget import Budget, cache_stats
+from zero_strategy.runtime.optimizer_set import OptimizerSet
+from zero_strategy.runtime.zero3 import UnitScheduler
+from zero_strategy.sharding.group import ShardGroup
+from zero_strategy.sharding.memory import model_state_bytes
+from zero_strategy.sharding.setup_checks import persistent_buffers
+from zero_strategy.sharding.unit import ParamStorage, ShardedParams
+
+__all__ = ["WholeModelState"]
+
+
+class WholeModelState:
+    """``load_full_state_dict`` and ``memory_stats`` of the engine."""
+
+    module: nn.Module
+    params: ParamStorage
+    groups: list[ShardGroup]
+    opts: OptimizerSet
+    disk: DiskTier
+    ctx: C.CommContext
+    reducer: GradReducer
+    zero3: UnitScheduler | None
+    budget: Budget | None
+
+    def load_full_state_dict(self, get: Callable[[str], torch.Tensor], keys: list[str], *, strict: bool) -> None:
+        """Copy full tensors into this rank's parameters, rows and masters, one at a time (a
+        ZeRO-3 unit that is gathered, a persistent one say, is freed: its next use gathers the
+        new values). Expects what ``state_dict()`` holds: non-persistent buffers are left alone."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        buffers = persistent_buffers(self.module)
+        expected = set(params) | set(buffers)
+        missing, unexpected = sorted(expected - set(keys)), sorted(set(keys) - expected)
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"load_full_state_dict(): the weights do not match the model: missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}; "
+                "load weights of the same architecture or pass strict=False"
+            )
+        with torch.no_grad(), self.params.loading():
+            for key in keys:
+                if key not in expected:
+                    continue
+                t = get(key)
+                target = params[key] if key in params else buffers[key]
+                if tuple(t.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"load_full_state_dict(): '{key}' has shape {tuple(t.shape)} in the weights but "
+                        f"{tuple(target.shape)} in the model"
+                    )
+                if key in params:
+                    self.params.load_full(target, t)
+                else:
+                    target.copy_(t)
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes held by this rank, by kind: full parameters (at ZeRO-3 only while gathered),
+        ZeRO-3 parameter rows (the persistent shards), gradient shards, fp32 masters that are
+        not views, optimizer state of the master pieces, any full gradients still in
+        ``p.grad``; then the working communication buffers (now and at peak) and, at ZeRO-3,
+        the gathered parameters now and at peak, the gathers issued and their bytes, the cache
+        tier's bytes and counters and, with ``zero_strategy.memory``, each tier's budget
+        (``budget.py``; the keys are listed in docs/memory_budget.md).
+
+        The same model-state bytes are also counted by memory tier (``memory.py``); the disk
+        tier's buffers are ``swap_buffers``."""
+        sharded = self.params if isinstance(self.params, ShardedParams) else None
+        out = model_state_bytes(
+            [p for _, p in self.module.named_parameters(remove_duplicate=True)],
+            sharded.units if sharded is not None else [],
+            self.groups,
+            self.opts.optimizers,
+            self.disk.disk_bytes(),
+            self.ctx.device,
+            self.reducer.compression.residuals.values() if self.reducer.compression is not None else (),
+        )
+        out["swap_buffers"] = self.disk.buffer_bytes()
+        out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps
+        out["comm_scratch_peak"] = self.ctx.pool.peak
+        if sharded is not None and self.zero3 is not None:
+            meter = sharded.meter
+            out |= {"gathered": meter.live, "gathered_peak": meter.peak, "gathers": meter.gathers,
+                    "gathered_bytes": meter.gathered_bytes} | cache_stats(self.zero3.cache, self.budget)  # fmt: skip
+        return out
