@@ -88,6 +88,10 @@ def select_top_k(
     wire_dtype: torch.dtype,
     wire_scale: float = 1.0,
     index: torch.dtype = torch.int32,
+    velocity: torch.Tensor | None = None,
+    momentum: float = 0.0,
+    masking: bool = False,
+    fresh: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add ``factor * packed`` to ``residual`` (both ``[world, row]``), choose the ``k`` entries
     of largest magnitude in each row outside the ``skip`` column ranges, and take what is sent
@@ -95,16 +99,34 @@ def select_top_k(
     ``[world, k]``: the values times ``wire_scale`` in ``wire_dtype``, a finite value beyond the
     wire dtype's range saturated to its largest (the excess stays in the residual). Afterwards
     ``residual`` + sent (divided by ``wire_scale`` again) = the compensated gradient, rounding
-    included. A NaN or inf is chosen first and sent, so the receiver's overflow check sees it."""
-    residual.add_(packed, alpha=factor)
-    score = residual.abs()
+    included. A NaN or inf is chosen first and sent, so the receiver's overflow check sees it.
+
+    With ``velocity`` (DGC's momentum correction): first ``velocity = momentum * velocity +
+    factor * packed`` outside the ``skip`` columns (a parameter without a gradient keeps its
+    velocity, as torch's SGD leaves a parameter without ``.grad`` alone), and the velocity, not
+    the gradient, is added to the residual. ``masking``: the velocity of every sent entry is
+    zeroed (momentum factor masking). ``fresh`` False: a later reduction of the same optimizer
+    step (gradient accumulation that reduces each micro-step): the velocity was decayed once
+    already, so ``velocity += factor * packed`` and the residual gains that increment."""
     blocked = torch.zeros(residual.shape[1], dtype=torch.bool, device=residual.device)
     for lo, hi in skip:
-        score[:, lo:hi] = -1.0
         blocked[lo:hi] = True
+    if velocity is None:
+        residual.add_(packed, alpha=factor)
+    elif not fresh:  # packed is zero in the skipped columns
+        velocity.add_(packed, alpha=factor)
+        residual.add_(packed, alpha=factor)
+    else:
+        moved = velocity.mul(momentum).add_(packed, alpha=factor)
+        velocity.copy_(torch.where(blocked, velocity, moved))
+        residual.add_(torch.where(blocked, torch.zeros((), dtype=moved.dtype, device=moved.device), velocity))
+    score = residual.abs()
+    for lo, hi in skip:
+        score[:, lo:hi] = -1.0
     idx = torch.topk(score, k, dim=1, sorted=False).indices
     chosen = residual.gather(1, idx)
-    values = torch.where(blocked[idx], torch.zeros((), dtype=chosen.dtype, device=chosen.device), chosen)
+    zero = torch.zeros((), dtype=chosen.dtype, device=chosen.device)
+    values = torch.where(blocked[idx], zero, chosen)
     scaled = values * wire_scale if wire_scale != 1.0 else values
     top = torch.finfo(wire_dtype).max
     if top < torch.finfo(scaled.dtype).max:  # saturate what would overflow the narrower wire
@@ -112,6 +134,8 @@ def select_top_k(
     wire = scaled.to(wire_dtype)
     back = wire.to(residual.dtype) / wire_scale if wire_scale != 1.0 else wire.to(residual.dtype)
     residual.scatter_(1, idx, chosen - back)  # what was not sent (or rounded off) stays
+    if velocity is not None and masking:  # a blocked column sent nothing: its velocity stays
+        velocity.scatter_(1, idx, torch.where(blocked[idx], velocity.gather(1, idx), zero))
     return idx.to(index), wire
 
 
@@ -155,14 +179,22 @@ class ErrorFeedback:
         self.ctx = ctx
         self._steps = steps  # optimizer steps done (the engine's count)
         self.residuals: dict[int, torch.Tensor] = {}  # group index -> [world, row], once compression started
+        # group index -> [world, row]: each rank's SGD velocity (momentum correction), or none
+        self.velocities: dict[int, torch.Tensor] = {}
+        self._decayed: dict[int, int] = {}  # group index -> the optimizer step its velocity was decayed at
+
+    def ratio(self) -> float:
+        """This step's share of elements sent (the sparsity warm-up's ramp, then ``ratio``)."""
+        return self.config.ratio_at(self._steps())
 
     def k(self, g: ShardGroup) -> int:
-        return max(1, min(g.layout.shard_numel, math.ceil(self.config.ratio * g.layout.shard_numel)))
+        return max(1, min(g.layout.shard_numel, math.ceil(self.ratio() * g.layout.shard_numel)))
 
     def active(self) -> bool:
-        """Whether this step's reductions are compressed (past the warm-up); the residuals of
-        every bucket exist from the first compressed step on (the same on every rank)."""
-        if self._steps() < self.config.warmup_steps:
+        """Whether this step's reductions are compressed (all but ``warmup: dense``'s warm-up
+        steps); the residuals of every bucket exist from the first compressed step on (the same
+        on every rank)."""
+        if self.config.dense_at(self._steps()):
             return False
         if not self.residuals:
             self.allocate()
@@ -176,10 +208,17 @@ class ErrorFeedback:
                     self.residuals[g.index] = torch.zeros(
                         n, g.layout.shard_numel, dtype=g.master_dtype, device=g.device
                     )
+                if self.config.momentum > 0 and g.index not in self.velocities:
+                    self.velocities[g.index] = torch.zeros_like(self.residuals[g.index])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The residuals and velocities (``memory_stats()`` counts them as ``residuals``)."""
+        return [*self.residuals.values(), *self.velocities.values()]
 
     def reset(self) -> None:
-        """Residuals back to zero (an fp16 step that overflowed: they hold its infinities)."""
-        for r in self.residuals.values():
+        """Residuals and velocities back to zero (an fp16 step that overflowed: they hold its
+        infinities)."""
+        for r in (*self.residuals.values(), *self.velocities.values()):
             r.zero_()
 
     def launch(
@@ -193,7 +232,12 @@ class ErrorFeedback:
         # a 16-bit wire carries what DDP's compress hooks send: the loss-scaled gradient / world
         scale = 1.0 / (factor * n) if g.reduce_dtype in (torch.float16, torch.bfloat16) else 1.0
         index = index_dtype(lay.shard_numel)
-        idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale, index)
+        step = self._steps()
+        fresh = self._decayed.get(g.index) != step  # the step's first reduction of this bucket
+        self._decayed[g.index] = step
+        idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale, index,
+                                   self.velocities.get(g.index), self.config.momentum, self.config.momentum_masking,
+                                   fresh)  # fmt: skip
         cut = k * idx.element_size()
         width = cut + k * values.element_size()
         send = self.ctx.pool.get(n * width, torch.uint8, g.device).view(n, width)
@@ -214,17 +258,18 @@ class ErrorFeedback:
         load-balance split puts every element where that layout keeps it. Empty before the
         first compressed step; a parameter without elements has no entry."""
         n, me, out = self.ctx.world_size, self.ctx.rank, {}
-        for g in self.groups:
-            r = self.residuals.get(g.index)
-            if r is None:
-                continue
-            lay = g.layout
-            for i, p in enumerate(g.params):
-                b, off, numel = lay.bounds[i], lay.offsets[i], lay.numels[i]
-                if numel == 0:
+        for prefix, state in (("compression", self.residuals), ("compression.velocity", self.velocities)):
+            for g in self.groups:
+                r = state.get(g.index)
+                if r is None:
                     continue
-                pieces = [(me * numel + b[d], r[d, off : off + b[d + 1] - b[d]]) for d in range(n) if b[d + 1] > b[d]]
-                out[f"compression.world{n}.{fqn(p)}"] = (n * numel, pieces)
+                lay = g.layout
+                for i, p in enumerate(g.params):
+                    b, off, numel = lay.bounds[i], lay.offsets[i], lay.numels[i]
+                    if numel == 0:
+                        continue
+                    pieces = [(me * numel + b[d], r[d, off : off + b[d + 1] - b[d]]) for d in range(n) if b[d + 1] > b[d]]
+                    out[f"{prefix}.world{n}.{fqn(p)}"] = (n * numel, pieces)
         return out
 
 

@@ -746,7 +746,7 @@ class ZeroEngine:
             self.optimizer,
             self.disk.disk_bytes(),
             self.ctx.device,
-            self.reducer.compression.residuals.values() if self.reducer.compression is not None else (),
+            self.reducer.compression.tensors() if self.reducer.compression is not None else (),
         )
         out["swap_buffers"] = self.disk.buffer_bytes()
         out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps
