@@ -61,7 +61,10 @@ PARITY_DGC = [
 
 def _config(stage: int, ratio: float, warmup: int = 0, bucket: int = 3000, ramp: str = "exponential", **extra) -> dict:
     block = {"type": "topk", "ratio": ratio, "warmup_steps": warmup, "warmup": ramp, **extra}
-    return {"zero_optimization": {"stage": stage, "reduce_bucket_size": bucket}, "zero_strategy": {"compression": block}}
+    return {
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
+        "zero_strategy": {"compression": block},
+    }
 
 
 def _step(model, opt, step: int, rank: int, *, quiet: bool = False) -> float:
@@ -223,6 +226,49 @@ def _ramp(rank: int, world: int) -> None:
         raise AssertionError(f"bytes per step {got}, expected {want} (25%, 6.25%, 1%, 1% of every row)")
     if not all(math.isfinite(v) for v in losses):
         raise AssertionError(f"losses {losses}")
+    model.zero_engine.close()
+
+
+def _local_clip(rank: int, world: int, stage: int, accum: bool) -> None:
+    """DGC's local clipping at ratio 1.0 against a hand-written oracle: each rank scales its share
+    of the averaged gradient (g / world, the whole model) to a norm of at most clip / sqrt(world),
+    the shares are all-reduced, SGD steps. ``accum``: two no_sync micro-steps, clipped together."""
+    import torch
+    import torch.distributed as dist
+
+    import zero_strategy as zs
+    from zero_strategy.testing.compare import assert_close
+
+    clip = 0.05
+    model, opt = zs.initialize(
+        _gpt(), lambda p: torch.optim.SGD(p, lr=0.5), config=_config(stage, 1.0, local_clip=clip)
+    )
+    ref = _gpt()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    fb, bit, got, want = model.zero_engine.reducer.compression, 0, [], []
+    for step in range(3):
+        for micro in range(2 if accum else 1):
+            got.append(_step(model, opt, 10 * step + micro, rank, quiet=accum and micro == 0))
+            want.append(_step(ref, ref_opt, 10 * step + micro, rank))
+        opt.step()
+        opt.zero_grad()
+        shares = [p.grad / world for p in ref.parameters()]
+        norm = float(torch.sqrt(sum(s.pow(2).sum() for s in shares)))
+        limit = clip / math.sqrt(world)
+        bit += norm > limit
+        coef = limit / (norm + 1e-6) if norm > limit else 1.0
+        flat = torch.cat([s.reshape(-1) * coef for s in shares])
+        dist.all_reduce(flat)
+        for p, piece in zip(ref.parameters(), flat.split([p.numel() for p in ref.parameters()])):
+            p.grad = piece.view_as(p).clone()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_close(fb.last_local_norm, norm, rtol=1e-5, atol=0.0, what=f"step {step}: the local norm")
+    if not bit:
+        raise AssertionError("the local clip never bit: the test would not see it missing")
+    assert_close(got, want, rtol=1e-5, atol=0.0, what=f"rank {rank}: losses under local clipping")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-6, what=f"rank {rank}: {name}")
     model.zero_engine.close()
 
 
@@ -445,12 +491,14 @@ def _worker(rank: int, world: int, root: str) -> int:
     run_subtests(lambda **kw: _feedback(rank, world, **kw), feedback, label="error feedback")
     run_subtests(lambda stage: _warmup(rank, world, stage), [{"stage": 2}], label="dense warm-up")
     run_subtests(lambda: _ramp(rank, world), [{}], label="exponential warm-up")
+    run_subtests(lambda **kw: _local_clip(rank, world, **kw), [{"stage": 2, "accum": False}, {"stage": 1, "accum": True}],
+                 label="local clipping")  # fmt: skip
     run_subtests(lambda: _checkpoint(rank, world, root), [{}], label="checkpoint")
     run_subtests(lambda: _checkpoint_momentum(rank, world, root), [{}], label="checkpoint, momentum")
     run_subtests(lambda: _overflow(rank, world), [{}], label="fp16 overflow")
     run_subtests(lambda: _wire_16bit(rank, world), [{}], label="16-bit wire")
-    return len(PARITY) + len(PARITY_DGC) + len(feedback) + 6
+    return len(PARITY) + len(PARITY_DGC) + len(feedback) + 8
 
 
 def test_topk_compression(launch, tmp_path) -> None:
-    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + len(PARITY_DGC) + 6 + 6] * 2
+    assert launch(_worker, 2, args=(str(tmp_path),), timeout=600) == [len(PARITY) + len(PARITY_DGC) + 6 + 8] * 2

@@ -182,6 +182,8 @@ def test_momentum_config_refusals() -> None:
         CompressionConfig(type="topk", momentum=0.9, warmup_steps=5, warmup="dense")
     with pytest.raises(ValueError, match="compression.momentum"):
         zs.ZeroConfig(compression={"type": "topk", "momentum": 1.5})
+    with pytest.raises(ValueError, match="compression.local_clip"):
+        zs.ZeroConfig(compression={"type": "topk", "local_clip": 0})
     with pytest.raises(ValueError, match="compression.warmup"):
         zs.ZeroConfig(compression={"type": "topk", "warmup": "linear"})
     model = torch.nn.Linear(4, 2)

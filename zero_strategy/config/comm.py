@@ -48,6 +48,11 @@ class CompressionConfig:
     - ``momentum_masking`` (true): DGC's momentum factor masking, the velocity of each sent
       element restarts from zero (so a stale velocity does not keep pushing it). At
       ``ratio: 1.0`` this sends each step's gradient alone: plain SGD, not SGD with momentum.
+    - ``local_clip`` (unset: off): DGC's local gradient clipping. Before compression each rank
+      scales its share of the averaged gradient (all buckets of the reduction together) to a
+      norm of at most ``local_clip / sqrt(world)``. The buckets are then exchanged at the end
+      of the backward, not while it runs. ``clip_grad_norm_`` still clips and reports the
+      global norm of the exchanged update (see ``docs/compression.md``).
     """
 
     type: str = setting("none", lambda value, where: to_choice(value, where, _TYPES))
@@ -56,6 +61,7 @@ class CompressionConfig:
     warmup: str = setting("exponential", lambda value, where: to_choice(value, where, _WARMUPS))
     momentum: float = setting(0.0, float_rule(ge=0.0, le=0.999))
     momentum_masking: bool = setting(True, to_bool)
+    local_clip: float | None = setting(None, optional(float_rule(gt=0.0)))
 
     def __post_init__(self) -> None:
         coerce_fields(self, "CompressionConfig")

@@ -182,6 +182,10 @@ class ErrorFeedback:
         # group index -> [world, row]: each rank's SGD velocity (momentum correction), or none
         self.velocities: dict[int, torch.Tensor] = {}
         self._decayed: dict[int, int] = {}  # group index -> the optimizer step its velocity was decayed at
+        # local clipping: group index -> (packed gradients, columns without a gradient), held until
+        # every bucket of the reduction is packed (the clip needs the whole local norm)
+        self.held: dict[int, tuple[torch.Tensor, set[int]]] = {}
+        self.last_local_norm: float | None = None  # this rank's local norm at the last clipped reduction
 
     def ratio(self) -> float:
         """This step's share of elements sent (the sparsity warm-up's ramp, then ``ratio``)."""
@@ -247,6 +251,42 @@ class ErrorFeedback:
         handle = C.all_to_all(self.ctx, recv, send.view(-1), what=f"top-k {what}")
         return SparseExchange(self.ctx, g, k, g.reduce_dtype, scale, index, send, recv, handle)
 
+    # -- local clipping (DGC) ----------------------------------------------------------------
+    def hold(self, g: ShardGroup, packed: torch.Tensor, skip: Sequence[int]) -> None:
+        """Keep ``packed`` (the bucket's local gradients, from the pool; this takes it) until
+        :meth:`release`; a second reduction of the bucket before then adds into it."""
+        if g.index in self.held:
+            mine, none = self.held[g.index]
+            mine.add_(packed)
+            self.ctx.pool.put(packed)
+            self.held[g.index] = (mine, none & set(skip))
+        else:
+            self.held[g.index] = (packed, set(skip))
+
+    def release(self, factor: float, what: Callable[[ShardGroup], str]) -> list[tuple[ShardGroup, SparseExchange]]:
+        """DGC's local gradient clipping, then the exchanges of every held bucket: this rank's
+        share of the averaged gradient (``factor * packed`` over all held buckets) is scaled to
+        a norm of at most ``local_clip / sqrt(world)``, so the sum over ranks stays near
+        ``local_clip`` as for independent gradients. A non-finite norm (an fp16 overflow) is
+        left unscaled, so the overflow check sees it."""
+        if not self.held:
+            return []
+        held = sorted(self.held.items())
+        self.held = {}
+        total = torch.zeros((), dtype=torch.float64, device=held[0][1][0].device)
+        for _, (packed, _none) in held:
+            total += packed.to(torch.float64).pow(2).sum()
+        norm = float(total.sqrt()) * abs(factor)  # the clip's one host read
+        self.last_local_norm = norm
+        limit = float(self.config.local_clip or 0.0) / math.sqrt(self.ctx.world_size)
+        coef = limit / (norm + 1e-6) if math.isfinite(norm) and norm > limit else 1.0
+        out = []
+        for index, (packed, none) in held:
+            g = self.groups[index]
+            out.append((g, self.launch(g, packed, factor * coef, sorted(none), what(g))))
+            self.ctx.pool.put(packed)
+        return out
+
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint_pieces(self, fqn: Callable[[torch.Tensor], str]) -> dict[str, tuple[int, list[Piece]]]:
         """Checkpoint name -> (global numel, this rank's pieces) for every parameter's residual, in
@@ -268,7 +308,9 @@ class ErrorFeedback:
                     b, off, numel = lay.bounds[i], lay.offsets[i], lay.numels[i]
                     if numel == 0:
                         continue
-                    pieces = [(me * numel + b[d], r[d, off : off + b[d + 1] - b[d]]) for d in range(n) if b[d + 1] > b[d]]
+                    pieces = [
+                        (me * numel + b[d], r[d, off : off + b[d + 1] - b[d]]) for d in range(n) if b[d + 1] > b[d]
+                    ]
                     out[f"{prefix}.world{n}.{fqn(p)}"] = (n * numel, pieces)
         return out
 
