@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             ],
             "bytes": res[0]["grad_bytes_per_step"],
         }
+        last = list(runs.values())[-1]
+        print(f"{list(runs)[-1]}: held-out {last['eval']:.4f}, {last['bytes'] / 2**20:.3f} MB per step", flush=True)
     dense = runs["dense"]
     print(
         f"\nGPT task of examples/train_gpt.py, 2 ranks, ZeRO-2, {args.steps} steps, {args.optim}, "

@@ -22,8 +22,21 @@ sends only the largest ones and keeps the rest for later:
   so a parameter no rank used gets no update, as under DDP.
 
 Bytes per bucket: ``world * k * (4 + value bytes)`` against the dense ``world * row * 4``, that
-is about ``2 * ratio`` of dense for fp32 values. ``warmup_steps`` optimizer steps at the start
-reduce densely (no residual yet). ``ratio=1.0`` sends everything: DDP's numbers.
+is about ``2 * ratio`` of dense for fp32 values. ``ratio=1.0`` sends everything: DDP's numbers.
+
+Deep Gradient Compression's (Lin et al., 2018) techniques, each chosen in ``CompressionConfig``:
+
+- sparsity warm-up (``warmup: exponential``, the default): the ``warmup_steps`` first optimizer
+  steps send 25%, 6.25%, 1.56%, ... of each row (:meth:`CompressionConfig.ratio_at`), then
+  ``ratio``; ``warmup: dense`` reduces them uncompressed instead (no residual yet).
+- momentum correction (``momentum``): each rank keeps a *velocity* ``u = momentum * u + c`` of
+  its gradient share (one more ``[world, row]`` tensor per bucket) and adds ``u``, not the
+  gradient, to the residual; the exchanged update is the velocity, and the user's SGD steps with
+  ``momentum=0`` on it. At ratio 1.0 that is DDP's SGD with momentum. Momentum factor masking
+  (``momentum_masking``) zeroes the velocity of every sent element.
+- local clipping (``local_clip``): the buckets of a reduction are held until all are packed
+  (no overlap with the backward), each rank's share is scaled to a norm of at most
+  ``local_clip / sqrt(world)``, then they are compressed and exchanged.
 
 fp16: a step whose gradients overflowed is skipped, and the residuals, which hold the same
 infinities, start again from zero. A NaN or inf is always chosen first and sent, so the
@@ -40,7 +53,8 @@ gradients are reduced on (also with an offloaded optimizer), allocated at the fi
 step. Each received row is added in rank order, one source at a time: the sum is the same on
 every run, on a GPU too.
 
-Checkpoints save the residuals in parameter coordinates (``compression.world<N>.<fqn>``: every
+Checkpoints save the residuals (and the velocities, ``compression.velocity.world<N>.<fqn>``)
+in parameter coordinates (``compression.world<N>.<fqn>``: every
 rank's residual of the parameter side by side, :meth:`ErrorFeedback.checkpoint_pieces`), so
 they follow their elements into other buckets or another load-balance split, and a resumed run
 with the same buckets and split continues exactly. Loaded at another world size they cannot be
