@@ -3,7 +3,12 @@
 The bundled GPT task of ``examples/train_gpt.py`` (next-byte prediction on the standard
 library's source, d_model 192, 4 layers, AdamW with a cosine schedule, clipping 1.0, batch 8
 per rank, 300 steps), on 2 ranks at ZeRO-2, once per configuration with the same seed and data:
-dense reduction, then top-k at each ``--ratios`` with ``--warmup`` dense steps first.
+dense reduction, then top-k at each ``--ratios`` with a ``--warmup`` of dense steps first
+(``--warmup-mode dense``) or DGC's exponential ramp of the ratio (``exponential``).
+``--optim sgd-dgc``: SGD with momentum 0.9, which the compressed runs give to the engine
+(``compression.momentum``, DGC's momentum correction, with factor masking unless
+``--no-masking``); the dense run is torch's SGD with momentum 0.9 under plain ZeRO-2 (DDP's
+numbers).
 
 Printed per run: the loss curve (mean training loss over windows of 25 steps), the final
 held-out loss (16 fixed batches no run trains on) and its difference from dense, and the
@@ -27,7 +32,8 @@ if _REPO_ROOT not in sys.path:
 WINDOW = 25
 
 
-def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: float, optim: str) -> dict:
+def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: float, optim: str, mode: str,
+            masking: bool) -> dict:  # fmt: skip
     import torch
     import torch.nn.functional as F
 
@@ -42,11 +48,15 @@ def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: 
     model = GPT(cfg)
     if optim == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:  # sgd-dgc: the engine owns the momentum of the compressed runs (DGC's momentum correction)
+        own = optim == "sgd-dgc" and ratio < 1.0
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if own else 0.9)
     config: dict = {"zero_optimization": {"stage": 2}}
     if ratio < 1.0:
-        config["zero_strategy"] = {"compression": {"type": "topk", "ratio": ratio, "warmup_steps": warmup}}
+        block = {"type": "topk", "ratio": ratio, "warmup_steps": warmup, "warmup": mode}
+        if optim == "sgd-dgc":
+            block.update(momentum=0.9, momentum_masking=masking)
+        config["zero_strategy"] = {"compression": block}
     model, opt = zs.initialize(model, opt, config=config)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     zs.reset_comm_stats()
@@ -77,9 +87,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--ratios", default="0.001,0.01")
-    ap.add_argument("--warmup", type=int, default=10, help="dense steps at the start (at most 10%% of --steps)")
+    ap.add_argument("--warmup", type=int, default=10, help="warm-up steps at the start (at most 10%% of --steps)")
+    ap.add_argument("--warmup-mode", default="dense", choices=("dense", "exponential"),
+                    help="dense steps first, or DGC's exponential ramp of the ratio")  # fmt: skip
+    ap.add_argument("--no-masking", action="store_true", help="sgd-dgc without momentum factor masking")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: none)")
-    ap.add_argument("--optim", default="adamw", choices=("adamw", "sgd"))
+    ap.add_argument("--optim", default="adamw", choices=("adamw", "sgd", "sgd-dgc"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.warmup > 0.1 * args.steps:
@@ -89,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         res = launch(
             _worker,
             2,
-            args=(ratio, args.warmup, args.steps, args.clip, args.optim),
+            args=(ratio, args.warmup, args.steps, args.clip, args.optim, args.warmup_mode, not args.no_masking),
             timeout=3600,
             env={"OMP_NUM_THREADS": "1"},
         )
@@ -102,9 +115,12 @@ def main(argv: list[str] | None = None) -> None:
             ],
             "bytes": res[0]["grad_bytes_per_step"],
         }
+        last = list(runs.values())[-1]
+        print(f"{list(runs)[-1]}: held-out {last['eval']:.4f}, {last['bytes'] / 2**20:.3f} MB per step", flush=True)
     dense = runs["dense"]
     print(
-        f"\nGPT task of examples/train_gpt.py, 2 ranks, ZeRO-2, {args.steps} steps, warm-up {args.warmup} dense steps"
+        f"\nGPT task of examples/train_gpt.py, 2 ranks, ZeRO-2, {args.steps} steps, {args.optim}, "
+        f"warm-up {args.warmup} steps ({args.warmup_mode})"
     )
     print("\n| run | held-out loss | vs dense | gradient MB per step | bytes vs dense |")
     print("|---|---:|---:|---:|---:|")

@@ -138,3 +138,55 @@ def test_world_size_one_runs_compressed() -> None:
     assert residual >= 4 * sum(p.numel() for p in model.parameters()), residual
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
     model.zero_engine.close()
+
+
+def test_exponential_warmup_follows_dgc_schedule() -> None:
+    """DGC's sparsity warm-up at ratio 0.001 over 40 steps: 25%, 6.25%, 1.5625%, 0.39% (10 steps
+    each), then 0.1%; ``warmup: dense`` keeps the old switch (dense steps, then the ratio)."""
+    cfg = CompressionConfig(type="topk", ratio=0.001, warmup_steps=40)
+    got = [cfg.ratio_at(s) for s in range(45)]
+    want = [0.25] * 10 + [0.0625] * 10 + [0.015625] * 10 + [0.00390625] * 10 + [0.001] * 5
+    assert got == want, got
+    assert not any(cfg.dense_at(s) for s in range(45))
+    assert [CompressionConfig(type="topk", ratio=0.01, warmup_steps=6).ratio_at(s) for s in range(7)] == [
+        0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.01]  # fmt: skip
+    assert CompressionConfig(type="topk", ratio=1.0, warmup_steps=5).ratio_at(0) == 1.0  # DDP's numbers
+    assert CompressionConfig(type="topk", ratio=0.3, warmup_steps=5).ratio_at(0) == 0.3  # nothing above to ramp
+    dense = CompressionConfig(type="topk", ratio=0.001, warmup_steps=3, warmup="dense")
+    assert [dense.dense_at(s) for s in range(5)] == [True, True, True, False, False]
+    assert dense.ratio_at(0) == 0.001
+
+
+def test_momentum_correction_accumulates_velocity_and_masks_what_was_sent() -> None:
+    """DGC: u = m u + f g outside skipped columns, the residual gains u (not g), sent + residual
+    = residual before + u; masking zeroes the velocity of every sent entry, and only those."""
+    torch.manual_seed(2)
+    for masking in (False, True):
+        residual, velocity, packed = torch.randn(2, 40) * 0.1, torch.randn(2, 40), torch.randn(2, 40)
+        r0, v0 = residual.clone(), velocity.clone()
+        u = 0.9 * v0 + 0.5 * packed
+        u[:, 5:9] = v0[:, 5:9]  # a parameter without a gradient keeps its velocity
+        idx, values = select_top_k(residual, packed, 0.5, k=3, skip=[(5, 9)], wire_dtype=torch.float32,
+                                   velocity=velocity, momentum=0.9, masking=masking)  # fmt: skip
+        sent = torch.zeros(2, 40).scatter_(1, idx.long(), values)
+        compensated = r0 + u
+        compensated[:, 5:9] = r0[:, 5:9]
+        assert_close(sent + residual, compensated, rtol=1e-6, atol=1e-7, what=f"sent + residual (masking {masking})")
+        was_sent = torch.zeros(2, 40, dtype=torch.bool).scatter_(1, idx.long(), True)
+        want_velocity = torch.where(was_sent, torch.zeros(()), u) if masking else u
+        assert_close(velocity, want_velocity, rtol=1e-6, atol=1e-7, what=f"velocity (masking {masking})")
+
+
+def test_momentum_config_refusals() -> None:
+    with pytest.raises(ValueError, match="warmup: exponential"):
+        CompressionConfig(type="topk", momentum=0.9, warmup_steps=5, warmup="dense")
+    with pytest.raises(ValueError, match="compression.momentum"):
+        zs.ZeroConfig(compression={"type": "topk", "momentum": 1.5})
+    with pytest.raises(ValueError, match="compression.local_clip"):
+        zs.ZeroConfig(compression={"type": "topk", "local_clip": 0})
+    with pytest.raises(ValueError, match="compression.warmup"):
+        zs.ZeroConfig(compression={"type": "topk", "warmup": "linear"})
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="momentum=0"):
+        zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                      config={"stage": 2, "compression": {"type": "topk", "momentum": 0.9}})  # fmt: skip

@@ -7,32 +7,91 @@ modules that act on it can both use it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
-from zero_strategy.config.values import coerce_fields, float_rule, int_rule, optional, setting, to_choice, to_float
+from zero_strategy.config.values import (
+    coerce_fields,
+    float_rule,
+    int_rule,
+    optional,
+    setting,
+    to_bool,
+    to_choice,
+    to_float,
+)
 
 __all__ = ["PRESETS", "CompressionConfig", "LoadBalanceConfig"]
 
 _TYPES = ("none", "topk")
+_WARMUPS = ("exponential", "dense")
+_RAMP = 0.25  # DGC's warm-up keeps 25%, 6.25%, 1.5625%, 0.39%, ... of the elements
 
 
 @dataclasses.dataclass(frozen=True)
 class CompressionConfig:
-    """``compression: {type: topk, ratio: 0.001, warmup_steps: N}`` (in the ``zero_strategy``
-    block of a DeepSpeed-style file, or ``ZeroConfig(compression=...)``). ``type: none`` (the
-    default) reduces every gradient element."""
+    """``compression: {type: topk, ratio: 0.001, warmup_steps: N, warmup: exponential,
+    momentum: 0.9, momentum_masking: true}`` (in the ``zero_strategy`` block of a
+    DeepSpeed-style file, or ``ZeroConfig(compression=...)``). ``type: none`` (the default)
+    reduces every gradient element.
+
+    - ``warmup: exponential`` (the default): DGC's sparsity warm-up. The ``warmup_steps`` first
+      optimizer steps are compressed at a ratio that falls exponentially, ``0.25, 0.0625,
+      0.0156, ...`` (one equal stretch of the warm-up per value above ``ratio``), then
+      ``ratio``. ``warmup: dense``: the ``warmup_steps`` first steps reduce every element
+      uncompressed, then ``ratio`` at once (the behaviour before the ramp).
+    - ``momentum`` (0: off): DGC's momentum correction, the engine owns SGD's momentum. Each
+      rank keeps a velocity ``u = momentum * u + g`` and accumulates ``u`` (not ``g``) into
+      its residual; the exchanged update is then the velocity, and the user's ``torch.optim.SGD``
+      steps with ``momentum=0`` on it (the engine refuses an optimizer with momentum).
+    - ``momentum_masking`` (true): DGC's momentum factor masking, the velocity of each sent
+      element restarts from zero (so a stale velocity does not keep pushing it). At
+      ``ratio: 1.0`` this sends each step's gradient alone: plain SGD, not SGD with momentum.
+    - ``local_clip`` (unset: off): DGC's local gradient clipping. Before compression each rank
+      scales its share of the averaged gradient (all buckets of the reduction together) to a
+      norm of at most ``local_clip / sqrt(world)``. The buckets are then exchanged at the end
+      of the backward, not while it runs. ``clip_grad_norm_`` still clips and reports the
+      global norm of the exchanged update (see ``docs/compression.md``).
+    """
 
     type: str = setting("none", lambda value, where: to_choice(value, where, _TYPES))
     ratio: float = setting(0.001, float_rule(gt=0.0, le=1.0))
     warmup_steps: int = setting(0, int_rule(0))
+    warmup: str = setting("exponential", lambda value, where: to_choice(value, where, _WARMUPS))
+    momentum: float = setting(0.0, float_rule(ge=0.0, le=0.999))
+    momentum_masking: bool = setting(True, to_bool)
+    local_clip: float | None = setting(None, optional(float_rule(gt=0.0)))
 
     def __post_init__(self) -> None:
         coerce_fields(self, "CompressionConfig")
+        if self.momentum > 0 and self.warmup == "dense" and self.warmup_steps > 0:
+            raise ValueError(
+                "compression: momentum correction runs through the sparse exchange from the first step, and "
+                "warmup: dense reduces the warm-up steps uncompressed (without the velocity); use warmup: "
+                "exponential, or warmup_steps: 0"
+            )
 
     @property
     def enabled(self) -> bool:
         return self.type != "none"
+
+    def dense_at(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (0-based) reduces uncompressed (``warmup: dense``)."""
+        return self.warmup == "dense" and step < self.warmup_steps
+
+    def ratio_at(self, step: int) -> float:
+        """The share of elements sent at optimizer step ``step`` (0-based). With ``warmup:
+        exponential``, the warm-up is cut into ``m`` equal stretches, ``m`` the number of powers
+        ``0.25**j`` (j >= 1) above ``ratio``; stretch ``j`` sends ``0.25**(j + 1)``. DGC's
+        schedule at ratio 0.001: 25%, 6.25%, 1.56%, 0.39%, then 0.1%."""
+        if self.warmup != "exponential" or step >= self.warmup_steps or self.ratio >= _RAMP:
+            return self.ratio
+        stretches = math.ceil(math.log(self.ratio) / math.log(_RAMP) - 1e-9) - 1
+        if stretches <= 0:
+            return self.ratio
+        j = step * stretches // self.warmup_steps
+        return max(self.ratio, _RAMP ** (j + 1))
 
 
 # (alpha, beta): the weights of compute and memory bandwidth in a rank's score (design notes)

@@ -22,8 +22,21 @@ sends only the largest ones and keeps the rest for later:
   so a parameter no rank used gets no update, as under DDP.
 
 Bytes per bucket: ``world * k * (4 + value bytes)`` against the dense ``world * row * 4``, that
-is about ``2 * ratio`` of dense for fp32 values. ``warmup_steps`` optimizer steps at the start
-reduce densely (no residual yet). ``ratio=1.0`` sends everything: DDP's numbers.
+is about ``2 * ratio`` of dense for fp32 values. ``ratio=1.0`` sends everything: DDP's numbers.
+
+Deep Gradient Compression's (Lin et al., 2018) techniques, each chosen in ``CompressionConfig``:
+
+- sparsity warm-up (``warmup: exponential``, the default): the ``warmup_steps`` first optimizer
+  steps send 25%, 6.25%, 1.56%, ... of each row (:meth:`CompressionConfig.ratio_at`), then
+  ``ratio``; ``warmup: dense`` reduces them uncompressed instead (no residual yet).
+- momentum correction (``momentum``): each rank keeps a *velocity* ``u = momentum * u + c`` of
+  its gradient share (one more ``[world, row]`` tensor per bucket) and adds ``u``, not the
+  gradient, to the residual; the exchanged update is the velocity, and the user's SGD steps with
+  ``momentum=0`` on it. At ratio 1.0 that is DDP's SGD with momentum. Momentum factor masking
+  (``momentum_masking``) zeroes the velocity of every sent element.
+- local clipping (``local_clip``): the buckets of a reduction are held until all are packed
+  (no overlap with the backward), each rank's share is scaled to a norm of at most
+  ``local_clip / sqrt(world)``, then they are compressed and exchanged.
 
 fp16: a step whose gradients overflowed is skipped, and the residuals, which hold the same
 infinities, start again from zero. A NaN or inf is always chosen first and sent, so the
@@ -40,7 +53,8 @@ gradients are reduced on (also with an offloaded optimizer), allocated at the fi
 step. Each received row is added in rank order, one source at a time: the sum is the same on
 every run, on a GPU too.
 
-Checkpoints save the residuals in parameter coordinates (``compression.world<N>.<fqn>``: every
+Checkpoints save the residuals (and the velocities, ``compression.velocity.world<N>.<fqn>``)
+in parameter coordinates (``compression.world<N>.<fqn>``: every
 rank's residual of the parameter side by side, :meth:`ErrorFeedback.checkpoint_pieces`), so
 they follow their elements into other buckets or another load-balance split, and a resumed run
 with the same buckets and split continues exactly. Loaded at another world size they cannot be
@@ -88,6 +102,10 @@ def select_top_k(
     wire_dtype: torch.dtype,
     wire_scale: float = 1.0,
     index: torch.dtype = torch.int32,
+    velocity: torch.Tensor | None = None,
+    momentum: float = 0.0,
+    masking: bool = False,
+    fresh: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add ``factor * packed`` to ``residual`` (both ``[world, row]``), choose the ``k`` entries
     of largest magnitude in each row outside the ``skip`` column ranges, and take what is sent
@@ -95,16 +113,34 @@ def select_top_k(
     ``[world, k]``: the values times ``wire_scale`` in ``wire_dtype``, a finite value beyond the
     wire dtype's range saturated to its largest (the excess stays in the residual). Afterwards
     ``residual`` + sent (divided by ``wire_scale`` again) = the compensated gradient, rounding
-    included. A NaN or inf is chosen first and sent, so the receiver's overflow check sees it."""
-    residual.add_(packed, alpha=factor)
-    score = residual.abs()
+    included. A NaN or inf is chosen first and sent, so the receiver's overflow check sees it.
+
+    With ``velocity`` (DGC's momentum correction): first ``velocity = momentum * velocity +
+    factor * packed`` outside the ``skip`` columns (a parameter without a gradient keeps its
+    velocity, as torch's SGD leaves a parameter without ``.grad`` alone), and the velocity, not
+    the gradient, is added to the residual. ``masking``: the velocity of every sent entry is
+    zeroed (momentum factor masking). ``fresh`` False: a later reduction of the same optimizer
+    step (gradient accumulation that reduces each micro-step): the velocity was decayed once
+    already, so ``velocity += factor * packed`` and the residual gains that increment."""
     blocked = torch.zeros(residual.shape[1], dtype=torch.bool, device=residual.device)
     for lo, hi in skip:
-        score[:, lo:hi] = -1.0
         blocked[lo:hi] = True
+    if velocity is None:
+        residual.add_(packed, alpha=factor)
+    elif not fresh:  # packed is zero in the skipped columns
+        velocity.add_(packed, alpha=factor)
+        residual.add_(packed, alpha=factor)
+    else:
+        moved = velocity.mul(momentum).add_(packed, alpha=factor)
+        velocity.copy_(torch.where(blocked, velocity, moved))
+        residual.add_(torch.where(blocked, torch.zeros((), dtype=moved.dtype, device=moved.device), velocity))
+    score = residual.abs()
+    for lo, hi in skip:
+        score[:, lo:hi] = -1.0
     idx = torch.topk(score, k, dim=1, sorted=False).indices
     chosen = residual.gather(1, idx)
-    values = torch.where(blocked[idx], torch.zeros((), dtype=chosen.dtype, device=chosen.device), chosen)
+    zero = torch.zeros((), dtype=chosen.dtype, device=chosen.device)
+    values = torch.where(blocked[idx], zero, chosen)
     scaled = values * wire_scale if wire_scale != 1.0 else values
     top = torch.finfo(wire_dtype).max
     if top < torch.finfo(scaled.dtype).max:  # saturate what would overflow the narrower wire
@@ -112,6 +148,8 @@ def select_top_k(
     wire = scaled.to(wire_dtype)
     back = wire.to(residual.dtype) / wire_scale if wire_scale != 1.0 else wire.to(residual.dtype)
     residual.scatter_(1, idx, chosen - back)  # what was not sent (or rounded off) stays
+    if velocity is not None and masking:  # a blocked column sent nothing: its velocity stays
+        velocity.scatter_(1, idx, torch.where(blocked[idx], velocity.gather(1, idx), zero))
     return idx.to(index), wire
 
 
@@ -155,14 +193,26 @@ class ErrorFeedback:
         self.ctx = ctx
         self._steps = steps  # optimizer steps done (the engine's count)
         self.residuals: dict[int, torch.Tensor] = {}  # group index -> [world, row], once compression started
+        # group index -> [world, row]: each rank's SGD velocity (momentum correction), or none
+        self.velocities: dict[int, torch.Tensor] = {}
+        self._decayed: dict[int, int] = {}  # group index -> the optimizer step its velocity was decayed at
+        # local clipping: group index -> (packed gradients, columns without a gradient), held until
+        # every bucket of the reduction is packed (the clip needs the whole local norm)
+        self.held: dict[int, tuple[torch.Tensor, set[int]]] = {}
+        self.last_local_norm: float | None = None  # this rank's local norm at the last clipped reduction
+
+    def ratio(self) -> float:
+        """This step's share of elements sent (the sparsity warm-up's ramp, then ``ratio``)."""
+        return self.config.ratio_at(self._steps())
 
     def k(self, g: ShardGroup) -> int:
-        return max(1, min(g.layout.shard_numel, math.ceil(self.config.ratio * g.layout.shard_numel)))
+        return max(1, min(g.layout.shard_numel, math.ceil(self.ratio() * g.layout.shard_numel)))
 
     def active(self) -> bool:
-        """Whether this step's reductions are compressed (past the warm-up); the residuals of
-        every bucket exist from the first compressed step on (the same on every rank)."""
-        if self._steps() < self.config.warmup_steps:
+        """Whether this step's reductions are compressed (all but ``warmup: dense``'s warm-up
+        steps); the residuals of every bucket exist from the first compressed step on (the same
+        on every rank)."""
+        if self.config.dense_at(self._steps()):
             return False
         if not self.residuals:
             self.allocate()
@@ -176,10 +226,17 @@ class ErrorFeedback:
                     self.residuals[g.index] = torch.zeros(
                         n, g.layout.shard_numel, dtype=g.master_dtype, device=g.device
                     )
+                if self.config.momentum > 0 and g.index not in self.velocities:
+                    self.velocities[g.index] = torch.zeros_like(self.residuals[g.index])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The residuals and velocities (``memory_stats()`` counts them as ``residuals``)."""
+        return [*self.residuals.values(), *self.velocities.values()]
 
     def reset(self) -> None:
-        """Residuals back to zero (an fp16 step that overflowed: they hold its infinities)."""
-        for r in self.residuals.values():
+        """Residuals and velocities back to zero (an fp16 step that overflowed: they hold its
+        infinities)."""
+        for r in (*self.residuals.values(), *self.velocities.values()):
             r.zero_()
 
     def launch(
@@ -193,7 +250,12 @@ class ErrorFeedback:
         # a 16-bit wire carries what DDP's compress hooks send: the loss-scaled gradient / world
         scale = 1.0 / (factor * n) if g.reduce_dtype in (torch.float16, torch.bfloat16) else 1.0
         index = index_dtype(lay.shard_numel)
-        idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale, index)
+        step = self._steps()
+        fresh = self._decayed.get(g.index) != step  # the step's first reduction of this bucket
+        self._decayed[g.index] = step
+        idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale, index,
+                                   self.velocities.get(g.index), self.config.momentum, self.config.momentum_masking,
+                                   fresh)  # fmt: skip
         cut = k * idx.element_size()
         width = cut + k * values.element_size()
         send = self.ctx.pool.get(n * width, torch.uint8, g.device).view(n, width)
@@ -202,6 +264,42 @@ class ErrorFeedback:
         recv = self.ctx.pool.get(n * width, torch.uint8, g.device)
         handle = C.all_to_all(self.ctx, recv, send.view(-1), what=f"top-k {what}")
         return SparseExchange(self.ctx, g, k, g.reduce_dtype, scale, index, send, recv, handle)
+
+    # -- local clipping (DGC) ----------------------------------------------------------------
+    def hold(self, g: ShardGroup, packed: torch.Tensor, skip: Sequence[int]) -> None:
+        """Keep ``packed`` (the bucket's local gradients, from the pool; this takes it) until
+        :meth:`release`; a second reduction of the bucket before then adds into it."""
+        if g.index in self.held:
+            mine, none = self.held[g.index]
+            mine.add_(packed)
+            self.ctx.pool.put(packed)
+            self.held[g.index] = (mine, none & set(skip))
+        else:
+            self.held[g.index] = (packed, set(skip))
+
+    def release(self, factor: float, what: Callable[[ShardGroup], str]) -> list[tuple[ShardGroup, SparseExchange]]:
+        """DGC's local gradient clipping, then the exchanges of every held bucket: this rank's
+        share of the averaged gradient (``factor * packed`` over all held buckets) is scaled to
+        a norm of at most ``local_clip / sqrt(world)``, so the sum over ranks stays near
+        ``local_clip`` as for independent gradients. A non-finite norm (an fp16 overflow) is
+        left unscaled, so the overflow check sees it."""
+        if not self.held:
+            return []
+        held = sorted(self.held.items())
+        self.held = {}
+        total = torch.zeros((), dtype=torch.float64, device=held[0][1][0].device)
+        for _, (packed, _none) in held:
+            total += packed.to(torch.float64).pow(2).sum()
+        norm = float(total.sqrt()) * abs(factor)  # the clip's one host read
+        self.last_local_norm = norm
+        limit = float(self.config.local_clip or 0.0) / math.sqrt(self.ctx.world_size)
+        coef = limit / (norm + 1e-6) if math.isfinite(norm) and norm > limit else 1.0
+        out = []
+        for index, (packed, none) in held:
+            g = self.groups[index]
+            out.append((g, self.launch(g, packed, factor * coef, sorted(none), what(g))))
+            self.ctx.pool.put(packed)
+        return out
 
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint_pieces(self, fqn: Callable[[torch.Tensor], str]) -> dict[str, tuple[int, list[Piece]]]:
@@ -214,17 +312,20 @@ class ErrorFeedback:
         load-balance split puts every element where that layout keeps it. Empty before the
         first compressed step; a parameter without elements has no entry."""
         n, me, out = self.ctx.world_size, self.ctx.rank, {}
-        for g in self.groups:
-            r = self.residuals.get(g.index)
-            if r is None:
-                continue
-            lay = g.layout
-            for i, p in enumerate(g.params):
-                b, off, numel = lay.bounds[i], lay.offsets[i], lay.numels[i]
-                if numel == 0:
+        for prefix, state in (("compression", self.residuals), ("compression.velocity", self.velocities)):
+            for g in self.groups:
+                r = state.get(g.index)
+                if r is None:
                     continue
-                pieces = [(me * numel + b[d], r[d, off : off + b[d + 1] - b[d]]) for d in range(n) if b[d + 1] > b[d]]
-                out[f"compression.world{n}.{fqn(p)}"] = (n * numel, pieces)
+                lay = g.layout
+                for i, p in enumerate(g.params):
+                    b, off, numel = lay.bounds[i], lay.offsets[i], lay.numels[i]
+                    if numel == 0:
+                        continue
+                    pieces = [
+                        (me * numel + b[d], r[d, off : off + b[d + 1] - b[d]]) for d in range(n) if b[d + 1] > b[d]
+                    ]
+                    out[f"{prefix}.world{n}.{fqn(p)}"] = (n * numel, pieces)
         return out
 
 

@@ -191,6 +191,12 @@ class GradReducer:
         self._next = 0
 
     def wait_all(self) -> None:
+        if self.compression is not None and self.compression.held:  # local clipping: launch what it held
+            describe = self._describe_step()
+            for g, exchange in self.compression.release(
+                self._grad_factor(), lambda g: f"gradients of {g.name} ({describe})"
+            ):
+                self._in_flight.append(_InFlight(g, exchange.handle, sparse=exchange))
         while self._in_flight:
             self._complete(self._in_flight.popleft())
 
@@ -215,6 +221,9 @@ class GradReducer:
         while self._in_flight and len(self._in_flight) >= max(self.max_in_flight, 1):  # bounded scratch
             self._complete(self._in_flight.popleft())
         what = f"gradients of {g.name} ({self._describe_step()})"
+        if fb is not None and fb.config.local_clip is not None:  # held for the local norm (wait_all)
+            fb.hold(g, inp, [i for i, x in enumerate(grads) if x is None])
+            return
         if fb is not None:
             skip = [i for i, x in enumerate(grads) if x is None]
             exchange = fb.launch(g, inp, self._grad_factor(), skip, what)

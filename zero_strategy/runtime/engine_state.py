@@ -86,7 +86,7 @@ class WholeModelState:
             self.opts.optimizers,
             self.disk.disk_bytes(),
             self.ctx.device,
-            self.reducer.compression.residuals.values() if self.reducer.compression is not None else (),
+            self.reducer.compression.tensors() if self.reducer.compression is not None else (),
         )
         out["swap_buffers"] = self.disk.buffer_bytes()
         out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps

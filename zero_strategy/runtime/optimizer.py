@@ -210,7 +210,24 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module, *
                 )
 
 
+def _check_momentum(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
+    """Under ``compression.momentum`` the engine owns SGD's momentum (DGC's momentum
+    correction): the optimizer must not add its own on top of the exchanged velocity."""
+    fb = engine.reducer.compression
+    if fb is None or fb.config.momentum == 0:
+        return
+    for gi, group in enumerate(optimizer.param_groups):
+        if group.get("momentum", 0) or group.get("nesterov", False):
+            raise ValueError(
+                f"initialize(): compression.momentum={fb.config.momentum} makes the engine keep SGD's momentum "
+                f"(the exchanged update is the velocity), but optimizer.param_groups[{gi}] has momentum="
+                f"{group.get('momentum')}; build the optimizer with momentum=0 (e.g. torch.optim.SGD(params, lr)), "
+                "or set compression.momentum: 0 to let the optimizer keep it"
+            )
+
+
 def bind_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> torch.optim.Optimizer:
+    _check_momentum(optimizer, engine)
     new_state: dict[torch.Tensor, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         new_params = []

@@ -74,6 +74,11 @@ class Cell:
     # top-k compression's ratio (0: off); 1.0 sends every element through the sparse exchange,
     # which must give DDP's numbers
     topk: float = 0.0
+    # DGC's momentum correction (compression.momentum; the cell's optimizer is then SGD, the
+    # engine's with momentum 0) and momentum factor masking: at ratio 1.0 the engine must give
+    # DDP's SGD with this momentum (masking: DDP's SGD without momentum, each step's gradient alone)
+    topk_momentum: float = 0.0
+    topk_masking: bool = False
     # load balancing: given scores, one per rank (empty: even shards)
     scores: tuple[float, ...] = ()
     # the memory budget's cache tier (ZeRO-3): "none" (no budget), or a budget whose cache is 0,
@@ -205,7 +210,7 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def make_optimizer(c: Cell, model: Net) -> torch.optim.Optimizer:
+def make_optimizer(c: Cell, model: Net, mode: str = "ddp") -> torch.optim.Optimizer:
     params = [p for p in model.parameters()]
     groups: list[dict[str, Any]]
     if c.groups:
@@ -220,6 +225,9 @@ def make_optimizer(c: Cell, model: Net) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=1e-2 if c.dtype == "float64" else 1e-3, weight_decay=0.1)
     if c.optim == "adam":
         return torch.optim.Adam(groups, lr=1e-2 if c.dtype == "float64" else 1e-3)
+    if c.optim == "sgd" and c.topk_momentum:  # the engine owns the momentum; DDP's optimizer keeps it
+        own = mode == "zero" or c.topk_masking
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.0 if own else c.topk_momentum)
     if c.optim == "sgd":
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     if c.optim == "adagrad":
@@ -328,7 +336,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
     model = Net(c).to(dtype)
     cap = cache_cap(c, model) if c.cache != "none" else None
     probe: GatheredProbe | None = None
-    opt = make_optimizer(c, model)
+    opt = make_optimizer(c, model, mode)
     n_micro = 1 if c.accum == "none" else 2
     losses: list[float] = []
     norms: list[float] = []
@@ -345,7 +353,8 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
         cfg = zs.ZeroConfig(
             stage=c.stage, reduce_bucket_size=c.bucket, prefetch=c.prefetch, stage3_param_persistence_threshold=c.persist,
             collective_impl=c.impl, overlap_comm=c.overlap, precision=PrecisionConfig(reduce_dtype=DTYPES[c.reduce]),
-            compression=CompressionConfig(type="topk", ratio=c.topk) if c.topk else CompressionConfig(),
+            compression=CompressionConfig(type="topk", ratio=c.topk, momentum=c.topk_momentum,
+                                          momentum_masking=c.topk_masking) if c.topk else CompressionConfig(),
             load_balance=LoadBalanceConfig(scores=c.scores) if c.scores else LoadBalanceConfig(),
             memory=MemoryConfig() if cap is None else MemoryConfig(budget=10**9, persistent=0.5, cache=cap, working=0.1),
             **OFFLOADS[c.offload],
