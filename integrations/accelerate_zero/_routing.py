@@ -77,8 +77,8 @@ def _refuse_foreign_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
 
 def _watch_models_without_optimizer(accelerator: Any) -> None:
     binding = getattr(accelerator, "_zero_binding", None)
-    for model, optimizer in getattr(binding, "entries", ()):
-        if optimizer is None:
+    for model, optimizers in getattr(binding, "entries", ()):
+        if not optimizers:  # the binding keeps a list of optimizers per model
             _WITHOUT_OPTIMIZER.add(model)
     if _WITHOUT_OPTIMIZER and not _STEP_HOOK:
         _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_foreign_step))
@@ -110,7 +110,7 @@ def _refuse_late_optimizer(accelerator: Any, objects: tuple[Any, ...]) -> None:
             continue
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
         for model, own in binding.entries:
-            if own is None and any(id(p) in ids for p in model.parameters()):
+            if not own and any(id(p) in ids for p in model.parameters()):
                 raise ValueError(
                     f"accelerator.prepare(optimizer): {type(model).__name__} was prepared by the ZeRO engine "
                     f"({REQUEST_ENV} is set) in an earlier call without this optimizer; the engine shards the "

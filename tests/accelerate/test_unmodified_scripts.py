@@ -162,6 +162,7 @@ model = acc.prepare(nn.Linear(4, 4))  # the engine takes it without an optimizer
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model(torch.ones(2, 4)).sum().backward()
 expect(RuntimeError, "gave to the ZeRO engine without an optimizer", opt.step)
+expect(ValueError, "in an earlier call without this optimizer", lambda: acc.prepare(opt))
 other = nn.Linear(4, 4)
 torch.optim.SGD(other.parameters(), lr=0.1).step()  # an optimizer of another model steps as usual
 ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
@@ -173,12 +174,12 @@ dist.destroy_process_group()
 
 
 def test_what_would_not_train_sharded_is_refused_in_one_process(tmp_path: Path) -> None:
-    """A model the hook gave to the engine alone, then stepped by an optimizer of its own; a
-    model the user wrapped in DDP; a DDP under ``torch.compile`` (each trained silently unsharded,
+    """A model the hook gave to the engine alone, then stepped by an optimizer of its own or
+    prepared with it in a later call; a model the user wrapped in DDP; a DDP under ``torch.compile`` (each trained silently unsharded,
     or not at all at ZeRO-3, before)."""
     script = tmp_path / "refusals.py"
     script.write_text(REFUSALS)
     env = {**os.environ, "ZERO_STRATEGY_CONFIG": str(CONFIGS / "zero3.yaml"), "PORT": str(_free_port()),
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0 and "REFUSED 3" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0 and "REFUSED 4" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -66,3 +66,32 @@ def test_each_optimizer_zero_grads_steps_and_clips_its_own(stage: int) -> None:
     zs.replace_optimizer(model, _two(model))
     with pytest.raises(RuntimeError, match="not one of the optimizers bound to this model"):
         opt_g.zero_grad()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_checkpoints_take_every_optimizer_and_match_them_by_their_parameters(tmp_path, stage: int) -> None:
+    """A save or load with a subset of the optimizers is refused (the others' state would be
+    left out, and the given one would get entries for masters it does not step); a load with the
+    optimizers in another order restores each one's settings by the parameters it steps (they
+    were restored by position: the learning rates swapped)."""
+    model = _gan()
+    opt_g, opt_d = (
+        torch.optim.Adam(model["g"].parameters(), lr=1e-3),
+        torch.optim.Adam(model["d"].parameters(), lr=5e-2),
+    )
+    model, (opt_g, opt_d) = zs.initialize(model, [opt_g, opt_d], stage=stage)
+    model["d"](model["g"](torch.randn(3, 4, dtype=torch.float64))).square().sum().backward()
+    opt_g.step()
+    opt_d.step()
+    with pytest.raises(ValueError, match="the model trains with 2 optimizer"):
+        zs.save_checkpoint(tmp_path, model, opt_g)
+    assert len(opt_g.state) == 2  # nothing added for the discriminator's masters
+    zs.save_checkpoint(tmp_path, model, [opt_g, opt_d])
+
+    other = _gan()
+    og2, od2 = torch.optim.Adam(other["g"].parameters(), lr=7.0), torch.optim.Adam(other["d"].parameters(), lr=9.0)
+    other, (od2, og2) = zs.initialize(other, [od2, og2], stage=stage)  # another order at initialize too
+    with pytest.raises(ValueError, match="the model trains with 2 optimizer"):
+        zs.load_checkpoint(tmp_path, other, [og2])
+    zs.load_checkpoint(tmp_path, other, [od2, og2])
+    assert og2.param_groups[0]["lr"] == 1e-3 and od2.param_groups[0]["lr"] == 5e-2

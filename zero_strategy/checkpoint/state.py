@@ -140,12 +140,58 @@ def _piece(
 OptimizerArg = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 
 
-def _optimizers(optimizer: OptimizerArg) -> list[torch.optim.Optimizer]:
+def _optimizers(
+    optimizer: OptimizerArg, engine: ZeroEngine | None = None, call: str = ""
+) -> list[torch.optim.Optimizer]:
     """The optimizers given to a save or a load: none, one, or several over disjoint parameters
-    (their state is saved by parameter name, so one checkpoint holds all of them)."""
+    (their state is saved by parameter name, so one checkpoint holds all of them). With
+    ``engine``: when the model trains with several optimizers, all of them, each once (a subset
+    would drop the others' state, and state looked up for a master another optimizer steps)."""
     if optimizer is None:
         return []
-    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]  # type: ignore[list-item]  # narrowed by isinstance
+    given: list[torch.optim.Optimizer] = (
+        list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]  # type: ignore[list-item]  # narrowed by isinstance
+    )
+    if engine is not None and (len(engine.opts) > 1 or len(given) > 1):
+        bound = {id(o.param_groups) for o in engine.opts.optimizers}
+        keys = [id(o.param_groups) for o in given]
+        if len(set(keys)) != len(keys) or set(keys) != bound:
+            raise ValueError(
+                f"{call}: the model trains with {len(engine.opts)} optimizer(s) and {len(given)} were given; pass "
+                "every optimizer the model was initialized with, each once (a subset would leave the others' state "
+                "out of the checkpoint)"
+            )
+    return given
+
+
+def _owned_names(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the parameters ``optimizer`` steps (what ties a saved optimizer's settings to
+    the optimizer that loads them, whatever order the optimizers are given in)."""
+    names = engine.param_names()
+    of_master = {id(m): names[id(p)] for g in engine.groups for p, m in zip(g.params, g.masters)}
+    return sorted(of_master[id(m)] for group in optimizer.param_groups for m in group["params"] if id(m) in of_master)
+
+
+def _groups_in_given_order(
+    engine: ZeroEngine, meta: dict[str, Any], optimizers: list[torch.optim.Optimizer], path: str
+) -> list[list[dict[str, Any]]] | None:
+    """The saved param-group settings, one list per given optimizer: matched by the parameters
+    each optimizer steps when the checkpoint names them (several optimizers), else by position."""
+    saved = _saved_groups(meta)
+    owned = meta.get("optimizer_params")
+    if saved is None or not owned or len(optimizers) < 2:
+        return saved
+    out = []
+    for k, optimizer in enumerate(optimizers):
+        mine = _owned_names(engine, optimizer)
+        match = [j for j, names in enumerate(owned) if names == mine]
+        if len(match) != 1:
+            raise ValueError(
+                f"load_checkpoint(): optimizer {k} steps {len(mine)} parameters ({', '.join(mine[:3])} ...) that no "
+                f"optimizer saved in {path!r} stepped; build each optimizer over the same parameters as the saved run"
+            )
+        out.append(saved[match[0]])
+    return out
 
 
 def _state(
@@ -294,7 +340,7 @@ def save_checkpoint(
             raise ValueError(f"save_checkpoint(objects={{{key!r}: ...}}): use a plain identifier as the name")
     started = time.perf_counter()
     engine = get_engine(model)
-    optimizers = _optimizers(optimizer)
+    optimizers = _optimizers(optimizer, engine, "save_checkpoint()")
     engine.wait_for_reductions()
     explicit = tag is not None
     tag = tag or f"step-{engine.step_count}"
@@ -445,6 +491,8 @@ def _write_meta(engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], ext
         # (several optimizers: one such list per optimizer, in order)
         "param_groups": _group_settings(optimizers[0]) if len(optimizers) == 1 else None,
         "param_groups_per_optimizer": [_group_settings(o) for o in optimizers] if len(optimizers) > 1 else None,
+        # several optimizers: the parameters each steps, which matches them at load in any order
+        "optimizer_params": [_owned_names(engine, o) for o in optimizers] if len(optimizers) > 1 else None,
         # for export: every state_dict name (tied weights under each), its shape, and the
         # saved name it is an alias of
         "state_names": list(tensors),
@@ -519,7 +567,8 @@ def _validate_for_load(
             f"load_checkpoint(): {len(optimizers)} optimizer(s) given but the checkpoint {path!r} holds {len(saved)}; "
             "pass the same optimizers, in the same order, as the saved run"
         )
-    for k, (optimizer, groups) in enumerate(zip(optimizers, saved or [])):
+    ordered = _groups_in_given_order(engine, meta, optimizers, path) if optimizers and saved is not None else None
+    for k, (optimizer, groups) in enumerate(zip(optimizers, ordered or [])):
         if len(groups) != len(optimizer.param_groups):
             which = "the optimizer" if len(optimizers) == 1 else f"optimizer {k}"
             raise ValueError(
@@ -547,7 +596,7 @@ def load_checkpoint(
     (:class:`SafeFileSystemReader`)."""
     started = time.perf_counter()
     engine = get_engine(model)
-    optimizers = _optimizers(optimizer)
+    optimizers = _optimizers(optimizer, engine, "load_checkpoint()")
     failure: BaseException | None = None
     resolved = os.fspath(path)
     meta: dict[str, Any] = {}
@@ -577,7 +626,7 @@ def load_checkpoint(
             del sd["engine.loss_scaler_counters"]  # an older checkpoint: the schedule restarts its window
         dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))
     engine.load_progress(sd)  # step, loss scale; the parameters follow the loaded masters
-    for optimizer, groups in zip(optimizers, _saved_groups(meta) or []):
+    for optimizer, groups in zip(optimizers, _groups_in_given_order(engine, meta, optimizers, resolved) or []):
         _restore_group_settings(optimizer, groups)
     if engine.ctx.rank == 0:
         log.info("load_checkpoint: read %s, %.1f MiB, in %.2f s", resolved, dir_bytes(resolved) / 2**20,

@@ -32,7 +32,7 @@ Deep Gradient Compression's (Lin et al., 2018) techniques, each chosen in ``Comp
 - momentum correction (``momentum``): each rank keeps a *velocity* ``u = momentum * u + c`` of
   its gradient share (one more ``[world, row]`` tensor per bucket) and adds ``u``, not the
   gradient, to the residual; the exchanged update is the velocity, and the user's SGD steps with
-  ``momentum=0`` on it. At ratio 1.0 that is DDP's SGD with momentum. Momentum factor masking
+  ``momentum=0`` on it. At ratio 1.0 with ``momentum_masking: false`` that is DDP's SGD with momentum (masking zeroes the velocity after each send). Momentum factor masking
   (``momentum_masking``) zeroes the velocity of every sent element.
 - local clipping (``local_clip``): the buckets of a reduction are held until all are packed
   (no overlap with the backward), each rank's share is scaled to a norm of at most
