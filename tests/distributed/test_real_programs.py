@@ -140,7 +140,10 @@ def case_class_swap(rank: int, world: int, kind: str, stage: int) -> None:
     depths, zero_grads = [], []
     model.head.register_forward_pre_hook(lambda m, a: depths.append(eng._root_depth))
     inner = eng.zero_grad
-    eng.zero_grad = lambda set_to_none=True: (zero_grads.append(set_to_none), inner(set_to_none=set_to_none))[1]
+    eng.zero_grad = lambda set_to_none=True, **kw: (
+        zero_grads.append(set_to_none),
+        inner(set_to_none=set_to_none, **kw),
+    )[1]
     losses = _train(model, opt, model, 4, rank)
     model.zero_grad()  # the model's own zero_grad is the engine's too
     assert depths == [1, 1, 1, 1], f"the mixin's __call__ did not run: root depth seen in forward {depths}"
