@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from zero_strategy.testing import assert_close, rel_error
+from zero_strategy.testing import assert_close, rel_error, torchrun_teardown_abort
 
 JOB = Path(__file__).with_name("_job.py")
 BIN = Path(sys.executable).parent
@@ -101,9 +100,7 @@ def teardown_abort_only(out: Path, n: int, returncode: int, missing: list[str], 
         return returncode == 0 and not missing
     done = all((out / f"rank{r}.done").exists() for r in range(n))
     errors = [p.name for p in out.glob("rank*.error")]
-    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
-    aborted = -signal.SIGABRT in codes and all(c in (-signal.SIGABRT, -signal.SIGTERM) for c in codes)
-    return done and not errors and aborted
+    return done and not errors and torchrun_teardown_abort(stderr)
 
 
 def rel_diff(a: list[float], b: list[float]) -> float:

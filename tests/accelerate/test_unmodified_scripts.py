@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import warnings
@@ -23,7 +22,7 @@ import pytest
 import torch
 
 from tests.accelerate.test_accelerate_launch import ACCEL_CONFIG, BIN, REL, TIMEOUT_S, _free_port, rel_diff, run_launch
-from zero_strategy.testing import assert_close
+from zero_strategy.testing import assert_close, torchrun_teardown_abort
 
 SCRIPT = Path(__file__).with_name("_unmodified.py")
 CONFIGS = Path(__file__).parents[2] / "configs"
@@ -103,9 +102,7 @@ def _launch_script(tmp: Path, front: list[str], env: dict[str, str], script: str
     proc = subprocess.run(cmd, env=full_env, capture_output=True, timeout=TIMEOUT_S, check=False)
     stdout, stderr = proc.stdout.decode(), proc.stderr.decode()
     if proc.returncode != 0:
-        codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
-        aborted = -signal.SIGABRT in codes and all(c in (-signal.SIGABRT, -signal.SIGTERM) for c in codes)
-        if not (aborted and "Traceback" not in stderr.split("exitcode")[0] and last in stdout):
+        if not (torchrun_teardown_abort(stderr) and "Traceback" not in stderr.split("exitcode")[0] and last in stdout):
             pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{stdout[-3000:]}\n{stderr[-6000:]}")
         warnings.warn(f"{script}: gloo's SIGABRT at teardown after its last words (tolerated)", stacklevel=2)
     return stdout + stderr

@@ -132,6 +132,28 @@ def test_explicit_clip_with_the_config_value_is_applied_once() -> None:
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_a_clip_before_another_backward_does_not_exempt_the_step_from_the_config_clip() -> None:
+    """``gradient_clipping`` promises that the step's gradients are clipped: an explicit clip
+    followed by another backward (more gradients) is clipped again at the step."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), gradient_clipping=0.01)
+    for net, clip in ((ref, lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)), (model, None)):
+        _loss(net, 0).backward()
+        if clip is None:
+            opt.clip_grad_norm_(0.01)
+        else:
+            clip()
+        _loss(net, 1).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)  # what the config does at the step
+    ref_opt.step()
+    opt.step()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
+
+
 def test_optimizers_that_need_whole_shapes_or_closures_are_refused() -> None:
     model = GPT(CFG)
     with pytest.raises(TypeError, match="LBFGS updates a parameter from its whole shape"):

@@ -453,8 +453,7 @@ class ZeroEngine(WholeModelState):
             return  # queued already
         self._set_training(TrainingState.BACKWARD, "backward")
         self._set_grad(GradState.ACCUMULATING, "backward")
-        if len(self.opts) > 1:
-            self._clipped.discard(0)  # new gradients: a clip of the whole model is over
+        self._clipped.clear()  # new gradients: every clip so far is over (the step clips again)
         if self.zero3 is not None:
             self.zero3.backward_started(sync=self._backward_sync)
         Variable._execution_engine.queue_callback(self._end_of_backward)

@@ -11,6 +11,7 @@ from zero_strategy.testing.launcher import (
     TeardownAbortWarning,
     launch,
     teardown_aborts,
+    torchrun_teardown_abort,
 )
 from zero_strategy.testing.subtests import SubtestFailure, run_subtests, subtest_grid
 
@@ -27,4 +28,5 @@ __all__ = [
     "run_subtests",
     "subtest_grid",
     "teardown_aborts",
+    "torchrun_teardown_abort",
 ]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -298,6 +299,16 @@ def _python_exception_in_output(launch_dir: str, rank: int) -> bool:
         except OSError:
             continue
     return False
+
+
+def torchrun_teardown_abort(stderr: str) -> bool:
+    """Whether an elastic launcher (torchrun, ``accelerate launch``) reported only gloo's
+    teardown abort: some child died of SIGABRT (``exitcode : -6``) and every other failed child
+    of the SIGTERM the launcher then sends to the rest (``-15``). The caller adds its own
+    evidence that the work was done first (results written, last words printed): this alone
+    does not say when the abort came."""
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
+    return -signal.SIGABRT in codes and all(c in (-signal.SIGABRT, -signal.SIGTERM) for c in codes)
 
 
 def _teardown_abort_ok(launch_dir: str, r: _Rank, ranks: list[_Rank], may_die: frozenset[int]) -> bool:
