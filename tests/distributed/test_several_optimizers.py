@@ -92,14 +92,16 @@ def _optimizers(model):
 
 
 def _run(net, model, opt_g, opt_d, steps: range, rank: int, *, toggle: bool, clip: float | None,
-         ddp: bool, joint: bool = False) -> list[float]:  # fmt: skip
+         ddp: bool, joint: bool = False, torch_clip: bool = False) -> list[float]:  # fmt: skip
     """The GAN's training steps; the generator's and the discriminator's losses, and the
-    discriminator's gradient norm when clipping."""
+    discriminator's gradient norm when clipping (``torch_clip``: the ZeRO run clips as the DDP
+    one does, with ``torch.nn.utils.clip_grad_norm_`` over one half's parameters)."""
     import torch
     import torch.nn.functional as F
 
     def clip_(opt, params, max_norm):
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if ddp else opt.clip_grad_norm_(max_norm)
+        plain = ddp or torch_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if plain else opt.clip_grad_norm_(max_norm)
         out.append(float(norm))
 
     out: list[float] = []
@@ -181,13 +183,21 @@ def _zero_model(stage: int, **overrides):
 
 
 def case_gan(
-    rank: int, world: int, stage: int, toggle: bool, clip: float | None, overrides: dict, joint: bool = False
+    rank: int,
+    world: int,
+    stage: int,
+    toggle: bool,
+    clip: float | None,
+    overrides: dict,
+    joint: bool = False,
+    torch_clip: bool = False,
 ) -> None:
     """Two optimizers, manual-optimization order, equal to DDP (losses, clipped norms, weights)."""
     ref, _, ref_values = _ddp_reference(rank, 4, toggle=toggle, clip=clip, joint=joint)
     model, (opt_g, opt_d) = _zero_model(stage, **overrides)
-    values = _run(model, model, opt_g, opt_d, range(4), rank, toggle=toggle, clip=clip, ddp=False, joint=joint)
-    what = f"stage {stage} toggle={toggle} clip={clip} joint={joint} {overrides}"
+    values = _run(model, model, opt_g, opt_d, range(4), rank, toggle=toggle, clip=clip, ddp=False, joint=joint,
+                  torch_clip=torch_clip)  # fmt: skip
+    what = f"stage {stage} toggle={toggle} clip={clip} joint={joint} torch_clip={torch_clip} {overrides}"
     assert_close(values, ref_values, rtol=1e-9, atol=1e-12, what=f"{what} losses")
     got = _state(model, True)
     for k, v in _state(ref, False).items():
@@ -268,6 +278,9 @@ def _world2(rank: int, world: int, root: str) -> bool:
         *subtest_grid(stage=[1, 3], toggle=[False], clip=[0.05], overrides=[{}], joint=[True]),
         {"stage": 3, "toggle": True, "clip": 0.05, "overrides": {"stage3_param_persistence_threshold": 0}},
         {"stage": 1, "toggle": True, "clip": None, "overrides": {"offload_optimizer": {"device": "cpu"}}},
+        # torch.nn.utils.clip_grad_norm_ over one half's parameters: that optimizer's global clip
+        {"stage": 2, "toggle": True, "clip": 0.05, "overrides": {}, "torch_clip": True},
+        {"stage": 3, "toggle": False, "clip": 0.05, "overrides": {}, "joint": True, "torch_clip": True},
     ]
     run_subtests(lambda **kw: case_gan(rank, world, **kw), grid, label="gan")
     case_resume(rank, world, root)

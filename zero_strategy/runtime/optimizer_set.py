@@ -58,6 +58,10 @@ class OptimizerSet:
         """The optimizer when there is exactly one; None when there are none or several."""
         return self.optimizers[0] if len(self.optimizers) == 1 else None
 
+    def stepping_exactly(self, param_ids: frozenset[int]) -> torch.optim.Optimizer | None:
+        """The optimizer (of several) that steps exactly the parameters ``param_ids``, if any."""
+        return next((o for o in self.optimizers if self._scopes.get(key(o)) == param_ids), None)
+
     def __contains__(self, optimizer: torch.optim.Optimizer) -> bool:
         return any(key(opt) == key(optimizer) for opt in self.optimizers)
 

@@ -17,9 +17,12 @@ So while an engine lives, torch's functions are replaced by the ones below, in
   ``grad`` is None): the engine's global clipping over all ranks' shards, DDP's result. It is
   ``optimizer.clip_grad_norm_`` (a collective: every rank calls it, as every rank does in a
   plain loop); ``foreach`` is ignored, ``error_if_nonfinite`` raises as torch does;
+- with several optimizers bound (a GAN), every trainable parameter that one of them steps
+  (``D.parameters()``, frozen ones may come along): that optimizer's global clipping,
+  ``opt_d.clip_grad_norm_``, DDP's result for those parameters;
 - anything else (some of a model's parameters, or a ZeRO model's parameters together with
-  other tensors): an error that names ``optimizer.clip_grad_norm_``. A norm over part of the
-  shards would be a local number, and a partial global one is not offered.
+  other tensors): an error that names ``optimizer.clip_grad_norm_``. A norm over an arbitrary
+  part of the shards is not offered.
 
 torch's two halves of ``clip_grad_norm_`` cannot give DDP's result on their own:
 ``get_total_norm`` receives gradients, not parameters, so it refuses any gradient the engine
@@ -52,6 +55,7 @@ import torch.nn.utils.clip_grad
 from torch import nn
 
 from zero_strategy.reduction.grads import GradSchedule
+from zero_strategy.runtime.optimizer_set import OptimizerSet
 from zero_strategy.sharding.group import ShardGroup
 
 __all__ = ["LiveEngines"]
@@ -70,10 +74,13 @@ class _Engine(Protocol):
     module: nn.Module
     groups: list[ShardGroup]
     schedule: GradSchedule
+    opts: OptimizerSet
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.Tensor: ...
 
-    def clip_grad_value_(self, clip_value: float) -> None: ...
+    def clip_grad_value_(self, clip_value: float, *, optimizer: torch.optim.Optimizer | None = None) -> None: ...
 
 
 E = TypeVar("E", bound=_Engine)
@@ -123,9 +130,10 @@ class LiveEngines(Generic[E]):
         self._replacements.clear()
 
     # -- which engine the tensors belong to ----------------------------------------------------
-    def owner(self, tensors: list[torch.Tensor], call: str) -> E | None:
-        """The engine whose whole model ``tensors`` are (its parameters or master pieces), None
-        if none of them belongs to an engine; raises for part of a model or a mixture."""
+    def owner(self, tensors: list[torch.Tensor], call: str) -> tuple[E, torch.optim.Optimizer | None] | None:
+        """The engine whose whole model ``tensors`` are (its parameters or master pieces), or
+        whose one optimizer's parameters they are (that optimizer; None: the whole model); None
+        if none of them belongs to an engine; raises for another part of a model or a mixture."""
         ids = {id(t) for t in tensors}
         for engine in self:
             if engine.schedule.full_grads:
@@ -144,13 +152,17 @@ class LiveEngines(Generic[E]):
                 )
             given = {to_param.get(i, i) for i in mine}
             missing = [names[id(p)] for g in engine.groups for p in g.params if id(p) not in given]
+            stepped = frozenset(id(p) for g in engine.groups for p in g.params if id(p) in given)
+            optimizer = engine.opts.stepping_exactly(stepped) if missing and len(engine.opts) > 1 else None
+            if optimizer is not None:
+                return engine, optimizer
             if missing:
                 raise ValueError(
                     f"{call}: the tensors given are part of the ZeRO model {model}, without {missing[:3]}"
                     f"{' ...' if len(missing) > 3 else ''}; its gradients are sharded over the ranks, so it is "
-                    f"clipped as a whole: pass model.parameters(), or {_FIX}"
+                    f"clipped as a whole (or by one optimizer's parameters): pass model.parameters(), or {_FIX}"
                 )
-            return engine
+            return engine, None
         return None
 
     def held_gradients(self) -> set[int]:
@@ -183,10 +195,11 @@ def _clip_grad_norm(registry: LiveEngines[Any], original: Callable[..., Any]) ->
         foreach: bool | None = None,
     ) -> torch.Tensor:
         given, arg = _as_list(parameters)
-        engine = registry.owner(given, "torch.nn.utils.clip_grad_norm_()")
-        if engine is None:
+        owner = registry.owner(given, "torch.nn.utils.clip_grad_norm_()")
+        if owner is None:
             return original(arg, max_norm, norm_type, error_if_nonfinite, foreach)  # torch's
-        total = engine.clip_grad_norm_(float(max_norm), float(norm_type))
+        engine, optimizer = owner
+        total = engine.clip_grad_norm_(float(max_norm), float(norm_type), optimizer=optimizer)
         if error_if_nonfinite and not bool(torch.isfinite(total)):  # the gradients were left as they were
             raise RuntimeError(
                 f"torch.nn.utils.clip_grad_norm_(): the total norm of order {float(norm_type)} of the gradients is "
@@ -202,11 +215,11 @@ def _clip_grad_value(registry: LiveEngines[Any], original: Callable[..., Any]) -
         parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float, foreach: bool | None = None
     ) -> None:
         given, arg = _as_list(parameters)
-        engine = registry.owner(given, "torch.nn.utils.clip_grad_value_()")
-        if engine is None:
+        owner = registry.owner(given, "torch.nn.utils.clip_grad_value_()")
+        if owner is None:
             original(arg, clip_value, foreach)
         else:  # element-wise on this rank's averaged pieces: DDP's result without communication
-            engine.clip_grad_value_(float(clip_value))
+            owner[0].clip_grad_value_(float(clip_value), optimizer=owner[1])
 
     return clip_grad_value_
 
