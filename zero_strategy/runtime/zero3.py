@@ -390,7 +390,8 @@ class UnitScheduler:
         self._step_live = False
         self._running = []
         for u in self.all_units:
-            u.reshard()
+            if not u.persistent:  # persistent units stay gathered (a backward never changes their values)
+                u.reshard()
 
     def end_of_backward(self) -> None:
         """After the gradient schedule reduced what was left: free the units, adopt the order."""
