@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in backward (transformers' activation_checkpointing)")  # fmt: skip
     p.add_argument("--resume", default=None, help="a checkpoint directory to resume from")
+    p.add_argument("--save-only-model", action="store_true",
+                   help="TrainingArguments(save_only_model=True): checkpoints hold the weights alone")  # fmt: skip
     p.add_argument("--evaluate-first", action="store_true", help="trainer.evaluate() before training")
     p.add_argument("--greater-is-better", action="store_true",
                    help="keep the checkpoint with the highest eval loss as the best (tests: an early one)")  # fmt: skip
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> Trainer:
         save_steps=args.save_steps,
         save_total_limit=args.save_total_limit,
         load_best_model_at_end=True,
+        save_only_model=args.save_only_model,
         metric_for_best_model="eval_loss",
         greater_is_better=args.greater_is_better,
         bf16=args.bf16,

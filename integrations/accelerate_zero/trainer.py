@@ -208,7 +208,7 @@ def wrap_trainer(module: ModuleType) -> None:
             return None
         for name in _SAFE_WEIGHTS:  # a model-only checkpoint (save_only_model=True): its full weights
             if os.path.isfile(os.path.join(best, name)):
-                zs.load_full_state_dict(model, os.path.join(best, name), strict=False)  # tied weights are saved once
+                zs.load_full_state_dict(model, os.path.join(best, name))  # strict: a tied weight may come once
                 return None
         return original(self)
 

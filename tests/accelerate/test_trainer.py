@@ -5,8 +5,8 @@ accumulation 2, ``max_grad_norm``, eval and save every 2 steps, ``save_total_lim
 ``load_best_model_at_end``) runs under ``accelerate launch`` with ``ZERO_STRATEGY_CONFIG`` set,
 through ``_trainer_jobs.py``, which runs several jobs per launch (a launch costs ~15 s):
 
-- launch A, 2 processes, fp32: the Trainer's DDP, ZeRO-2, ZeRO-3 (units really freed), and
-  ZeRO-3 with ``trainer.evaluate()`` before ``train()``;
+- launch A, 2 processes, fp32: the Trainer's DDP, ZeRO-2, ZeRO-3 (units really freed),
+  ZeRO-3 with ``trainer.evaluate()`` before ``train()``, and ZeRO-3 with ``save_only_model``;
 - launch B, 1 process: both ZeRO runs resumed from their step-2 checkpoint with the same global
   batch (8 per process), and ``TrainingArguments(fsdp=True)`` with the variable set;
 - launch C, 2 processes: ``bf16=True`` with activation checkpointing, DDP and ZeRO-3.
@@ -72,8 +72,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     z3 = tmp / "zero3_freed.yaml"
     z3.write_text(ZERO3_FREED)
     cfg = {"zero2": str(CONFIGS / "zero2.yaml"), "zero3": str(z3)}
-    a = _launch(tmp, "A", 2, {"ddp": "ddp", **cfg, "zero3-evaluate-first": str(z3)}, ARGS,
-                TRAINER_EXTRA=json.dumps({"zero3-evaluate-first": "--evaluate-first"}))  # fmt: skip
+    extra = {"zero3-evaluate-first": "--evaluate-first", "zero3-model-only": "--save-only-model"}
+    a = _launch(tmp, "A", 2, {"ddp": "ddp", **cfg, "zero3-evaluate-first": str(z3), "zero3-model-only": str(z3)},
+                ARGS, TRAINER_EXTRA=json.dumps(extra))  # fmt: skip
     resume = {f"resume-{z}": cfg[z] for z in ZERO}  # {src}: the job name without "resume-"
     b = _launch(tmp, "B", 1, resume, ARGS + f" --batch 8 --resume {tmp / 'A'}/{{src}}/checkpoint-2",
                 TRAINER_REFUSE=cfg["zero2"])  # fmt: skip
@@ -140,6 +141,20 @@ def test_load_best_model_at_end_and_save_model_give_ddps_weights_to_from_pretrai
     best, last = _file_weights(run / "checkpoint-2"), _file_weights(run / "checkpoint-8")
     key = "transformer.h.0.mlp.c_fc.weight"
     assert torch.equal(got[key], best[key]) and not torch.allclose(got[key], last[key])  # the best one was loaded
+
+
+def test_load_best_model_at_end_from_model_only_checkpoints(runs: dict[str, Any]) -> None:
+    """``save_only_model=True``: the best checkpoint holds ``model.safetensors`` alone, with
+    GPT-2's tied ``lm_head.weight`` written once; the best model is loaded from it strictly
+    (it was a non-strict load, which would also have taken a file missing real weights)."""
+    info, run = runs["A"]["zero3-model-only"], runs["dir"]["A"] / "zero3-model-only"
+    assert info["engine"] == "ZeroEngine" and info["stage"] == 3
+    assert not (run / "checkpoint-2" / "zero_strategy").exists()  # weights only
+    best = _file_weights(runs["dir"]["A"] / "ddp" / "checkpoint-2")
+    assert "lm_head.weight" not in best  # tied: written under the embedding's name only
+    got = _weights(run / "final")
+    for k, v in best.items():
+        assert_close(got[k], v, rtol=1e-5, atol=1e-6, what=f"best model (model-only checkpoints) {k}")
 
 
 @pytest.mark.parametrize("mode", ZERO)

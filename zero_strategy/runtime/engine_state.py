@@ -40,11 +40,14 @@ class WholeModelState:
     def load_full_state_dict(self, get: Callable[[str], torch.Tensor], keys: list[str], *, strict: bool) -> None:
         """Copy full tensors into this rank's parameters, rows and masters, one at a time (a
         ZeRO-3 unit that is gathered, a persistent one say, is freed: its next use gathers the
-        new values). Expects what ``state_dict()`` holds: non-persistent buffers are left alone."""
+        new values). Expects what ``state_dict()`` holds: non-persistent buffers are left alone,
+        and a tied parameter may come under one of its names (``save_pretrained`` writes it once)."""
         params = dict(self.module.named_parameters(remove_duplicate=False))
         buffers = persistent_buffers(self.module)
         expected = set(params) | set(buffers)
-        missing, unexpected = sorted(expected - set(keys)), sorted(set(keys) - expected)
+        given = {id(params[k]) for k in keys if k in params}  # a tied weight saved under one of its names
+        missing = sorted(k for k in expected - set(keys) if k not in params or id(params[k]) not in given)
+        unexpected = sorted(set(keys) - expected)
         if strict and (missing or unexpected):
             raise ValueError(
                 f"load_full_state_dict(): the weights do not match the model: missing {missing[:5]}"
