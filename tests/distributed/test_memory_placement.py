@@ -64,10 +64,17 @@ def _worker(rank: int, world: int) -> dict:
     P.LAST_STATS.clear()
     P.compare(P.Cell(**_BASE, offload="ratio", ratio=ratio), rank, world)
     out["fewer"] = _state_bytes(P.LAST_STATS)
+    # both auto, with a tier below what the rows alone need: every optimizer side on the host and
+    # the first units' rows too (a unit's rows on the host hold nothing on the device between steps)
+    tier2 = host_all // 2
+    P.LAST_STATS.clear()
+    P.compare(P.Cell(**_BASE, offload="auto_both", persistent=tier2), rank, world)
+    s = dict(P.LAST_STATS)
+    out["both"] = (tier2, s["persistent"], s["optimizer_offload_units"], s["param_offload_units"])
     # a persistent tier too small even with everything on the host: refused at initialize
     torch.manual_seed(0)
     net = P.Net(P.Cell(**_BASE))
-    mem = {"budget": 10**9, "persistent": host_all // 2, "cache": 0, "working": 0.1}
+    mem = {"budget": 10**9, "persistent": host_all // 2, "cache": 0, "working": 0.1}  # room for the rows
     cfg = zs.ZeroConfig(stage=3, memory=mem, offload_optimizer={"device": "cpu", "ratio": "auto"})
     try:
         zs.initialize(net, torch.optim.AdamW(net.parameters()), config=cfg)
@@ -140,6 +147,8 @@ def test_placement_fills_the_persistent_tier_and_counters_reach_the_reports(laun
         assert host_all < tier < state and budget_pers == tier, (rank, o["auto"])
         assert pers <= tier and host > 0 and 0 < k < 5, (rank, o["auto"])
         assert o["fewer"] > tier, (rank, o["fewer"], o["auto"])
+        tier2, pers, k_opt, k_param = o["both"]
+        assert pers <= tier2 and k_opt == 5 and 0 < k_param < 5, (rank, o["both"])
         msg = o["too_small"]
         assert "ratio: auto" in msg and "persistent" in msg and "does not fit" in msg, msg
         # the cache counters: per step in comm_report, as memory_stats counts them

@@ -106,6 +106,10 @@ OFFLOADS: dict[str, dict[str, Any]] = {
     "cpu": {"offload_optimizer": {"device": "cpu"}},
     "cpu_half": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
     "auto": {"offload_optimizer": {"device": "cpu", "ratio": "auto"}},  # needs a budget (cache cells)
+    "auto_both": {
+        "offload_optimizer": {"device": "cpu", "ratio": "auto"},
+        "offload_param": {"device": "cpu", "ratio": "auto"},
+    },
     "ratio": {"offload_optimizer": {"device": "cpu"}},  # with Cell.ratio
     "param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
     "nvme": {"offload_optimizer": {"device": "nvme"}},  # no nvme_path: a fresh directory under the temp dir
