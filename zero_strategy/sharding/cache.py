@@ -45,12 +45,12 @@ K = TypeVar("K", bound=Hashable)
 NEVER = float("inf")
 
 
-def _record(kind: str, u: UnitStorage, nbytes: int = 0) -> None:
-    """Count a cache event for ``zs.comm_report`` and, inside ``zs.profile``, mark it in the
-    trace: an instant range ``zero: cache hit unit 'blocks.3' (4096 bytes not moved)``,
-    ``zero: cache miss unit ...`` or ``zero: cache eviction unit ...``."""
+def _record(kind: str, u: UnitStorage, nbytes: int = 0, *, trace: bool = True) -> None:
+    """Count a cache event for ``zs.comm_report`` and, inside ``zs.profile`` (with ``trace``: a
+    cache is set), mark it in the trace: an instant range ``zero: cache hit unit 'blocks.3'
+    (4096 bytes not moved)``, ``zero: cache miss unit ...`` or ``zero: cache eviction unit ...``."""
     C.count_cache(kind, nbytes)
-    if P.enabled():
+    if trace and P.enabled():
         P.close_range(P.open_range("zero: cache", kind, u.name, *([f"({nbytes} bytes not moved)"] if nbytes else [])))
 
 
@@ -142,11 +142,11 @@ class GatherCache:
         if u.state is not ShardedState.SHARDED and self._served.get(u.tag) == u.gathers:
             self.stats.hits += 1
             self.stats.bytes_not_moved += u.full_bytes
-            _record("hit", u, u.full_bytes)
+            _record("hit", u, u.full_bytes, trace=self.enabled)
         else:
             self.stats.misses += 1
             self._served[u.tag] = u.gathers + (u.state is ShardedState.SHARDED)
-            _record("miss", u)
+            _record("miss", u, trace=self.enabled)
         self.policy.used(u.tag)
 
     def make_room(self, need: int, busy: set[int], position: int | None, *, before: float | None = None) -> bool:
