@@ -125,6 +125,27 @@ def _worker(rank: int, world: int) -> dict:
         s = engine.memory_stats()
         seen.append((s["persistent"], s["tier_device"] - s["params"] - s["full_grads"]))
     out["second"] = seen
+
+    # 5. the first step inside the forward (manual optimization): the choice waits for the next step
+    torch.manual_seed(0)
+    net = P.Net(P.Cell(**_BASE))
+    mem = {"budget": 10**9, "persistent": 10**8, "cache": 0, "working": 0.1}
+    net, opt = zs.initialize(net, torch.optim.AdamW(net.parameters()), config=zs.ZeroConfig(stage=3, memory=mem))
+    engine = get_engine(net)
+    units = []
+    for step in range(3):
+        x, y = P.batch(step, 0, rank)
+        hook = net.tok.register_forward_hook(lambda *a: opt.step()) if step == 1 else None
+        F.cross_entropy(net(x).view(-1, P.VOCAB), y.reshape(-1)).backward()
+        if hook is not None:
+            hook.remove()
+            units.append(engine.memory_stats()["persistent_units"])
+            opt.zero_grad()
+        elif step == 2:
+            opt.step()
+            opt.zero_grad()
+            units.append(engine.memory_stats()["persistent_units"])
+    out["pending"] = units
     return out
 
 
@@ -158,3 +179,4 @@ def test_placement_fills_the_persistent_tier_and_counters_reach_the_reports(laun
         # the second optimizer's state: measured after its own first step
         (p1, s1), (p2, s2) = o["second"]
         assert p1 == s1 and p2 == s2 and p2 > p1, (rank, o["second"])
+        assert o["pending"] == [0, 5], (rank, o["pending"])

@@ -10,10 +10,13 @@ naming each tier's bytes and the nearest setting that fits (a larger budget, mor
 offload). If they fit but leave less than the cache share, the cache shrinks, with one
 warning.
 
-After the first optimizer step the optimizer state exists: the check runs again with it, and
-on an accelerator with the working memory measured (the allocator's peak since ``initialize``,
-less model state, cached parameters and communication buffers). On a CPU device the working
-tier stays its share: the process has no allocator peak to read.
+After each optimizer's first step its state exists (with several optimizers, each one's at
+its own first step): the persistent units are chosen to fill what the persistent tier leaves
+(:func:`choose_persistent`: gathers avoided per byte, a greedy knapsack; with a budget
+``stage3_param_persistence_threshold`` is not applied), and the check runs again, on an
+accelerator with the working memory measured (the allocator's peak since ``initialize``, less
+model state, cached parameters and communication buffers). On a CPU device the working tier
+stays its share: the process has no allocator peak to read.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class Budget:
         self.persistent_room = 0  # what the persistent tier leaves for persistent units (agreed by all ranks)
         self._warned = False
         self._measured = False  # working memory measured (an accelerator)
+        self.pending = False  # a persistent choice waits for a step outside a forward
         self._chosen: list[int] | None = None  # tags of the persistent units last chosen
         if ctx.rank == 0:
             log.info("zero_strategy: memory %s (per rank)", self.tiers.describe())
@@ -141,14 +145,16 @@ class Budget:
     ) -> None:
         """An optimizer stepped for the first time: its state exists now (each optimizer's, when
         there are several). Measure working memory (an accelerator), choose the persistent units
-        that fit what the persistent tier leaves (``can_change`` False, inside a forward: kept
-        for the next such call) and check again. ``stats``: ``memory_stats()``."""
+        that fit what the persistent tier leaves (``can_change`` False, inside a forward:
+        ``pending``, and the engine calls again after its next step) and check again.
+        ``stats``: ``memory_stats()``."""
         now = stats()
         if self.ctx.device.type == "cuda":
             peak = int(torch.cuda.max_memory_allocated(self.ctx.device))
             held = now["tier_device"] - now["params"] + cache.peak + now["comm_scratch_peak"]
             self.working = max(self.working if self._measured else 0, peak - held)  # the share, then the most seen
             self._measured = True
+        self.pending = not can_change
         if can_change:
             self._choose_persistent(now, order, step)
             now = stats()

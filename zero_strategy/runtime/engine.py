@@ -624,13 +624,15 @@ class ZeroEngine(WholeModelState):
         C.mark_step()  # the step's wall time, against which comm_report() sets the exposed communication
         if self.zero3 is not None:
             self.zero3.step = self._step_label()
-        if not skipped and key(optimizer) not in self._stepped:  # this optimizer's state exists now
+        new = not skipped and key(optimizer) not in self._stepped  # this optimizer's state exists now
+        if new:
             self._stepped.add(key(optimizer))
             stats = self.memory_stats()
             self._scratch_budget = int(SCRATCH_SHARE * (stats["model_state"] - stats["tier_disk"]))
-            if self.budget is not None and self.zero3 is not None:  # measured again, persistent units chosen
-                self.budget.after_new_state(self.memory_stats, self.zero3.cache, self.zero3.order, self._step_label(),
-                                            can_change=self._root_depth == 0)  # fmt: skip
+        if self.budget is not None and self.zero3 is not None and (new or self.budget.pending and not skipped):
+            # measured again, persistent units chosen (budget.py)
+            self.budget.after_new_state(self.memory_stats, self.zero3.cache, self.zero3.order, self._step_label(),
+                                        can_change=self._root_depth == 0)  # fmt: skip
         if self._scratch_budget is not None:
             self.ctx.pool.trim(self._scratch_budget)
 
