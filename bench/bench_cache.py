@@ -61,7 +61,7 @@ def _worker(rank: int, world: int, layers: int, d_model: int, steps: int) -> lis
                 moved.append(count() - before)
         return statistics.mean(moved), statistics.median(times), losses
 
-    # zero-strategy at stage 3, every unit freed without a cache (no persistent units)
+    # zero-strategy at stage 3, every unit freed without a cache (persistent tier 0: no persistent units)
     model = build()
     size = 4
     blocks = sorted(sum(p.numel() for p in b.parameters()) * size for b in model.blocks)
@@ -71,8 +71,8 @@ def _worker(rank: int, world: int, layers: int, d_model: int, steps: int) -> lis
             "half": root + sum(blocks[: layers // 2]), "whole": total}  # fmt: skip
     for name in CACHES:
         model = build()
-        memory = {"budget": 10**10, "persistent": 0.5, "cache": caps[name], "working": 0.1}
-        zcfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, memory=memory)
+        memory = {"budget": 10**10, "persistent": 0.0, "cache": caps[name], "working": 0.1}
+        zcfg = zs.ZeroConfig(stage=3, memory=memory)
         zmodel, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=zcfg)
         engine = get_engine(zmodel)
         moved, secs, losses = run(zmodel, opt, lambda e=engine: e.memory_stats()["gathered_bytes"])

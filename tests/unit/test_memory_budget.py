@@ -60,6 +60,9 @@ def test_deepspeed_block_shorthand_and_the_knobs_the_budget_replaces() -> None:
     said = not_applied_settings(cfg)
     assert any(m.startswith("stage3_max_live_parameters=1000000 is not applied: zero_strategy.memory") for m in said)
     assert not any("stage3_max_reuse_distance" in m for m in said)  # not set: nothing to say
+    both = ZeroConfig(stage=3, stage3_param_persistence_threshold=10, memory={"budget": "8GB"})
+    assert any(m.startswith("stage3_param_persistence_threshold=10 is not applied") for m in not_applied_settings(both))
+    assert not not_applied_settings(ZeroConfig(stage=3, stage3_param_persistence_threshold=10))  # no budget: governs
     assert ZeroConfig.from_dict({"zero_strategy": {"memory": "8GB"}}).memory.budget == 8 * 10**9
     assert not_applied_settings(ZeroConfig(stage=3, stage3_max_live_parameters=10**6)) == []  # no budget: it governs
     with pytest.raises(ValueError, match=r"zero_strategy.memory needs stage 3 \(got stage 1\)"):
@@ -93,3 +96,28 @@ def test_eviction_is_farthest_next_use_in_the_cyclic_order_else_lru() -> None:
     assert p.distance("a", 7) == 1 and p.distance("d", 4) == 7  # the next step: a@8, d@11
     p.set_order(list("abab"))
     assert p.victim("abz", 0) == "z"  # never used in the order: first to go
+
+
+def test_persistent_units_are_a_greedy_knapsack_by_gathers_avoided_per_byte() -> None:
+    from zero_strategy.runtime.budget import choose_persistent
+
+    # (tag, full bytes, gathers avoided per step): tag 4 is used 4 times per step (a shared block)
+    units = [(1, 100, 2), (2, 100, 2), (3, 30, 1), (4, 120, 4), (5, 10, 0)]
+    assert choose_persistent(units, 0) == []
+    assert choose_persistent(units, 119) == [1]  # 4 does not fit; then the smaller tag among equals
+    assert choose_persistent(units, 120) == [4]  # most gathers avoided per byte first
+    assert choose_persistent(units, 250) == [1, 3, 4]  # 2 does not fit after 4 and 1; 3 fits what is left
+    assert choose_persistent(units, 10**9) == [1, 2, 3, 4]  # never a unit that no step uses
+    same = [(1, 50, 2), (2, 20, 2), (3, 30, 2)]
+    assert choose_persistent(same, 50) == [2, 3]  # equal benefit per byte: the smaller units first
+
+
+def test_uses_per_step_come_from_the_recorded_order() -> None:
+    from types import SimpleNamespace
+
+    from zero_strategy.runtime.budget import uses_per_step
+
+    units = [SimpleNamespace(tag=t, label=label) for t, label in ((1, "a"), (2, "b"), (3, "<root>"))]
+    assert uses_per_step(units, None) == {1: 2, 2: 2, 3: 1}  # no order yet: a forward and a backward each
+    assert uses_per_step(units, [1, 1, 2]) == {1: 4, 2: 2, 3: 1}  # `a` runs twice per forward
+    assert uses_per_step(units, [2]) == {1: 0, 2: 2, 3: 1}  # `a` is not on the recorded path

@@ -103,10 +103,25 @@ def mark_step() -> None:
     _STEPS.last = now
 
 
+CACHE_COUNTERS = ("cache_hits", "cache_misses", "cache_evictions", "gathers_avoided", "bytes_not_moved")
+_CACHE = dict.fromkeys(CACHE_COUNTERS, 0)
+
+
+def count_cache(kind: str, nbytes: int = 0) -> None:
+    """The ZeRO-3 cache tier (``sharding/cache.py``) served a use (``"hit"``: a gather avoided,
+    ``nbytes`` not moved), needed a gather (``"miss"``) or evicted a unit (``"eviction"``)."""
+    _CACHE[f"cache_{kind}es" if kind == "miss" else f"cache_{kind}s"] += 1
+    if kind == "hit":
+        _CACHE["gathers_avoided"] += 1
+        _CACHE["bytes_not_moved"] += nbytes
+
+
 def comm_report() -> dict[str, float]:
     """Per optimizer step since the last reset (call it right before the steps to measure):
     ``step_seconds``, ``exposed_seconds`` (the host blocked on collectives), ``issue_seconds``,
-    ``exposed_pct`` (communication overhead: exposed against step time) and ``bytes``."""
+    ``exposed_pct`` (communication overhead: exposed against step time) and ``bytes``; and the
+    ZeRO-3 cache tier's ``cache_hits``, ``cache_misses``, ``cache_evictions``,
+    ``gathers_avoided`` and ``bytes_not_moved`` (of all engines in this process)."""
     steps = _STEPS.steps
     per = 1.0 / steps if steps else float("nan")
     step_s = _STEPS.seconds
@@ -119,11 +134,12 @@ def comm_report() -> dict[str, float]:
         "issue_seconds": issued * per,
         "exposed_pct": 100.0 * exposed / step_s if step_s else float("nan"),
         "bytes": sum(c.bytes for c in _STATS.values()) * per,
-    }
+    } | {k: v * per for k, v in _CACHE.items()}
 
 
 def reset_comm_stats() -> None:
     _STATS.clear()
+    _CACHE.update(dict.fromkeys(CACHE_COUNTERS, 0))
     _STEPS.steps, _STEPS.seconds, _STEPS.last = 0, 0.0, time.perf_counter()  # the clock starts here
 
 

@@ -24,6 +24,7 @@ from zero_strategy.config.values import (
     settings_of,
     to_bool,
     to_choice,
+    to_float,
 )
 
 __all__ = [
@@ -142,6 +143,12 @@ def _to_offload_device(value: Any, where: str) -> str:
     return "none" if value is None else to_choice(value, where, _OFFLOAD_DEVICES)
 
 
+def _to_ratio(value: Any, where: str) -> float | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return to_float(value, where, ge=0.0, le=1.0)
+
+
 def _to_path(value: Any, where: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -167,7 +174,8 @@ class OffloadConfig:
     fast_init: bool = setting(False, to_bool)
     pipeline_read: bool = setting(False, to_bool)
     pipeline_write: bool = setting(False, to_bool)
-    ratio: float = setting(1.0, float_rule(ge=0.0, le=1.0))
+    # a fraction, or "auto": the smallest that fits the memory budget's persistent tier (runtime/placement.py)
+    ratio: float | str = setting(1.0, _to_ratio, keeps_auto=True)
 
     def __post_init__(self) -> None:
         coerce_fields(self, "OffloadConfig")

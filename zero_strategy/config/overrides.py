@@ -39,6 +39,12 @@ def not_applied_settings(cfg: ZeroConfig) -> list[str]:
                     f"{name}={getattr(cfg, name)!r} is not applied: zero_strategy.memory is set, and its cache cap "
                     "governs how many gathered parameters stay (prefetch included); remove one of the two"
                 )
+        if cfg.explicitly_set("stage3_param_persistence_threshold"):
+            out.append(
+                f"stage3_param_persistence_threshold={cfg.stage3_param_persistence_threshold!r} is not applied: "
+                "zero_strategy.memory is set, and the units kept gathered are chosen by gathers avoided per byte "
+                "under its persistent tier (docs/memory_budget.md); remove one of the two"
+            )
     return out
 
 

@@ -276,6 +276,7 @@ def setting(
     aliases: tuple[str, ...] = (),
     ds_rule: Rule | None = None,
     not_applied: tuple[Any, str] | None = None,
+    keeps_auto: bool = False,
 ) -> Any:
     """A config field, declared once with everything the readers need to know about it.
 
@@ -290,6 +291,7 @@ def setting(
         ds_rule: the rule for the DeepSpeed key when it differs from ``rule``.
         not_applied: for settings read but not acted on: the value that changes nothing here
             (None: any explicit value is reported) and what DeepSpeed does with the setting.
+        keeps_auto: "auto" is a value of this field (read by ``rule``), not "not set".
     """
     reader: Reader
     if rule is not None and read is None:
@@ -299,7 +301,8 @@ def setting(
     else:
         raise TypeError("setting(): give exactly one of rule= or read=")
     ds_read = reader if ds_rule is None else functools.partial(apply_rule, ds_rule)
-    metadata = {"read": reader, "ds": ds, "aliases": aliases, "ds_read": ds_read, "not_applied": not_applied}
+    metadata = {"read": reader, "ds": ds, "aliases": aliases, "ds_read": ds_read, "not_applied": not_applied,
+                "keeps_auto": keeps_auto}  # fmt: skip
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -362,6 +365,6 @@ def read_block(block: Any, path: str, source: str | None, cls: type) -> dict[str
     values = {
         key: attempt(specs[key].metadata["read"], raw, f"{path}.{key}", source)
         for key, raw in block.items()
-        if key in specs and not is_auto(raw)
+        if key in specs and (not is_auto(raw) or specs[key].metadata["keeps_auto"])
     }
     return {key: value for key, value in values.items() if value is not FAILED}

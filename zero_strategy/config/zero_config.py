@@ -337,8 +337,17 @@ def _conflicts(cfg: ZeroConfig, world_size: int | None, given: Callable[[str], b
             f"{_ZO}.offload_param needs stage 3 (got stage {cfg.stage}): at stages 1 and 2 every rank keeps the "
             "full parameters on the device. Use stage 3, or offload_optimizer only."
         )
-    if rule(param.enabled and param.ratio != 1.0, "offload_param"):
-        out.append(f"{_ZO}.offload_param.ratio applies to the optimizer only; remove it (use offload_optimizer.ratio)")
+    if rule(param.enabled and param.ratio not in (1.0, "auto"), "offload_param"):
+        out.append(f"{_ZO}.offload_param.ratio takes only 'auto' (with zero_strategy.memory); remove it, or use "
+                   "offload_optimizer.ratio")  # fmt: skip
+    for name, block in (("offload_optimizer", opt), ("offload_param", param)):
+        if rule(block.ratio == "auto" and (block.device != "cpu" or not cfg.memory.enabled), name):
+            out.append(
+                f"{_ZO}.{name}.ratio='auto' picks the smallest fraction whose device bytes fit the persistent tier "
+                f"of {_OWN}.memory, with device 'cpu' (got device {block.device!r}, memory "
+                f"{'set' if cfg.memory.enabled else 'not set'}); give memory: {{budget: ...}} and device: cpu, or a "
+                "number as ratio"
+            )
     if rule(param.device == opt.device == "nvme" and opt.ratio != 1.0, "offload_param", "offload_optimizer"):
         out.append(
             f"{_ZO}.offload_optimizer.ratio={opt.ratio} with offload_param on nvme: with both on disk the masters "

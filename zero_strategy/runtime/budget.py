@@ -10,10 +10,13 @@ naming each tier's bytes and the nearest setting that fits (a larger budget, mor
 offload). If they fit but leave less than the cache share, the cache shrinks, with one
 warning.
 
-After the first optimizer step the optimizer state exists: the check runs again with it, and
-on an accelerator with the working memory measured (the allocator's peak since ``initialize``,
-less model state, cached parameters and communication buffers). On a CPU device the working
-tier stays its share: the process has no allocator peak to read.
+After each optimizer's first step its state exists (with several optimizers, each one's at
+its own first step): the persistent units are chosen to fill what the persistent tier leaves
+(:func:`choose_persistent`: gathers avoided per byte, a greedy knapsack; with a budget
+``stage3_param_persistence_threshold`` is not applied), and the check runs again, on an
+accelerator with the working memory measured (the allocator's peak since ``initialize``, less
+model state, cached parameters and communication buffers). On a CPU device the working tier
+stays its share: the process has no allocator peak to read.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,9 +33,9 @@ from zero_strategy.comm import collectives as C
 from zero_strategy.config.memory import MemoryConfig, TierBytes, format_bytes
 from zero_strategy.sharding.cache import GatherCache
 from zero_strategy.sharding.states import ShardedState
-from zero_strategy.sharding.unit import ShardedParams
+from zero_strategy.sharding.unit import ShardedParams, UnitStorage
 
-__all__ = ["Budget", "cache_stats", "device_total"]
+__all__ = ["Budget", "cache_stats", "choose_persistent", "device_total", "uses_per_step"]
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +51,41 @@ def device_total(device: torch.device) -> int | None:
     return int(props(device).total_memory) if props is not None else None
 
 
+def uses_per_step(units: Sequence[UnitStorage], order: Sequence[int] | None) -> dict[int, int]:
+    """Gathers a unit needs per training step without a cache, by tag: from the recorded
+    forward order, its forward uses and as many backward ones; the root unit, gathered once
+    for the whole forward and backward, 1. Without an order (no step recorded yet) 2 each."""
+    count = {u.tag: 0 for u in units} if order else {u.tag: 2 for u in units}
+    for tag in order or ():
+        count[tag] = count.get(tag, 0) + 2
+    return count | {u.tag: 1 for u in units if u.label == "<root>"}
+
+
+def choose_persistent(candidates: Sequence[tuple[int, int, int]], room: int) -> list[int]:
+    """The units to keep gathered between uses: ``candidates`` are (tag, full bytes, gathers
+    avoided per step). The benefit of keeping a unit is the bytes it would move per step (gathers
+    avoided x its full bytes); its cost, the full bytes it holds; so the benefit per byte is the
+    gathers avoided. Greedy knapsack: by benefit per byte, ties to the smaller unit (each
+    collective has a fixed cost too, so small gathers cost the most per byte), then the tag; a
+    unit that does not fit what is left is passed over. Depends only on its arguments, which
+    are equal on every rank (``room`` is agreed first), so every rank chooses alike."""
+    ranked = sorted((c for c in candidates if c[1] > 0 and c[2] > 0), key=lambda c: (-c[2], c[1], c[0]))
+    chosen: list[int] = []
+    for tag, nbytes, _ in ranked:
+        if nbytes <= room:
+            chosen.append(tag)
+            room -= nbytes
+    return sorted(chosen)
+
+
 class Budget:
     """The resolved tiers of one engine and the cache cap it sets (``cache``)."""
 
     def __init__(self, memory: MemoryConfig, ctx: C.CommContext, storage: ShardedParams) -> None:
         self.ctx = ctx
+        self.storage = storage
         self.tiers: TierBytes = memory.resolve(device_total(ctx.device))
-        units = [u for u in storage.units if not u.persistent]
-        self.persistent_units = [u for u in storage.units if u.persistent]
-        root = sum(u.full_bytes for u in units if u.label == "<root>")
-        # what must be gathered at once: the root unit (all step long) and the running unit
-        self.min_gathered = root + max((u.full_bytes for u in units if u.label != "<root>"), default=0)
+        self._set_min_gathered()
         self.cache = self.tiers.cache
         if 0 < self.cache < self.min_gathered:
             raise ValueError(
@@ -67,18 +95,28 @@ class Budget:
             )
         self.working = self.tiers.working  # measured after the first step on an accelerator
         self.persistent = 0
-        self._measured = False
+        self.persistent_room = 0  # what the persistent tier leaves for persistent units (agreed by all ranks)
         self._warned = False
+        self._measured = False  # working memory measured (an accelerator)
+        self.pending = False  # a persistent choice waits for a step outside a forward
+        self._chosen: list[int] | None = None  # tags of the persistent units last chosen
         if ctx.rank == 0:
             log.info("zero_strategy: memory %s (per rank)", self.tiers.describe())
         if ctx.device.type == "cuda":  # the working tier is measured from here on
             torch.cuda.reset_peak_memory_stats(ctx.device)
 
+    def _set_min_gathered(self) -> None:
+        """What must be gathered at once in the cache: the root unit (all step long) and the
+        running unit, persistent units aside (they are the persistent tier's)."""
+        units = [u for u in self.storage.units if not u.persistent]
+        root = sum(u.full_bytes for u in units if u.label == "<root>")
+        self.min_gathered = root + max((u.full_bytes for u in units if u.label != "<root>"), default=0)
+
     def check(self, stats: dict[str, int], cache: GatherCache, *, when: str) -> None:
         """Raise if the model does not fit; shrink the cache (warned once) if it does only with
         a smaller one. ``stats``: ``memory_stats()`` now."""
         # persistent units' gathered parameters stay until the step: the persistent tier's too
-        kept = sum(u.full_bytes for u in self.persistent_units if u.state is not ShardedState.SHARDED)
+        kept = sum(u.full_bytes for u in self.storage.units if u.persistent and u.state is not ShardedState.SHARDED)
         self.persistent = stats["tier_device"] - stats["params"] - stats["full_grads"] + kept
         budget, need = self.tiers.budget, self.persistent + self.working + self.min_gathered
         if need > budget:
@@ -96,16 +134,59 @@ class Budget:
                 )
             cache.cap = self.cache = room
 
-    def after_first_step(self, stats: dict[str, int], cache: GatherCache) -> None:
-        """The optimizer state exists now: measure working memory (an accelerator) and check again."""
-        if self._measured:
-            return
-        self._measured = True
+    def after_new_state(
+        self,
+        stats: Callable[[], dict[str, int]],
+        cache: GatherCache,
+        order: Sequence[int] | None,
+        step: str,
+        *,
+        can_change: bool,
+    ) -> None:
+        """An optimizer stepped for the first time: its state exists now (each optimizer's, when
+        there are several). Measure working memory (an accelerator), choose the persistent units
+        that fit what the persistent tier leaves (``can_change`` False, inside a forward:
+        ``pending``, and the engine calls again after its next step) and check again.
+        ``stats``: ``memory_stats()``."""
+        now = stats()
         if self.ctx.device.type == "cuda":
             peak = int(torch.cuda.max_memory_allocated(self.ctx.device))
-            held = stats["tier_device"] - stats["params"] + cache.peak + stats["comm_scratch_peak"]
-            self.working = max(0, peak - held)
-        self.check(stats, cache, when="after the first step, with the optimizer state")
+            held = now["tier_device"] - now["params"] + cache.peak + now["comm_scratch_peak"]
+            self.working = max(self.working if self._measured else 0, peak - held)  # the share, then the most seen
+            self._measured = True
+        self.pending = not can_change
+        if can_change:
+            self._choose_persistent(now, order, step)
+            now = stats()
+        self.check(now, cache, when="after an optimizer's first step, with its state")
+
+    def _choose_persistent(self, stats: dict[str, int], order: Sequence[int] | None, step: str) -> None:
+        """Keep gathered the units with the most gathers avoided per byte that fit the persistent
+        tier's room (:func:`choose_persistent`); the others are freed after use (or cached).
+        Collective: every rank agrees on the room (the smallest), then chooses alike."""
+        units = self.storage.units
+        state = stats["tier_device"] - stats["params"] - stats["full_grads"]  # rows, gradient shards, masters, state
+        room = torch.tensor([state - self.tiers.persistent], dtype=torch.int64, device=self.ctx.device)
+        C.all_reduce(self.ctx, room, op="max", what="the persistent tier's room (memory budget)").wait()
+        self.persistent_room = max(0, -int(room.item()))
+        uses = uses_per_step(units, order)
+        chosen = choose_persistent([(u.tag, u.full_bytes, uses[u.tag]) for u in units], self.persistent_room)
+        if chosen == self._chosen:
+            return
+        self._chosen = chosen
+        for u in units:
+            if u.persistent != (u.tag in chosen) and not u.holds:  # a held unit keeps its role until released
+                u.reshard()  # between steps: nothing uses it (the step freed the others already)
+                u.persistent = u.tag in chosen
+        self.storage.refresh_persistent(step)
+        self._set_min_gathered()
+        if self.ctx.rank == 0:
+            names = [u.label for u in units if u.persistent]
+            log.info(
+                "zero_strategy: persistent units (most gathers avoided per byte that fit the persistent tier's room "
+                "of %s): %s, %s", format_bytes(self.persistent_room), names or "none",
+                format_bytes(sum(u.full_bytes for u in units if u.persistent)),
+            )  # fmt: skip
 
     def _does_not_fit(self, stats: dict[str, int], need: int, when: str) -> str:
         budget, world = self.tiers.budget, self.ctx.world_size
@@ -128,7 +209,7 @@ class Budget:
             + "; or ".join(hints)
         )
 
-    def stats(self, cache: GatherCache) -> dict[str, Any]:
+    def stats(self, cache: GatherCache, units: Sequence[UnitStorage]) -> dict[str, Any]:
         """The budget's entries of ``memory_stats()``."""
         return {
             "budget": self.tiers.budget,
@@ -138,12 +219,19 @@ class Budget:
             "persistent": self.persistent,
             "cache_cap": self.cache,
             "working": self.working,
-        } | _cache_entries(cache)
+            "persistent_room": self.persistent_room,
+            # units whose optimizer side (masters, gradient shards, state) and whose rows are on the host
+            "optimizer_offload_units": sum(g.tier != "device" for g in self.storage.groups),
+            "param_offload_units": sum(u.row_tier != "device" for u in self.storage.units),
+        } | _cache_entries(cache, units)
 
 
-def _cache_entries(cache: GatherCache) -> dict[str, int]:
+def _cache_entries(cache: GatherCache, units: Sequence[UnitStorage]) -> dict[str, int]:
     s = cache.stats
+    persistent = [u for u in units if u.persistent]
     return {
+        "persistent_units": len(persistent),
+        "persistent_unit_bytes": sum(u.full_bytes for u in persistent),
         "cache": cache.live(),
         "cache_peak": cache.peak,
         "cache_hits": s.hits,
@@ -155,6 +243,7 @@ def _cache_entries(cache: GatherCache) -> dict[str, int]:
     }
 
 
-def cache_stats(cache: GatherCache, budget: Budget | None) -> dict[str, int]:
-    """What ``memory_stats()`` adds at ZeRO-3: the cache counters, and the budget's tiers when one is set."""
-    return budget.stats(cache) if budget is not None else _cache_entries(cache)
+def cache_stats(cache: GatherCache, budget: Budget | None, units: Sequence[UnitStorage]) -> dict[str, int]:
+    """What ``memory_stats()`` adds at ZeRO-3: the persistent units and the cache counters, and
+    the budget's tiers when one is set."""
+    return budget.stats(cache, units) if budget is not None else _cache_entries(cache, units)

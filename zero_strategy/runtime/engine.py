@@ -53,6 +53,7 @@ from zero_strategy.reduction.grads import (
 from zero_strategy.runtime.budget import Budget
 from zero_strategy.runtime.engine_state import WholeModelState
 from zero_strategy.runtime.optimizer_set import OptimizerSet, key
+from zero_strategy.runtime.placement import resolve_ratios
 from zero_strategy.runtime.torch_clipping import LiveEngines
 from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
 from zero_strategy.runtime.zero3_hooks import Zero3Hooks, refuse_load_state_dict, refuse_sharded_state_dict
@@ -65,7 +66,7 @@ from zero_strategy.sharding.group import (
     bucket_numel,
     build_groups,
 )
-from zero_strategy.sharding.partition import UnitPolicy, find_units
+from zero_strategy.sharding.partition import UnitPolicy, find_units, unit_members
 from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, sharded_init_piece
 from zero_strategy.sharding.precision import select_precision, select_scaler
 from zero_strategy.sharding.setup_checks import (
@@ -150,6 +151,7 @@ class ZeroEngine(WholeModelState):
         self._root_depth = 0  # nesting of calls of the root module (only the outermost one acts)
         self._clipped: set[int] = set()  # clipped since the last step: optimizer_set.key of each, 0 for the whole model
         self._scratch_budget: int | None = None  # communication buffers kept between steps (bytes)
+        self._stepped: set[int] = set()  # optimizers that stepped (key()): their state exists
         self._skip_step = False
         self.last_step_skipped = False
         self._loss_scaled = False  # fp16: was a scaled loss backpropagated in this window?
@@ -227,8 +229,14 @@ class ZeroEngine(WholeModelState):
         fractions = shard_fractions(config.load_balance, self.ctx)  # None: even shards
         if config.stage == 3:
             self._plan = find_units(module, policy)
+            # with a budget, persistent units are chosen by the budget (budget.py) once the state exists
+            threshold = -1 if config.memory.enabled else config.stage3_param_persistence_threshold
+            members = unit_members(module, self._plan.units, named)  # ratio auto: the smallest offload that fits
+            self.offload_optimizer, self.offload_params = resolve_ratios(
+                config, members, self.precision, self.ctx, fractions, self.offload_optimizer, self.offload_params
+            )
             storage = ShardedParams(
-                module, self._plan.units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold,
+                module, self._plan.units, named, self.ctx, self.precision, threshold,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
                 row_swap=self.disk.row_swap, fractions=fractions,
             )  # fmt: skip
@@ -615,11 +623,15 @@ class ZeroEngine(WholeModelState):
         C.mark_step()  # the step's wall time, against which comm_report() sets the exposed communication
         if self.zero3 is not None:
             self.zero3.step = self._step_label()
-        if self._scratch_budget is None and not skipped:  # once the optimizer state exists
+        new = not skipped and key(optimizer) not in self._stepped  # this optimizer's state exists now
+        if new:
+            self._stepped.add(key(optimizer))
             stats = self.memory_stats()
             self._scratch_budget = int(SCRATCH_SHARE * (stats["model_state"] - stats["tier_disk"]))
-            if self.budget is not None and self.zero3 is not None:  # the optimizer state exists now
-                self.budget.after_first_step(stats, self.zero3.cache)
+        if self.budget is not None and self.zero3 is not None and (new or self.budget.pending and not skipped):
+            # measured again, persistent units chosen (budget.py)
+            self.budget.after_new_state(self.memory_stats, self.zero3.cache, self.zero3.order, self._step_label(),
+                                        can_change=self._root_depth == 0)  # fmt: skip
         if self._scratch_budget is not None:
             self.ctx.pool.trim(self._scratch_budget)
 

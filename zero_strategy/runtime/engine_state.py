@@ -97,5 +97,5 @@ class WholeModelState:
         if sharded is not None and self.zero3 is not None:
             meter = sharded.meter
             out |= {"gathered": meter.live, "gathered_peak": meter.peak, "gathers": meter.gathers,
-                    "gathered_bytes": meter.gathered_bytes} | cache_stats(self.zero3.cache, self.budget)  # fmt: skip
+                    "gathered_bytes": meter.gathered_bytes} | cache_stats(self.zero3.cache, self.budget, sharded.units)  # fmt: skip
         return out

@@ -15,6 +15,9 @@ Which unit goes: :class:`EvictionPolicy`, Belady's choice over the recorded orde
 when no order is valid (the first step, a step that took another path, evaluation). The policy
 knows nothing of units: keys, a cyclic order, a position; the MoE expert cache reuses it.
 
+The counters (hits, misses, evictions, gathers avoided, bytes not moved) are in
+``memory_stats()``, per step in ``zs.comm_report()``, and marked in ``zs.profile`` traces.
+
 Gradients are not the cache's business: a unit's gradients are reduce-scattered when its
 backward ends whether its parameters stay or go. The optimizer step changes every unit's
 values, so the engine frees every gathered unit after it (``ShardedParams.after_step``):
@@ -29,6 +32,8 @@ import logging
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
+from zero_strategy.comm import collectives as C
+from zero_strategy.comm import profiling as P
 from zero_strategy.sharding.states import ShardedState
 from zero_strategy.sharding.unit import GatherMeter, UnitStorage
 
@@ -38,6 +43,15 @@ log = logging.getLogger(__name__)
 
 K = TypeVar("K", bound=Hashable)
 NEVER = float("inf")
+
+
+def _record(kind: str, u: UnitStorage, nbytes: int = 0, *, trace: bool = True) -> None:
+    """Count a cache event for ``zs.comm_report`` and, inside ``zs.profile`` (with ``trace``: a
+    cache is set), mark it in the trace: an instant range ``zero: cache hit unit 'blocks.3'
+    (4096 bytes not moved)``, ``zero: cache miss unit ...`` or ``zero: cache eviction unit ...``."""
+    C.count_cache(kind, nbytes)
+    if trace and P.enabled():
+        P.close_range(P.open_range("zero: cache", kind, u.name, *([f"({nbytes} bytes not moved)"] if nbytes else [])))
 
 
 class EvictionPolicy(Generic[K]):
@@ -128,9 +142,11 @@ class GatherCache:
         if u.state is not ShardedState.SHARDED and self._served.get(u.tag) == u.gathers:
             self.stats.hits += 1
             self.stats.bytes_not_moved += u.full_bytes
+            _record("hit", u, u.full_bytes, trace=self.enabled)
         else:
             self.stats.misses += 1
             self._served[u.tag] = u.gathers + (u.state is ShardedState.SHARDED)
+            _record("miss", u, trace=self.enabled)
         self.policy.used(u.tag)
 
     def make_room(self, need: int, busy: set[int], position: int | None, *, before: float | None = None) -> bool:
@@ -147,6 +163,7 @@ class GatherCache:
                 return False
             candidates[tag].reshard()
             self.stats.evictions += 1
+            _record("eviction", candidates[tag])
             live -= candidates[tag].full_bytes
         return True
 

@@ -21,12 +21,12 @@ explicit policy an inner match inside an outer match is ignored (the outer unit 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["UnitPlan", "UnitPolicy", "find_units", "is_zero_unit_class", "zero_auto_partition"]
+__all__ = ["UnitPlan", "UnitPolicy", "find_units", "is_zero_unit_class", "unit_members", "zero_auto_partition"]
 
 _MARK = "_zero_auto_partition"
 
@@ -133,3 +133,24 @@ def find_units(root: nn.Module, policy: UnitPolicy = None) -> UnitPlan:
     fqn_of = {id(m): fqn for fqn, m in units}
     conditional = [[fqn_of[id(m)] for m in members if id(m) in fqn_of] for members in lists]
     return UnitPlan(units, how, [c for c in conditional if c])
+
+
+def unit_members(
+    root: nn.Module, units: Sequence[tuple[str, nn.Module]], named: Sequence[tuple[str, nn.Parameter]]
+) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    """The parameters of each ZeRO-3 unit: one per module of ``units`` (in that order), then the
+    root unit (label ``<root>``) for the parameters outside every unit; units without a
+    parameter are left out. A parameter reachable from two units, or from a unit and outside
+    it (tied weights), belongs to the root unit."""
+    prefixes = [(f"{fqn}.", k) for k, (fqn, _) in enumerate(units)]
+    owners: dict[int, set[int | None]] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        owner = next((k for pre, k in prefixes if name.startswith(pre)), None)
+        owners.setdefault(id(p), set()).add(owner)
+    members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(units) + 1)]
+    for name, p in named:
+        o = owners[id(p)]
+        k = next(iter(o)) if len(o) == 1 else None
+        members[len(units) if k is None else k].append((name, p))
+    labels = [fqn for fqn, _ in units] + ["<root>"]
+    return [(label, m) for label, m in zip(labels, members) if m]

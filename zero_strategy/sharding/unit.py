@@ -30,6 +30,7 @@ from torch import nn
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.group import HostMasters, ShardGroup
 from zero_strategy.sharding.layout import ShardLayout
+from zero_strategy.sharding.partition import unit_members
 from zero_strategy.sharding.pieces import (
     check_placeholder,
     is_placeholder,
@@ -587,29 +588,22 @@ class ShardedParams(ParamStorage):
         offload_optimizer = offload_optimizer or OnDevice()
         self.ctx = ctx
         self.meter = GatherMeter()
-        prefixes = [(f"{fqn}.", k) for k, (fqn, _) in enumerate(units)]
-        owners: dict[int, set[int | None]] = {}
-        for name, p in root.named_parameters(remove_duplicate=False):
-            owner = next((k for pre, k in prefixes if name.startswith(pre)), None)
-            owners.setdefault(id(p), set()).add(owner)
-        members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(units) + 1)]
-        for name, p in named:
-            o = owners[id(p)]
-            k = next(iter(o)) if len(o) == 1 else None
-            members[len(units) if k is None else k].append((name, p))
-        labels = [fqn for fqn, _ in units] + ["<root>"]
         self.units: list[UnitStorage] = []
         self.groups: list[ShardGroup] = []
         self.names: dict[int, str] = {}
         self.checks = GatherChecks(self.names)  # filled below; the scheduler sets ``deferred``
         total = sum(p.numel() for _, p in named if p.requires_grad)
-        offloaded = 0
-        for k, pending in enumerate(members):
-            if not pending:
-                continue
+        offloaded = rows_offloaded = 0
+        for label, pending in unit_members(root, units, named):
             trainable = [(n, p) for n, p in pending if p.requires_grad]
             frozen = [(n, p) for n, p in pending if not p.requires_grad]
             host = None
+            rows = (
+                offload_params
+                if offload_params is not None and offload_params.offloads(rows_offloaded, total)
+                else None
+            )
+            rows_offloaded += sum(p.numel() for _, p in trainable) if rows is not None else 0
             if trainable and isinstance(offload_params, OnDisk):
                 # the rows on disk: fp32 masters on the host beside host optimizer state, or
                 # views of the row when the optimizer state is on disk too (stepped resident)
@@ -618,8 +612,8 @@ class ShardedParams(ParamStorage):
             elif trainable and offload_optimizer.offloads(offloaded, total):
                 host = HostMasters(pinned=offload_optimizer.pinned(ctx.device))
                 offloaded += sum(p.numel() for _, p in trainable)
-            u = UnitStorage(labels[k], len(self.units) + 1, trainable, frozen, ctx, precision, self.meter,
-                            persistence_threshold, group_index=len(self.groups), row_policy=offload_params,
+            u = UnitStorage(label, len(self.units) + 1, trainable, frozen, ctx, precision, self.meter,
+                            persistence_threshold, group_index=len(self.groups), row_policy=rows,
                             host_masters=host, row_swap=row_swap, checks=self.checks,
                             fractions=fractions)  # fmt: skip
             self.units.append(u)

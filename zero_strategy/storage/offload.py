@@ -15,12 +15,14 @@ Each placement is a small frozen policy chosen by type, built once from the conf
   finishes; the updated pieces are copied up when the parameters follow the step. ``ratio``
   offloads the first groups (in the order their gradients arrive) until at least that
   fraction of the trainable elements is on the host; the rest stays on the device
-  (ZeRO-Offload++'s partial offload).
+  (ZeRO-Offload++'s partial offload). ``ratio: auto`` (with a memory budget) picks the smallest
+  fraction that fits the budget's persistent tier (``runtime/placement.py``).
 - :class:`OnDisk`: ``offload_optimizer: {device: nvme}``. As :class:`OnHost`, and the optimizer
   state itself lives in swap files, in memory only while its group steps (``swapped_state.py``).
 - At ZeRO-3, ``offload_param: {device: cpu}`` puts each unit's persistent row on the host; a
   gather copies the row up into its send buffer. The masters are then views of that host row
-  (no second copy), so the optimizer state is on the host too.
+  (no second copy), so the optimizer state is on the host too. ``ratio`` (set by ``ratio: auto``
+  only) offloads the first units' rows in the same way as the optimizer's ratio.
 - At ZeRO-3, ``offload_param: {device: nvme}`` (:class:`OnDisk` for the parameters) keeps each
   unit's rows in a swap file, in memory only while a gather, a load or a step uses them
   (``disk_rows.py``). With the optimizer on the host (or the device) the fp32 masters and the
@@ -77,7 +79,7 @@ class OnHost(OffloadPolicy):
     ratio: float = 1.0
 
     def offloads(self, done: int, total: int) -> bool:
-        return done < self.ratio * total
+        return self.ratio >= 1.0 or done < self.ratio * total
 
     def pinned(self, compute: torch.device) -> bool:
         return self.pin_memory and compute.type == "cuda"
@@ -99,9 +101,9 @@ def _from_block(block: OffloadConfig, what: str) -> OffloadPolicy:
     if block.device == "none":
         return OnDevice()
     if block.device == "cpu":
-        return OnHost(pin_memory=block.pin_memory, ratio=block.ratio)
+        return OnHost(pin_memory=block.pin_memory, ratio=1.0 if block.ratio == "auto" else float(block.ratio))
     if block.device == "nvme":
-        return OnDisk(pin_memory=block.pin_memory, ratio=block.ratio, nvme_path=block.nvme_path,
+        return OnDisk(pin_memory=block.pin_memory, ratio=float(block.ratio), nvme_path=block.nvme_path,
                       buffer_count=block.buffer_count, buffer_size=block.buffer_size)  # fmt: skip
     raise ValueError(f"initialize(): zero_optimization.{what}.device={block.device!r}: use 'none', 'cpu' or 'nvme'")
 

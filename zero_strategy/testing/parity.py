@@ -86,6 +86,10 @@ class Cell:
     cache: str = "none"
     n_blocks: int = 2
     evals: bool = False  # a no_grad forward after each step (its loss compared too)
+    # the budget's persistent tier (a share of its 10**9 bytes, or bytes): 0.0 keeps no unit
+    # persistent, so the cache cells test the cache alone; more makes the units that fit persistent
+    persistent: float | int = 0.0
+    ratio: float = 1.0  # offload "ratio": offload_optimizer on the host with this ratio
 
 
 # a plain loop's torch.nn.utils clipping over the model's (or the optimizer's) parameters, in the
@@ -101,6 +105,12 @@ OFFLOADS: dict[str, dict[str, Any]] = {
     "none": {},
     "cpu": {"offload_optimizer": {"device": "cpu"}},
     "cpu_half": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+    "auto": {"offload_optimizer": {"device": "cpu", "ratio": "auto"}},  # needs a budget (cache cells)
+    "auto_both": {
+        "offload_optimizer": {"device": "cpu", "ratio": "auto"},
+        "offload_param": {"device": "cpu", "ratio": "auto"},
+    },
+    "ratio": {"offload_optimizer": {"device": "cpu"}},  # with Cell.ratio
     "param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
     "nvme": {"offload_optimizer": {"device": "nvme"}},  # no nvme_path: a fresh directory under the temp dir
     # the design notes' template: optimizer on the host, ZeRO-3 rows on disk (16-bit there, fp32 masters on the host)
@@ -296,7 +306,7 @@ class GatheredProbe:
 
     def __init__(self, model: nn.Module) -> None:
         engine = get_engine(model)
-        self.units = [u for u in engine.zero3.all_units if not u.persistent] if engine.zero3 is not None else []
+        self.units = list(engine.zero3.all_units) if engine.zero3 is not None else []
         self.peak = 0
         self.most_gathers = 0
         self._seen = [u.gathers for u in self.units]
@@ -308,7 +318,7 @@ class GatheredProbe:
                 p.register_post_accumulate_grad_hook(lambda *a: self.look())
 
     def look(self) -> None:
-        live = sum(f.untyped_storage().nbytes() for u in self.units for f in u.full)
+        live = sum(f.untyped_storage().nbytes() for u in self.units if not u.persistent for f in u.full)
         self.peak = max(self.peak, live)
 
     def step(self) -> None:
@@ -356,8 +366,9 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
             compression=CompressionConfig(type="topk", ratio=c.topk, momentum=c.topk_momentum,
                                           momentum_masking=c.topk_masking) if c.topk else CompressionConfig(),
             load_balance=LoadBalanceConfig(scores=c.scores) if c.scores else LoadBalanceConfig(),
-            memory=MemoryConfig() if cap is None else MemoryConfig(budget=10**9, persistent=0.5, cache=cap, working=0.1),
-            **OFFLOADS[c.offload],
+            memory=MemoryConfig() if cap is None else MemoryConfig(budget=10**9, persistent=c.persistent, cache=cap,
+                                                                   working=0.1),
+            **(OFFLOADS[c.offload] if c.offload != "ratio" else {"offload_optimizer": {"device": "cpu", "ratio": c.ratio}}),
         )  # fmt: skip
         zero_model, zero_opt = zs.initialize(model, opt, config=cfg, policy=policy)
         probe = GatheredProbe(zero_model) if cap is not None else None
