@@ -190,3 +190,24 @@ def test_momentum_config_refusals() -> None:
     with pytest.raises(ValueError, match="momentum=0"):
         zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                       config={"stage": 2, "compression": {"type": "topk", "momentum": 0.9}})  # fmt: skip
+
+
+def test_adam_mode_refusals() -> None:
+    """The frozen-variance Adam mode learns the variance in dense steps and owns the moments."""
+    with pytest.raises(ValueError, match="warmup: dense and warmup_steps >= 1"):
+        CompressionConfig(type="topk", optimizer="adam", warmup_steps=10)  # the exponential ramp
+    with pytest.raises(ValueError, match="momentum: 0"):
+        CompressionConfig(type="topk", optimizer="adam", warmup="dense", warmup_steps=10, momentum=0.9)
+    with pytest.raises(ValueError, match="warmup_steps >= 1"):
+        CompressionConfig(type="topk", optimizer="adam", warmup="dense")
+    with pytest.raises(ValueError, match="compression.optimizer"):
+        zs.ZeroConfig(compression={"type": "topk", "optimizer": "lamb"})
+    cfg = {"zero_optimization": {"stage": 2}, "zero_strategy": {"compression": {
+        "type": "topk", "optimizer": "adam", "warmup": "dense", "warmup_steps": 2}}}  # fmt: skip
+    with pytest.raises(ValueError, match="build torch.optim.SGD"):
+        zs.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.AdamW(p, lr=1e-3), config=cfg)
+    with pytest.raises(ValueError, match="momentum=0"):
+        zs.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), config=cfg)
+    nvme = {**cfg, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}
+    with pytest.raises(ValueError, match="offload the optimizer to 'cpu'"):
+        zs.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=1e-3), config=nvme)

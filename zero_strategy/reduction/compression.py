@@ -61,6 +61,17 @@ with the same buckets and split continues exactly. Loaded at another world size 
 placed (each rank's residual is its own unsent gradient): they start from zero (a warning says
 so), which drops at most the gradient mass not yet sent, as a fresh start of error feedback does.
 
+The frozen-variance Adam mode (``optimizer: adam``; 1-bit Adam and 0/1 Adam's idea, with top-k
+in place of their sign): the ``warmup_steps`` first steps are dense and the engine runs AdamW's
+moments on each rank's shard (``runtime/compressed_adam.py``). From then on the variance ``v``
+is frozen, and every rank holds the whole model's preconditioner ``1 / (sqrt(v_hat) + eps)``
+(one all-gather of the owners' rows at the first compressed step, one more ``[world, row]``
+tensor per bucket). Each rank's velocity is ``u = beta1 * u + (1 - beta1) * g / (sqrt(v_hat) +
+eps)`` (its share of Adam's momentum, already normalised), which goes through error feedback
+as under momentum correction; so top-k picks the largest *updates*, not the largest gradients,
+and sent + residual = residual + new velocity still holds. The owner adds what it receives to
+the decaying momentum left from the dense steps and divides by Adam's bias correction.
+
 ZeRO-3 reduces each unit's gradients while its backward runs; top-k is refused there.
 """
 
@@ -200,6 +211,10 @@ class ErrorFeedback:
         # every bucket of the reduction is packed (the clip needs the whole local norm)
         self.held: dict[int, tuple[torch.Tensor, set[int]]] = {}
         self.last_local_norm: float | None = None  # this rank's local norm at the last clipped reduction
+        # the Adam mode: this rank's row of the preconditioner of a group (its shard, from the frozen
+        # variance; set by the engine), and every rank's rows of it, gathered at the first use
+        self.precondition: Callable[[ShardGroup], torch.Tensor] | None = None
+        self.preconditioners: dict[int, torch.Tensor] = {}
 
     def ratio(self) -> float:
         """This step's share of elements sent (the sparsity warm-up's ramp, then ``ratio``)."""
@@ -226,7 +241,7 @@ class ErrorFeedback:
                     self.residuals[g.index] = torch.zeros(
                         n, g.layout.shard_numel, dtype=g.master_dtype, device=g.device
                     )
-                if self.config.momentum > 0 and g.index not in self.velocities:
+                if self.config.decay > 0 and g.index not in self.velocities:
                     self.velocities[g.index] = torch.zeros_like(self.residuals[g.index])
 
     def tensors(self) -> list[torch.Tensor]:
@@ -238,6 +253,27 @@ class ErrorFeedback:
         infinities)."""
         for r in (*self.residuals.values(), *self.velocities.values()):
             r.zero_()
+        self.preconditioners.clear()  # gathered again from the optimizer state at the next compressed step
+
+    def preconditioner(self, g: ShardGroup, what: str) -> torch.Tensor:
+        """The Adam mode's ``[world, row]`` preconditioner of ``g``: every rank's row of it, from
+        the frozen variance, gathered once (a collective, at the same reduction on every rank)."""
+        pre = self.preconditioners.get(g.index)
+        if pre is not None:
+            return pre
+        if self.precondition is None:
+            raise RuntimeError(
+                "compression.optimizer: adam: no optimizer is bound to the engine to hold Adam's variance; "
+                "initialize(model, optimizer) with torch.optim.SGD(params, lr, momentum=0)"
+            )
+        n = self.ctx.world_size
+        with torch.inference_mode(False):
+            pre = torch.zeros(n, g.layout.shard_numel, dtype=g.master_dtype, device=g.device)
+            mine = pre[self.ctx.rank]
+            mine.copy_(self.precondition(g))
+            C.all_gather(self.ctx, pre.view(-1), mine, what=f"Adam preconditioner of {g.name} ({what})").wait()
+        self.preconditioners[g.index] = pre
+        return pre
 
     def launch(
         self, g: ShardGroup, packed: torch.Tensor, factor: float, skip: Sequence[int], what: str
@@ -249,12 +285,15 @@ class ErrorFeedback:
         cols = [(lay.offsets[i], lay.offsets[i] + lay.chunks[i]) for i in skip]
         # a 16-bit wire carries what DDP's compress hooks send: the loss-scaled gradient / world
         scale = 1.0 / (factor * n) if g.reduce_dtype in (torch.float16, torch.bfloat16) else 1.0
+        if self.config.adam:  # Adam's normalised momentum: values near 1, sent as they are
+            packed.view(n, -1).mul_(self.preconditioner(g, what))
+            factor, scale = factor * (1.0 - self.config.beta1), 1.0
         index = index_dtype(lay.shard_numel)
         step = self._steps()
         fresh = self._decayed.get(g.index) != step  # the step's first reduction of this bucket
         self._decayed[g.index] = step
         idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale, index,
-                                   self.velocities.get(g.index), self.config.momentum, self.config.momentum_masking,
+                                   self.velocities.get(g.index), self.config.decay, self.config.momentum_masking,
                                    fresh)  # fmt: skip
         cut = k * idx.element_size()
         width = cut + k * values.element_size()
