@@ -5,6 +5,7 @@
   then the variance frozen), stages 1 and 2, accumulation, fp32;
 - error feedback: sent + residual = residual before + the new normalised velocity, each rank's
   gradient shard is the sum of what every rank sent to it;
+- ``region_indices``: ratio 1.0 gives DDP's numbers, and a pair costs 6 bytes (int16 offset);
 - checkpoints: Adam's moments, residuals and velocities survive at the same world size (the
   resumed run continues exactly); at another world size the moments are resharded and the
   residuals and velocities start from zero with a warning.
@@ -19,9 +20,11 @@ from zero_strategy.testing import run_subtests
 
 PARITY = [
     {"stage": 2, "topk_adam": 3},
-    {"stage": 1, "topk_adam": 4, "accum": "no_sync", "unused": "some_ranks"},
-    {"stage": 2, "topk_adam": 3, "accum": "plain", "dtype": "float32", "groups": True},
+    {"stage": 1, "topk_adam": 3, "accum": "no_sync", "unused": "some_ranks", "steps": 6},
+    {"stage": 2, "topk_adam": 2, "accum": "plain", "dtype": "float32", "groups": True, "steps": 6},
 ]
+# region_indices (with REGION = 100 columns): ratio 1.0 still sends every element, DDP's numbers
+REGIONS = [{"stage": 2, "steps": 6}, {"stage": 1, "topk_adam": 3, "accum": "no_sync", "steps": 6}]
 DIMS = {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_layer": 2, "n_head": 4}
 
 
@@ -163,14 +166,50 @@ def _checkpoint(rank: int, world: int, root: str) -> None:
     model.zero_engine.close()
 
 
+def _region_bytes(rank: int, world: int) -> None:
+    """``region_indices``: each rank sends ``pairs`` int16 + fp32 pairs per destination and
+    bucket (6 bytes each: a quarter less than int32 indices), and training goes on."""
+    import torch
+
+    import zero_strategy as zs
+
+    cfg = _config(2, 0.05, warmup=1, region_indices=True)
+    model, opt = _init(cfg)
+    fb = model.zero_engine.reducer.compression
+    _step(model, 0, rank)
+    opt.step()
+    opt.zero_grad()
+    zs.reset_comm_stats()
+    loss = _step(model, 1, rank)
+    opt.step()
+    sent = zs.comm_stats()["all_to_all"]["bytes"]
+    expected = sum(world * fb.pairs(g) * 6 for g in model.zero_engine.groups)
+    if sent != expected or not math.isfinite(loss):
+        raise AssertionError(f"rank {rank}: {sent} bytes sent, expected {expected}; loss {loss}")
+    rows = [g.layout.shard_numel for g in model.zero_engine.groups]
+    if not any(r > 100 for r in rows) or not any(r % 100 for r in rows):
+        raise AssertionError(f"rows {rows}: no bucket has several regions and a shorter last one")
+    if any(not 0 < fb.pairs(g) < torch.tensor(r) for g, r in zip(model.zero_engine.groups, rows)):
+        raise AssertionError("a bucket sends no pair, or all of them")
+    model.zero_engine.close()
+
+
 def _worker(rank: int, world: int, root: str) -> int:
+    from zero_strategy.reduction import compression
     from zero_strategy.testing.parity import Cell, compare
 
     run_subtests(lambda **kw: compare(Cell(topk=1.0, **kw), rank, world), PARITY, label="frozen-variance Adam parity")
+    compression.REGION = 100  # several regions per row in these small buckets; restored below
+    try:
+        run_subtests(lambda **kw: compare(Cell(topk=1.0, topk_regions=True, **kw), rank, world), REGIONS,
+                     label="region_indices parity")  # fmt: skip
+        run_subtests(lambda: _region_bytes(rank, world), [{}], label="region_indices bytes")
+    finally:
+        compression.REGION = 2**15
     run_subtests(lambda **kw: _feedback(rank, world, **kw), [{"stage": 1}, {"stage": 2}], label="error feedback")
     run_subtests(lambda: _checkpoint(rank, world, root), [{}], label="checkpoint")
-    return len(PARITY) + 3
+    return len(PARITY) + len(REGIONS) + 4
 
 
 def test_compressed_adam(launch, tmp_path) -> None:
-    assert launch(_worker, 2, args=(str(tmp_path),), timeout=400) == [len(PARITY) + 3] * 2
+    assert launch(_worker, 2, args=(str(tmp_path),), timeout=400) == [len(PARITY) + len(REGIONS) + 4] * 2

@@ -23,6 +23,14 @@ sends only the largest ones and keeps the rest for later:
 
 Bytes per bucket: ``world * k * (4 + value bytes)`` against the dense ``world * row * 4``, that
 is about ``2 * ratio`` of dense for fp32 values. ``ratio=1.0`` sends everything: DDP's numbers.
+This is already Ok-Topk's split-and-reduce (Li and Hoefler, 2022): each rank sends ``ratio`` of
+its elements in all, whatever the world size, and receives pairs only for the region (shard) it
+owns; the sparse all-gather of Ok-Topk's second half is ZeRO's dense parameter all-gather.
+``region_indices``: each row is cut into regions of ``REGION`` = 32,768 columns and ``k`` pairs
+are chosen per region, so an index is an int16 offset inside its region (its region is known
+from its position): 2 index bytes instead of 4, a quarter fewer bytes with fp32 values and a
+third fewer with 16-bit ones; the price is that the largest entries are chosen per region, not
+per row (error feedback delivers the rest later), and ``k`` is rounded up per region.
 
 Deep Gradient Compression's (Lin et al., 2018) techniques, each chosen in ``CompressionConfig``:
 
@@ -95,6 +103,7 @@ __all__ = [
 ]
 
 _INT32_MAX = 2**31 - 1  # the largest column index int32 carries
+REGION = 2**15  # region_indices: the columns of a region, so an offset inside it fits in int16
 Piece = tuple[int, torch.Tensor]  # (offset in the flat checkpoint tensor, a view of the residual)
 
 
@@ -117,6 +126,7 @@ def select_top_k(
     momentum: float = 0.0,
     masking: bool = False,
     fresh: bool = True,
+    region: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add ``factor * packed`` to ``residual`` (both ``[world, row]``), choose the ``k`` entries
     of largest magnitude in each row outside the ``skip`` column ranges, and take what is sent
@@ -132,7 +142,12 @@ def select_top_k(
     the gradient, is added to the residual. ``masking``: the velocity of every sent entry is
     zeroed (momentum factor masking). ``fresh`` False: a later reduction of the same optimizer
     step (gradient accumulation that reduces each micro-step): the velocity was decayed once
-    already, so ``velocity += factor * packed`` and the residual gains that increment."""
+    already, so ``velocity += factor * packed`` and the residual gains that increment.
+
+    ``region`` (``region_indices``): each row is cut into regions of ``region`` columns (the last
+    one shorter) and the ``k`` largest of *each region* are chosen (``k`` at most the region's
+    width), region after region; the indices returned are then offsets inside their region
+    (:func:`region_offsets` gives them back their column)."""
     blocked = torch.zeros(residual.shape[1], dtype=torch.bool, device=residual.device)
     for lo, hi in skip:
         blocked[lo:hi] = True
@@ -148,7 +163,7 @@ def select_top_k(
     score = residual.abs()
     for lo, hi in skip:
         score[:, lo:hi] = -1.0
-    idx = torch.topk(score, k, dim=1, sorted=False).indices
+    idx = _top_k(score, k, region)
     chosen = residual.gather(1, idx)
     zero = torch.zeros((), dtype=chosen.dtype, device=chosen.device)
     values = torch.where(blocked[idx], zero, chosen)
@@ -161,16 +176,51 @@ def select_top_k(
     residual.scatter_(1, idx, chosen - back)  # what was not sent (or rounded off) stays
     if velocity is not None and masking:  # a blocked column sent nothing: its velocity stays
         velocity.scatter_(1, idx, torch.where(blocked[idx], velocity.gather(1, idx), zero))
+    if region:
+        idx = idx - region_offsets(residual.shape[1], region, k, idx.device)
     return idx.to(index), wire
+
+
+def region_counts(row: int, region: int, k: int) -> list[tuple[int, int]]:
+    """(width, pairs) of each region of a row of ``row`` columns: ``k`` pairs from each full
+    region of ``region`` columns, at most the width from the last, shorter one."""
+    full, last = divmod(row, region)
+    return [(region, min(k, region))] * full + ([(last, min(k, last))] if last else [])
+
+
+def region_offsets(row: int, region: int, k: int, device: torch.device) -> torch.Tensor:
+    """The first column of the region of each chosen pair (int64), in the order
+    :func:`select_top_k` returns them."""
+    counts = region_counts(row, region, k)
+    starts = torch.arange(len(counts), dtype=torch.int64, device=device) * region
+    return starts.repeat_interleave(torch.tensor([c for _, c in counts], device=device))
+
+
+def _top_k(score: torch.Tensor, k: int, region: int) -> torch.Tensor:
+    """The columns of the ``k`` largest scores of each row (``region``: of each region)."""
+    if not region:
+        return torch.topk(score, k, dim=1, sorted=False).indices
+    row = score.shape[1]
+    full = row // region * region
+    parts = []
+    if full:
+        n = score.shape[0]
+        local = torch.topk(score[:, :full].reshape(n, -1, region), min(k, region), dim=2, sorted=False).indices
+        starts = torch.arange(0, full, region, device=score.device).view(1, -1, 1)
+        parts.append((local + starts).reshape(n, -1))
+    if full < row:
+        parts.append(torch.topk(score[:, full:], min(k, row - full), dim=1, sorted=False).indices + full)
+    return torch.cat(parts, dim=1)
 
 
 class SparseExchange:
     """One bucket's (index, value) exchange in flight; :meth:`finish` gives the summed shard."""
 
     def __init__(self, ctx: C.CommContext, g: ShardGroup, k: int, wire: torch.dtype, wire_scale: float,
-                 index: torch.dtype, send: torch.Tensor, recv: torch.Tensor, handle: C.Handle) -> None:  # fmt: skip
+                 index: torch.dtype, send: torch.Tensor, recv: torch.Tensor, handle: C.Handle,
+                 offsets: torch.Tensor | None = None) -> None:  # fmt: skip
         self.ctx, self.group, self.k, self.wire, self.wire_scale = ctx, g, k, wire, wire_scale
-        self.index = index
+        self.index, self.offsets = index, offsets  # offsets: region_indices' region starts
         self.send, self.recv, self.handle = send, recv, handle
 
     def finish(self) -> torch.Tensor:
@@ -181,6 +231,8 @@ class SparseExchange:
         rows = self.recv.view(n, -1)
         cut = k * self.index.itemsize
         idx = rows[:, :cut].contiguous().view(self.index).to(torch.int64)
+        if self.offsets is not None:
+            idx += self.offsets
         values = rows[:, cut:].contiguous().view(self.wire).to(g.master_dtype)
         if self.wire_scale != 1.0:
             values.div_(self.wire_scale)
@@ -221,7 +273,15 @@ class ErrorFeedback:
         return self.config.ratio_at(self._steps())
 
     def k(self, g: ShardGroup) -> int:
-        return max(1, min(g.layout.shard_numel, math.ceil(self.ratio() * g.layout.shard_numel)))
+        """The pairs chosen per row (``region_indices``: per region of a row)."""
+        width = min(g.layout.shard_numel, REGION) if self.config.region_indices else g.layout.shard_numel
+        return max(1, min(width, math.ceil(self.ratio() * width)))
+
+    def pairs(self, g: ShardGroup) -> int:
+        """The pairs each rank sends to each destination for ``g`` this step."""
+        if not self.config.region_indices:
+            return self.k(g)
+        return sum(c for _, c in region_counts(g.layout.shard_numel, REGION, self.k(g)))
 
     def active(self) -> bool:
         """Whether this step's reductions are compressed (all but ``warmup: dense``'s warm-up
@@ -288,13 +348,15 @@ class ErrorFeedback:
         if self.config.adam:  # Adam's normalised momentum: values near 1, sent as they are
             packed.view(n, -1).mul_(self.preconditioner(g, what))
             factor, scale = factor * (1.0 - self.config.beta1), 1.0
-        index = index_dtype(lay.shard_numel)
+        region = REGION if self.config.region_indices else 0
+        index = torch.int16 if region else index_dtype(lay.shard_numel)
         step = self._steps()
         fresh = self._decayed.get(g.index) != step  # the step's first reduction of this bucket
         self._decayed[g.index] = step
         idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale, index,
                                    self.velocities.get(g.index), self.config.decay, self.config.momentum_masking,
-                                   fresh)  # fmt: skip
+                                   fresh, region)  # fmt: skip
+        k = idx.shape[1]  # with regions: the pairs of all regions of a row
         cut = k * idx.element_size()
         width = cut + k * values.element_size()
         send = self.ctx.pool.get(n * width, torch.uint8, g.device).view(n, width)
@@ -302,7 +364,8 @@ class ErrorFeedback:
         send[:, cut:].copy_(values.view(torch.uint8))
         recv = self.ctx.pool.get(n * width, torch.uint8, g.device)
         handle = C.all_to_all(self.ctx, recv, send.view(-1), what=f"top-k {what}")
-        return SparseExchange(self.ctx, g, k, g.reduce_dtype, scale, index, send, recv, handle)
+        offsets = region_offsets(lay.shard_numel, region, self.k(g), g.device) if region else None
+        return SparseExchange(self.ctx, g, k, g.reduce_dtype, scale, index, send, recv, handle, offsets)
 
     # -- local clipping (DGC) ----------------------------------------------------------------
     def hold(self, g: ShardGroup, packed: torch.Tensor, skip: Sequence[int]) -> None:

@@ -84,6 +84,7 @@ class Cell:
     # the cell's AdamW is then the engine's (the user's optimizer SGD with AdamW's weight decay), and
     # DDP steps the oracle FrozenAdamW (testing/frozen_adam.py)
     topk_adam: int = 0
+    topk_regions: bool = False  # compression.region_indices: top-k per region, int16 offsets
     # load balancing: given scores, one per rank (empty: even shards)
     scores: tuple[float, ...] = ()
     # the memory budget's cache tier (ZeRO-3): "none" (no budget), or a budget whose cache is 0,
@@ -246,8 +247,12 @@ def make_optimizer(c: Cell, model: Net, mode: str = "ddp") -> torch.optim.Optimi
 
 
 def _adam_mode(c: Cell) -> dict[str, Any]:
-    """The compression settings of the frozen-variance Adam mode (none without ``topk_adam``)."""
-    return {"optimizer": "adam", "warmup": "dense", "warmup_steps": c.topk_adam} if c.topk_adam else {}
+    """The compression settings of the frozen-variance Adam mode (``topk_adam``) and of
+    ``region_indices`` (``topk_regions``)."""
+    extra: dict[str, Any] = {"region_indices": True} if c.topk_regions else {}
+    if c.topk_adam:
+        extra.update(optimizer="adam", warmup="dense", warmup_steps=c.topk_adam)
+    return extra
 
 
 def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
