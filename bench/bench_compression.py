@@ -12,6 +12,9 @@ numbers). ``--optim adamw-frozen``: the dense run is torch's AdamW; the compress
 frozen-variance Adam mode (``compression.optimizer: adam``, ``--warmup`` dense AdamW steps, then
 the variance frozen and the normalised momentum sent with top-k; the user's optimizer is SGD
 with AdamW's learning rate and weight decay; masking unless ``--no-masking``).
+``--region-indices``: the compressed runs send int16 offsets inside regions of 32,768 columns
+(``compression.region_indices``); ``--wire bf16``: every run reduces in bf16
+(``communication_data_type``).
 ``--local-clip``: the compressed runs clip with DGC's local clipping at ``--clip`` instead of
 ``clip_grad_norm_`` (which still clips the dense steps of a ``warmup: dense`` warm-up).
 
@@ -38,7 +41,7 @@ WINDOW = 25
 
 
 def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: float, optim: str, mode: str,
-            masking: bool, local_clip: bool = False) -> dict:  # fmt: skip
+            masking: bool, local_clip: bool = False, regions: bool = False, wire: str = "fp32") -> dict:  # fmt: skip
     import torch
     import torch.nn.functional as F
 
@@ -67,9 +70,13 @@ def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: 
             block.update(momentum=0.9, momentum_masking=masking)
         if frozen:
             block.update(optimizer="adam", warmup="dense", momentum_masking=masking)
+        if regions:
+            block.update(region_indices=True)
         if local_clip and clip > 0:
             block.update(local_clip=clip)
         config["zero_strategy"] = {"compression": block}
+    if wire != "fp32":
+        config["communication_data_type"] = wire
     model, opt = zs.initialize(model, opt, config=config)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     zs.reset_comm_stats()
@@ -108,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: none)")
     ap.add_argument("--optim", default="adamw", choices=("adamw", "sgd", "sgd-dgc", "adamw-frozen"))
     ap.add_argument("--local-clip", action="store_true", help="compressed runs: DGC's local clipping at --clip")
+    ap.add_argument("--region-indices", action="store_true", help="compressed runs: int16 region offsets")
+    ap.add_argument("--wire", default="fp32", choices=("fp32", "bf16"), help="communication_data_type")
     ap.add_argument("--max-warmup", type=float, default=0.1, help="the largest --warmup, as a share of --steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -127,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
                 args.warmup_mode,
                 not args.no_masking,
                 args.local_clip,
-            ),  # fmt: skip
+                args.region_indices,
+                args.wire,
+            ),
             timeout=3600,
             env={"OMP_NUM_THREADS": "1"},
         )
