@@ -224,17 +224,18 @@ def test_region_indices_choose_per_region_and_send_int16_offsets() -> None:
     compensated = residual + packed
     idx, values = select_top_k(residual, packed, 1.0, k=5, skip=[(0, 3)], wire_dtype=torch.float32,
                                index=torch.int16, region=100)  # fmt: skip
-    assert region_counts(230, 100, 5) == [(100, 5), (100, 5), (30, 5)]
-    assert idx.dtype == torch.int16 and idx.shape == values.shape == (2, 15)
+    assert region_counts(230, 100, 5) == [(100, 5), (100, 5), (30, 2)]  # the last region: its share
+    assert idx.dtype == torch.int16 and idx.shape == values.shape == (2, 12)
     assert int(idx.min()) >= 0 and int(idx.max()) < 100
     cols = idx.long() + region_offsets(230, 100, 5, idx.device)
     sent = torch.zeros(2, 230).scatter_(1, cols, values)
     assert_close(sent + residual, compensated, rtol=0.0, atol=0.0, what="sent + residual")
     for row in range(2):
-        for r, (lo, hi) in enumerate([(0, 100), (100, 200), (200, 230)]):
-            mine = cols[row, 5 * r : 5 * r + 5]
-            assert bool(((mine >= lo) & (mine < hi)).all()), f"region {r}: columns {mine.tolist()}"
+        for lo, hi, first, count in [(0, 100, 0, 5), (100, 200, 5, 5), (200, 230, 10, 2)]:
+            mine = cols[row, first : first + count]
+            assert bool(((mine >= lo) & (mine < hi)).all()), f"region {lo}-{hi}: columns {mine.tolist()}"
             free = [j for j in range(max(lo, 3), hi) if j not in set(mine.tolist())]
             chosen = [j for j in mine.tolist() if j >= 3]
             assert compensated[row, chosen].abs().min() >= compensated[row, free].abs().max()
-    assert region_counts(60, 100, 80) == [(60, 60)]  # k never exceeds a region's width
+    assert region_counts(60, 100, 80) == [(60, 48)]  # one short region: its share
+    assert region_counts(260, 100, 100) == [(100, 100), (100, 100), (60, 60)]  # ratio 1.0: everything

@@ -145,8 +145,8 @@ def select_top_k(
     already, so ``velocity += factor * packed`` and the residual gains that increment.
 
     ``region`` (``region_indices``): each row is cut into regions of ``region`` columns (the last
-    one shorter) and the ``k`` largest of *each region* are chosen (``k`` at most the region's
-    width), region after region; the indices returned are then offsets inside their region
+    one shorter) and the ``k`` largest of *each region* are chosen (:func:`region_counts`: the
+    last region its share of ``k``), region after region; the indices returned are then offsets inside their region
     (:func:`region_offsets` gives them back their column)."""
     blocked = torch.zeros(residual.shape[1], dtype=torch.bool, device=residual.device)
     for lo, hi in skip:
@@ -183,9 +183,11 @@ def select_top_k(
 
 def region_counts(row: int, region: int, k: int) -> list[tuple[int, int]]:
     """(width, pairs) of each region of a row of ``row`` columns: ``k`` pairs from each full
-    region of ``region`` columns, at most the width from the last, shorter one."""
+    region of ``region`` columns, and from the last, shorter one its share ``k * width /
+    region`` (rounded up: at least one, all of it when ``k`` is the whole region)."""
     full, last = divmod(row, region)
-    return [(region, min(k, region))] * full + ([(last, min(k, last))] if last else [])
+    k = min(k, region)
+    return [(region, k)] * full + ([(last, min(last, max(1, -(-k * last // region))))] if last else [])
 
 
 def region_offsets(row: int, region: int, k: int, device: torch.device) -> torch.Tensor:
@@ -209,7 +211,8 @@ def _top_k(score: torch.Tensor, k: int, region: int) -> torch.Tensor:
         starts = torch.arange(0, full, region, device=score.device).view(1, -1, 1)
         parts.append((local + starts).reshape(n, -1))
     if full < row:
-        parts.append(torch.topk(score[:, full:], min(k, row - full), dim=1, sorted=False).indices + full)
+        last = region_counts(row, region, k)[-1][1]
+        parts.append(torch.topk(score[:, full:], last, dim=1, sorted=False).indices + full)
     return torch.cat(parts, dim=1)
 
 
@@ -273,8 +276,9 @@ class ErrorFeedback:
         return self.config.ratio_at(self._steps())
 
     def k(self, g: ShardGroup) -> int:
-        """The pairs chosen per row (``region_indices``: per region of a row)."""
-        width = min(g.layout.shard_numel, REGION) if self.config.region_indices else g.layout.shard_numel
+        """The pairs chosen per row (``region_indices``: per full region of a row; a shorter last
+        region, or a row shorter than a region, sends its share, :func:`region_counts`)."""
+        width = REGION if self.config.region_indices else g.layout.shard_numel
         return max(1, min(width, math.ceil(self.ratio() * width)))
 
     def pairs(self, g: ShardGroup) -> int:
