@@ -8,7 +8,15 @@ dense reduction, then top-k at each ``--ratios`` with a ``--warmup`` of dense st
 ``--optim sgd-dgc``: SGD with momentum 0.9, which the compressed runs give to the engine
 (``compression.momentum``, DGC's momentum correction, with factor masking unless
 ``--no-masking``); the dense run is torch's SGD with momentum 0.9 under plain ZeRO-2 (DDP's
-numbers).
+numbers). ``--optim adamw-frozen``: the dense run is torch's AdamW; the compressed runs use the
+frozen-variance Adam mode (``compression.optimizer: adam``, ``--warmup`` dense AdamW steps, then
+the variance frozen and the normalised momentum sent with top-k; the user's optimizer is SGD
+with AdamW's learning rate and weight decay; masking unless ``--no-masking``).
+``--region-indices``: the compressed runs send int16 offsets inside regions of 32,768 columns
+(``compression.region_indices``); ``--wire bf16``: every run reduces in bf16
+(``communication_data_type``).
+``--local-clip``: the compressed runs clip with DGC's local clipping at ``--clip`` instead of
+``clip_grad_norm_`` (which still clips the dense steps of a ``warmup: dense`` warm-up).
 
 Printed per run: the loss curve (mean training loss over windows of 25 steps), the final
 held-out loss (16 fixed batches no run trains on) and its difference from dense, and the
@@ -33,7 +41,7 @@ WINDOW = 25
 
 
 def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: float, optim: str, mode: str,
-            masking: bool) -> dict:  # fmt: skip
+            masking: bool, local_clip: bool = False, regions: bool = False, wire: str = "fp32") -> dict:  # fmt: skip
     import torch
     import torch.nn.functional as F
 
@@ -46,17 +54,29 @@ def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: 
     cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=192, n_layer=4, n_head=4)
     torch.manual_seed(0)
     model = GPT(cfg)
-    if optim == "adamw":
+    frozen = optim == "adamw-frozen" and ratio < 1.0  # the engine runs Adam; the optimizer applies lr
+    if frozen:
+        opt = torch.optim.SGD(model.parameters(), lr=3e-3, weight_decay=0.1)
+    elif optim in ("adamw", "adamw-frozen"):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     else:  # sgd-dgc: the engine owns the momentum of the compressed runs (DGC's momentum correction)
         own = optim == "sgd-dgc" and ratio < 1.0
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if own else 0.9)
     config: dict = {"zero_optimization": {"stage": 2}}
+    block: dict = {"warmup": mode}
     if ratio < 1.0:
         block = {"type": "topk", "ratio": ratio, "warmup_steps": warmup, "warmup": mode}
         if optim == "sgd-dgc":
             block.update(momentum=0.9, momentum_masking=masking)
+        if frozen:
+            block.update(optimizer="adam", warmup="dense", momentum_masking=masking)
+        if regions:
+            block.update(region_indices=True)
+        if local_clip and clip > 0:
+            block.update(local_clip=clip)
         config["zero_strategy"] = {"compression": block}
+    if wire != "fp32":
+        config["communication_data_type"] = wire
     model, opt = zs.initialize(model, opt, config=config)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     zs.reset_comm_stats()
@@ -65,7 +85,8 @@ def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: 
         x, y = text_batch(corpus, 8, cfg.seq_len, step, rank)
         loss = F.cross_entropy(model(x).view(-1, 256), y.reshape(-1))
         loss.backward()
-        if clip > 0:
+        dense_step = ratio >= 1.0 or (block["warmup"] == "dense" and step < warmup)
+        if clip > 0 and (dense_step or not local_clip):
             opt.clip_grad_norm_(clip)
         opt.step()
         sched.step()
@@ -92,17 +113,32 @@ def main(argv: list[str] | None = None) -> None:
                     help="dense steps first, or DGC's exponential ramp of the ratio")  # fmt: skip
     ap.add_argument("--no-masking", action="store_true", help="sgd-dgc without momentum factor masking")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: none)")
-    ap.add_argument("--optim", default="adamw", choices=("adamw", "sgd", "sgd-dgc"))
+    ap.add_argument("--optim", default="adamw", choices=("adamw", "sgd", "sgd-dgc", "adamw-frozen"))
+    ap.add_argument("--local-clip", action="store_true", help="compressed runs: DGC's local clipping at --clip")
+    ap.add_argument("--region-indices", action="store_true", help="compressed runs: int16 region offsets")
+    ap.add_argument("--wire", default="fp32", choices=("fp32", "bf16"), help="communication_data_type")
+    ap.add_argument("--max-warmup", type=float, default=0.1, help="the largest --warmup, as a share of --steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.warmup > 0.1 * args.steps:
-        raise SystemExit(f"--warmup {args.warmup} is more than 10% of --steps {args.steps}")
+    if args.warmup > args.max_warmup * args.steps:
+        raise SystemExit(f"--warmup {args.warmup} is more than {args.max_warmup:.0%} of --steps {args.steps}")
     runs = {}
     for ratio in [1.0] + [float(r) for r in args.ratios.split(",")]:
         res = launch(
             _worker,
             2,
-            args=(ratio, args.warmup, args.steps, args.clip, args.optim, args.warmup_mode, not args.no_masking),
+            args=(
+                ratio,
+                args.warmup,
+                args.steps,
+                args.clip,
+                args.optim,
+                args.warmup_mode,
+                not args.no_masking,
+                args.local_clip,
+                args.region_indices,
+                args.wire,
+            ),
             timeout=3600,
             env={"OMP_NUM_THREADS": "1"},
         )
@@ -114,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                 for i in range(0, args.steps, WINDOW)
             ],
             "bytes": res[0]["grad_bytes_per_step"],
+            "losses": [sum(r["losses"][i] for r in res) / len(res) for i in range(args.steps)],
         }
         last = list(runs.values())[-1]
         print(f"{list(runs)[-1]}: held-out {last['eval']:.4f}, {last['bytes'] / 2**20:.3f} MB per step", flush=True)

@@ -190,3 +190,52 @@ def test_momentum_config_refusals() -> None:
     with pytest.raises(ValueError, match="momentum=0"):
         zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                       config={"stage": 2, "compression": {"type": "topk", "momentum": 0.9}})  # fmt: skip
+
+
+def test_adam_mode_refusals() -> None:
+    """The frozen-variance Adam mode learns the variance in dense steps and owns the moments."""
+    with pytest.raises(ValueError, match="warmup: dense and warmup_steps >= 1"):
+        CompressionConfig(type="topk", optimizer="adam", warmup_steps=10)  # the exponential ramp
+    with pytest.raises(ValueError, match="momentum: 0"):
+        CompressionConfig(type="topk", optimizer="adam", warmup="dense", warmup_steps=10, momentum=0.9)
+    with pytest.raises(ValueError, match="warmup_steps >= 1"):
+        CompressionConfig(type="topk", optimizer="adam", warmup="dense")
+    with pytest.raises(ValueError, match="compression.optimizer"):
+        zs.ZeroConfig(compression={"type": "topk", "optimizer": "lamb"})
+    cfg = {"zero_optimization": {"stage": 2}, "zero_strategy": {"compression": {
+        "type": "topk", "optimizer": "adam", "warmup": "dense", "warmup_steps": 2}}}  # fmt: skip
+    with pytest.raises(ValueError, match="build torch.optim.SGD"):
+        zs.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.AdamW(p, lr=1e-3), config=cfg)
+    with pytest.raises(ValueError, match="momentum=0"):
+        zs.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9), config=cfg)
+    nvme = {**cfg, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}
+    with pytest.raises(ValueError, match="offload the optimizer to 'cpu'"):
+        zs.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=1e-3), config=nvme)
+
+
+def test_region_indices_choose_per_region_and_send_int16_offsets() -> None:
+    """``region_indices``: the k largest of each region (the last one shorter), int16 offsets
+    that :func:`region_offsets` turns back into columns; sent + residual = compensated."""
+    from zero_strategy.reduction.compression import region_counts, region_offsets
+
+    torch.manual_seed(0)
+    residual = torch.randn(2, 230) * 0.1
+    packed = torch.randn(2, 230)
+    compensated = residual + packed
+    idx, values = select_top_k(residual, packed, 1.0, k=5, skip=[(0, 3)], wire_dtype=torch.float32,
+                               index=torch.int16, region=100)  # fmt: skip
+    assert region_counts(230, 100, 5) == [(100, 5), (100, 5), (30, 2)]  # the last region: its share
+    assert idx.dtype == torch.int16 and idx.shape == values.shape == (2, 12)
+    assert int(idx.min()) >= 0 and int(idx.max()) < 100
+    cols = idx.long() + region_offsets(230, 100, 5, idx.device)
+    sent = torch.zeros(2, 230).scatter_(1, cols, values)
+    assert_close(sent + residual, compensated, rtol=0.0, atol=0.0, what="sent + residual")
+    for row in range(2):
+        for lo, hi, first, count in [(0, 100, 0, 5), (100, 200, 5, 5), (200, 230, 10, 2)]:
+            mine = cols[row, first : first + count]
+            assert bool(((mine >= lo) & (mine < hi)).all()), f"region {lo}-{hi}: columns {mine.tolist()}"
+            free = [j for j in range(max(lo, 3), hi) if j not in set(mine.tolist())]
+            chosen = [j for j in mine.tolist() if j >= 3]
+            assert compensated[row, chosen].abs().min() >= compensated[row, free].abs().max()
+    assert region_counts(60, 100, 80) == [(60, 48)]  # one short region: its share
+    assert region_counts(260, 100, 100) == [(100, 100), (100, 100), (60, 60)]  # ratio 1.0: everything

@@ -25,6 +25,7 @@ from zero_strategy.config.values import (
 __all__ = ["PRESETS", "CompressionConfig", "LoadBalanceConfig"]
 
 _TYPES = ("none", "topk")
+_OPTIMIZERS = ("sgd", "adam")
 _WARMUPS = ("exponential", "dense")
 _RAMP = 0.25  # DGC's warm-up keeps 25%, 6.25%, 1.5625%, 0.39%, ... of the elements
 
@@ -53,6 +54,14 @@ class CompressionConfig:
       norm of at most ``local_clip / sqrt(world)``. The buckets are then exchanged at the end
       of the backward, not while it runs. ``clip_grad_norm_`` still clips and reports the
       global norm of the exchanged update (see ``docs/compression.md``).
+    - ``optimizer: adam``: the frozen-variance Adam mode (1-bit / 0/1 Adam's idea, top-k
+      instead of sign). The engine owns Adam's moments (``beta1``, ``beta2``, ``eps``): the
+      ``warmup_steps`` first steps (``warmup: dense``, required) are dense AdamW; then the
+      variance is frozen, each rank's velocity ``u = beta1 * u + (1 - beta1) * g / (sqrt(v) +
+      eps)`` goes through error feedback, and the user's ``torch.optim.SGD`` (momentum 0; its
+      ``weight_decay`` is AdamW's decoupled one) steps on the exchanged update.
+    - ``region_indices`` (false): top-k per region of 32,768 columns, each index sent as an int16
+      offset inside its region: 6 bytes per pair instead of 8 (4 instead of 6 on a 16-bit wire).
     """
 
     type: str = setting("none", lambda value, where: to_choice(value, where, _TYPES))
@@ -62,9 +71,20 @@ class CompressionConfig:
     momentum: float = setting(0.0, float_rule(ge=0.0, le=0.999))
     momentum_masking: bool = setting(True, to_bool)
     local_clip: float | None = setting(None, optional(float_rule(gt=0.0)))
+    optimizer: str = setting("sgd", lambda value, where: to_choice(value, where, _OPTIMIZERS))
+    beta1: float = setting(0.9, float_rule(ge=0.0, le=0.999))
+    beta2: float = setting(0.999, float_rule(ge=0.0, le=0.99999))
+    eps: float = setting(1e-8, float_rule(gt=0.0))
+    region_indices: bool = setting(False, to_bool)
 
     def __post_init__(self) -> None:
         coerce_fields(self, "CompressionConfig")
+        if self.adam and (self.momentum > 0 or self.warmup != "dense" or self.warmup_steps < 1):
+            raise ValueError(
+                "compression.optimizer: adam learns Adam's variance in dense steps, then freezes it: set warmup: "
+                "dense and warmup_steps >= 1 (e.g. 5% of the run), and momentum: 0 (the velocity decays with beta1; "
+                f"got warmup: {self.warmup}, warmup_steps: {self.warmup_steps}, momentum: {self.momentum})"
+            )
         if self.momentum > 0 and self.warmup == "dense" and self.warmup_steps > 0:
             raise ValueError(
                 "compression: momentum correction runs through the sparse exchange from the first step, and "
@@ -75,6 +95,16 @@ class CompressionConfig:
     @property
     def enabled(self) -> bool:
         return self.type != "none"
+
+    @property
+    def adam(self) -> bool:
+        """The frozen-variance Adam mode (``optimizer: adam``)."""
+        return self.enabled and self.optimizer == "adam"
+
+    @property
+    def decay(self) -> float:
+        """The velocity's decay: ``beta1`` in the Adam mode, else ``momentum`` (0: no velocity)."""
+        return self.beta1 if self.adam else self.momentum
 
     def dense_at(self, step: int) -> bool:
         """Whether optimizer step ``step`` (0-based) reduces uncompressed (``warmup: dense``)."""

@@ -359,6 +359,11 @@ def _conflicts(cfg: ZeroConfig, world_size: int | None, given: Callable[[str], b
             "compression.type='topk' works at ZeRO stages 1 and 2: ZeRO-3 reduces each unit's gradients while its "
             "backward runs and keeps no full-size gradient to compensate. Use stage 2, or set compression: {type: none}"
         )
+    if rule(cfg.compression.adam and opt.device == "nvme", "compression", "offload_optimizer"):
+        out.append(
+            "compression.optimizer: adam keeps Adam's moments in the optimizer's state, which offload_optimizer: "
+            "{device: nvme} swaps out of reach; offload the optimizer to 'cpu', or use compression.optimizer: sgd"
+        )
     if rule(cfg.memory.enabled and cfg.stage != 3, "memory", "stage"):
         out.append(
             f"{_OWN}.memory needs stage 3 (got stage {cfg.stage}): its cache holds ZeRO-3's gathered parameters, "

@@ -23,6 +23,14 @@ sends only the largest ones and keeps the rest for later:
 
 Bytes per bucket: ``world * k * (4 + value bytes)`` against the dense ``world * row * 4``, that
 is about ``2 * ratio`` of dense for fp32 values. ``ratio=1.0`` sends everything: DDP's numbers.
+This is already Ok-Topk's split-and-reduce (Li and Hoefler, 2022): each rank sends ``ratio`` of
+its elements in all, whatever the world size, and receives pairs only for the region (shard) it
+owns; the sparse all-gather of Ok-Topk's second half is ZeRO's dense parameter all-gather.
+``region_indices``: each row is cut into regions of ``REGION`` = 32,768 columns and ``k`` pairs
+are chosen per region, so an index is an int16 offset inside its region (its region is known
+from its position): 2 index bytes instead of 4, a quarter fewer bytes with fp32 values and a
+third fewer with 16-bit ones; the price is that the largest entries are chosen per region, not
+per row (error feedback delivers the rest later), and ``k`` is rounded up per region.
 
 Deep Gradient Compression's (Lin et al., 2018) techniques, each chosen in ``CompressionConfig``:
 
@@ -61,6 +69,17 @@ with the same buckets and split continues exactly. Loaded at another world size 
 placed (each rank's residual is its own unsent gradient): they start from zero (a warning says
 so), which drops at most the gradient mass not yet sent, as a fresh start of error feedback does.
 
+The frozen-variance Adam mode (``optimizer: adam``; 1-bit Adam and 0/1 Adam's idea, with top-k
+in place of their sign): the ``warmup_steps`` first steps are dense and the engine runs AdamW's
+moments on each rank's shard (``runtime/compressed_adam.py``). From then on the variance ``v``
+is frozen, and every rank holds the whole model's preconditioner ``1 / (sqrt(v_hat) + eps)``
+(one all-gather of the owners' rows at the first compressed step, one more ``[world, row]``
+tensor per bucket). Each rank's velocity is ``u = beta1 * u + (1 - beta1) * g / (sqrt(v_hat) +
+eps)`` (its share of Adam's momentum, already normalised), which goes through error feedback
+as under momentum correction; so top-k picks the largest *updates*, not the largest gradients,
+and sent + residual = residual + new velocity still holds. The owner adds what it receives to
+the decaying momentum left from the dense steps and divides by Adam's bias correction.
+
 ZeRO-3 reduces each unit's gradients while its backward runs; top-k is refused there.
 """
 
@@ -84,6 +103,7 @@ __all__ = [
 ]
 
 _INT32_MAX = 2**31 - 1  # the largest column index int32 carries
+REGION = 2**15  # region_indices: the columns of a region, so an offset inside it fits in int16
 Piece = tuple[int, torch.Tensor]  # (offset in the flat checkpoint tensor, a view of the residual)
 
 
@@ -106,6 +126,7 @@ def select_top_k(
     momentum: float = 0.0,
     masking: bool = False,
     fresh: bool = True,
+    region: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Add ``factor * packed`` to ``residual`` (both ``[world, row]``), choose the ``k`` entries
     of largest magnitude in each row outside the ``skip`` column ranges, and take what is sent
@@ -121,7 +142,12 @@ def select_top_k(
     the gradient, is added to the residual. ``masking``: the velocity of every sent entry is
     zeroed (momentum factor masking). ``fresh`` False: a later reduction of the same optimizer
     step (gradient accumulation that reduces each micro-step): the velocity was decayed once
-    already, so ``velocity += factor * packed`` and the residual gains that increment."""
+    already, so ``velocity += factor * packed`` and the residual gains that increment.
+
+    ``region`` (``region_indices``): each row is cut into regions of ``region`` columns (the last
+    one shorter) and the ``k`` largest of *each region* are chosen (:func:`region_counts`: the
+    last region its share of ``k``), region after region; the indices returned are then offsets inside their region
+    (:func:`region_offsets` gives them back their column)."""
     blocked = torch.zeros(residual.shape[1], dtype=torch.bool, device=residual.device)
     for lo, hi in skip:
         blocked[lo:hi] = True
@@ -137,7 +163,7 @@ def select_top_k(
     score = residual.abs()
     for lo, hi in skip:
         score[:, lo:hi] = -1.0
-    idx = torch.topk(score, k, dim=1, sorted=False).indices
+    idx = _top_k(score, k, region)
     chosen = residual.gather(1, idx)
     zero = torch.zeros((), dtype=chosen.dtype, device=chosen.device)
     values = torch.where(blocked[idx], zero, chosen)
@@ -150,16 +176,54 @@ def select_top_k(
     residual.scatter_(1, idx, chosen - back)  # what was not sent (or rounded off) stays
     if velocity is not None and masking:  # a blocked column sent nothing: its velocity stays
         velocity.scatter_(1, idx, torch.where(blocked[idx], velocity.gather(1, idx), zero))
+    if region:
+        idx = idx - region_offsets(residual.shape[1], region, k, idx.device)
     return idx.to(index), wire
+
+
+def region_counts(row: int, region: int, k: int) -> list[tuple[int, int]]:
+    """(width, pairs) of each region of a row of ``row`` columns: ``k`` pairs from each full
+    region of ``region`` columns, and from the last, shorter one its share ``k * width /
+    region`` (rounded up: at least one, all of it when ``k`` is the whole region)."""
+    full, last = divmod(row, region)
+    k = min(k, region)
+    return [(region, k)] * full + ([(last, min(last, max(1, -(-k * last // region))))] if last else [])
+
+
+def region_offsets(row: int, region: int, k: int, device: torch.device) -> torch.Tensor:
+    """The first column of the region of each chosen pair (int64), in the order
+    :func:`select_top_k` returns them."""
+    counts = region_counts(row, region, k)
+    starts = torch.arange(len(counts), dtype=torch.int64, device=device) * region
+    return starts.repeat_interleave(torch.tensor([c for _, c in counts], device=device))
+
+
+def _top_k(score: torch.Tensor, k: int, region: int) -> torch.Tensor:
+    """The columns of the ``k`` largest scores of each row (``region``: of each region)."""
+    if not region:
+        return torch.topk(score, k, dim=1, sorted=False).indices
+    row = score.shape[1]
+    full = row // region * region
+    parts = []
+    if full:
+        n = score.shape[0]
+        local = torch.topk(score[:, :full].reshape(n, -1, region), min(k, region), dim=2, sorted=False).indices
+        starts = torch.arange(0, full, region, device=score.device).view(1, -1, 1)
+        parts.append((local + starts).reshape(n, -1))
+    if full < row:
+        last = region_counts(row, region, k)[-1][1]
+        parts.append(torch.topk(score[:, full:], last, dim=1, sorted=False).indices + full)
+    return torch.cat(parts, dim=1)
 
 
 class SparseExchange:
     """One bucket's (index, value) exchange in flight; :meth:`finish` gives the summed shard."""
 
     def __init__(self, ctx: C.CommContext, g: ShardGroup, k: int, wire: torch.dtype, wire_scale: float,
-                 index: torch.dtype, send: torch.Tensor, recv: torch.Tensor, handle: C.Handle) -> None:  # fmt: skip
+                 index: torch.dtype, send: torch.Tensor, recv: torch.Tensor, handle: C.Handle,
+                 offsets: torch.Tensor | None = None) -> None:  # fmt: skip
         self.ctx, self.group, self.k, self.wire, self.wire_scale = ctx, g, k, wire, wire_scale
-        self.index = index
+        self.index, self.offsets = index, offsets  # offsets: region_indices' region starts
         self.send, self.recv, self.handle = send, recv, handle
 
     def finish(self) -> torch.Tensor:
@@ -170,6 +234,8 @@ class SparseExchange:
         rows = self.recv.view(n, -1)
         cut = k * self.index.itemsize
         idx = rows[:, :cut].contiguous().view(self.index).to(torch.int64)
+        if self.offsets is not None:
+            idx += self.offsets
         values = rows[:, cut:].contiguous().view(self.wire).to(g.master_dtype)
         if self.wire_scale != 1.0:
             values.div_(self.wire_scale)
@@ -200,13 +266,26 @@ class ErrorFeedback:
         # every bucket of the reduction is packed (the clip needs the whole local norm)
         self.held: dict[int, tuple[torch.Tensor, set[int]]] = {}
         self.last_local_norm: float | None = None  # this rank's local norm at the last clipped reduction
+        # the Adam mode: this rank's row of the preconditioner of a group (its shard, from the frozen
+        # variance; set by the engine), and every rank's rows of it, gathered at the first use
+        self.precondition: Callable[[ShardGroup], torch.Tensor] | None = None
+        self.preconditioners: dict[int, torch.Tensor] = {}
 
     def ratio(self) -> float:
         """This step's share of elements sent (the sparsity warm-up's ramp, then ``ratio``)."""
         return self.config.ratio_at(self._steps())
 
     def k(self, g: ShardGroup) -> int:
-        return max(1, min(g.layout.shard_numel, math.ceil(self.ratio() * g.layout.shard_numel)))
+        """The pairs chosen per row (``region_indices``: per full region of a row; a shorter last
+        region, or a row shorter than a region, sends its share, :func:`region_counts`)."""
+        width = REGION if self.config.region_indices else g.layout.shard_numel
+        return max(1, min(width, math.ceil(self.ratio() * width)))
+
+    def pairs(self, g: ShardGroup) -> int:
+        """The pairs each rank sends to each destination for ``g`` this step."""
+        if not self.config.region_indices:
+            return self.k(g)
+        return sum(c for _, c in region_counts(g.layout.shard_numel, REGION, self.k(g)))
 
     def active(self) -> bool:
         """Whether this step's reductions are compressed (all but ``warmup: dense``'s warm-up
@@ -226,7 +305,7 @@ class ErrorFeedback:
                     self.residuals[g.index] = torch.zeros(
                         n, g.layout.shard_numel, dtype=g.master_dtype, device=g.device
                     )
-                if self.config.momentum > 0 and g.index not in self.velocities:
+                if self.config.decay > 0 and g.index not in self.velocities:
                     self.velocities[g.index] = torch.zeros_like(self.residuals[g.index])
 
     def tensors(self) -> list[torch.Tensor]:
@@ -238,6 +317,27 @@ class ErrorFeedback:
         infinities)."""
         for r in (*self.residuals.values(), *self.velocities.values()):
             r.zero_()
+        self.preconditioners.clear()  # gathered again from the optimizer state at the next compressed step
+
+    def preconditioner(self, g: ShardGroup, what: str) -> torch.Tensor:
+        """The Adam mode's ``[world, row]`` preconditioner of ``g``: every rank's row of it, from
+        the frozen variance, gathered once (a collective, at the same reduction on every rank)."""
+        pre = self.preconditioners.get(g.index)
+        if pre is not None:
+            return pre
+        if self.precondition is None:
+            raise RuntimeError(
+                "compression.optimizer: adam: no optimizer is bound to the engine to hold Adam's variance; "
+                "initialize(model, optimizer) with torch.optim.SGD(params, lr, momentum=0)"
+            )
+        n = self.ctx.world_size
+        with torch.inference_mode(False):
+            pre = torch.zeros(n, g.layout.shard_numel, dtype=g.master_dtype, device=g.device)
+            mine = pre[self.ctx.rank]
+            mine.copy_(self.precondition(g))
+            C.all_gather(self.ctx, pre.view(-1), mine, what=f"Adam preconditioner of {g.name} ({what})").wait()
+        self.preconditioners[g.index] = pre
+        return pre
 
     def launch(
         self, g: ShardGroup, packed: torch.Tensor, factor: float, skip: Sequence[int], what: str
@@ -249,13 +349,18 @@ class ErrorFeedback:
         cols = [(lay.offsets[i], lay.offsets[i] + lay.chunks[i]) for i in skip]
         # a 16-bit wire carries what DDP's compress hooks send: the loss-scaled gradient / world
         scale = 1.0 / (factor * n) if g.reduce_dtype in (torch.float16, torch.bfloat16) else 1.0
-        index = index_dtype(lay.shard_numel)
+        if self.config.adam:  # Adam's normalised momentum: values near 1, sent as they are
+            packed.view(n, -1).mul_(self.preconditioner(g, what))
+            factor, scale = factor * (1.0 - self.config.beta1), 1.0
+        region = REGION if self.config.region_indices else 0
+        index = torch.int16 if region else index_dtype(lay.shard_numel)
         step = self._steps()
         fresh = self._decayed.get(g.index) != step  # the step's first reduction of this bucket
         self._decayed[g.index] = step
         idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale, index,
-                                   self.velocities.get(g.index), self.config.momentum, self.config.momentum_masking,
-                                   fresh)  # fmt: skip
+                                   self.velocities.get(g.index), self.config.decay, self.config.momentum_masking,
+                                   fresh, region)  # fmt: skip
+        k = idx.shape[1]  # with regions: the pairs of all regions of a row
         cut = k * idx.element_size()
         width = cut + k * values.element_size()
         send = self.ctx.pool.get(n * width, torch.uint8, g.device).view(n, width)
@@ -263,7 +368,8 @@ class ErrorFeedback:
         send[:, cut:].copy_(values.view(torch.uint8))
         recv = self.ctx.pool.get(n * width, torch.uint8, g.device)
         handle = C.all_to_all(self.ctx, recv, send.view(-1), what=f"top-k {what}")
-        return SparseExchange(self.ctx, g, k, g.reduce_dtype, scale, index, send, recv, handle)
+        offsets = region_offsets(lay.shard_numel, region, self.k(g), g.device) if region else None
+        return SparseExchange(self.ctx, g, k, g.reduce_dtype, scale, index, send, recv, handle, offsets)
 
     # -- local clipping (DGC) ----------------------------------------------------------------
     def hold(self, g: ShardGroup, packed: torch.Tensor, skip: Sequence[int]) -> None:

@@ -51,6 +51,7 @@ from zero_strategy.reduction.grads import (
     ReduceInBackward,
 )
 from zero_strategy.runtime.budget import Budget
+from zero_strategy.runtime.compressed_adam import adam_direction
 from zero_strategy.runtime.engine_state import WholeModelState
 from zero_strategy.runtime.optimizer_set import OptimizerSet, key
 from zero_strategy.runtime.placement import resolve_ratios
@@ -578,7 +579,11 @@ class ZeroEngine(WholeModelState):
             self.clip_grad_norm_(self.config.gradient_clipping, optimizer=optimizer, _from_config=True)
         if self._skip_step:
             self.reducer.drop_master_grads()
-        elif self.swapped is not None and self.optimizer is not None:
+            return
+        adam_direction(
+            self.reducer.compression, optimizer, self.step_count
+        )  # the frozen-variance Adam mode of compression (else nothing)
+        if self.swapped is not None and self.optimizer is not None:
             self.disk.step(self.optimizer, self.params.masters_resident, self._step_label())
             # the optimizer's own step skips the disk groups (stepped already); their gradients come back after
             self._stashed_grads = [(m, m.grad) for g in self.swapped.groups for m in g.masters]

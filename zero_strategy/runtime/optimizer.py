@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from zero_strategy._swap import swap_class, swapped_by
+from zero_strategy.runtime.compressed_adam import bind_adam
 
 if TYPE_CHECKING:
     from zero_strategy.runtime.engine import ZeroEngine
@@ -228,6 +229,7 @@ def _check_momentum(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Non
 
 def bind_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> torch.optim.Optimizer:
     _check_momentum(optimizer, engine)
+    bind_adam(optimizer, engine.reducer.compression, check_only=True)
     new_state: dict[torch.Tensor, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         new_params = []
@@ -247,6 +249,7 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> torc
     cast(ZeroOptimizer, optimizer)._zero_engine = engine  # the swapped class carries ZeroOptimizer's attributes
     optimizer.register_step_pre_hook(_before_step)
     optimizer.register_step_post_hook(_after_step)
+    bind_adam(optimizer, engine.reducer.compression)  # reads the masters' state
     return optimizer
 
 

@@ -30,6 +30,7 @@ from zero_strategy.runtime.module import ZeroModule, get_engine
 from zero_strategy.runtime.optimizer import ZeroOptimizer
 from zero_strategy.sharding.memory import KINDS
 from zero_strategy.testing.compare import assert_close
+from zero_strategy.testing.frozen_adam import FrozenAdamW
 
 VOCAB, SEQ, BATCH = 32, 8, 2
 
@@ -79,6 +80,11 @@ class Cell:
     # DDP's SGD with this momentum (masking: DDP's SGD without momentum, each step's gradient alone)
     topk_momentum: float = 0.0
     topk_masking: bool = False
+    # the frozen-variance Adam mode (compression.optimizer: adam) with this many dense steps (0: off):
+    # the cell's AdamW is then the engine's (the user's optimizer SGD with AdamW's weight decay), and
+    # DDP steps the oracle FrozenAdamW (testing/frozen_adam.py)
+    topk_adam: int = 0
+    topk_regions: bool = False  # compression.region_indices: top-k per region, int16 offsets
     # load balancing: given scores, one per rank (empty: even shards)
     scores: tuple[float, ...] = ()
     # the memory budget's cache tier (ZeRO-3): "none" (no budget), or a budget whose cache is 0,
@@ -231,6 +237,11 @@ def make_optimizer(c: Cell, model: Net, mode: str = "ddp") -> torch.optim.Optimi
         ]
     else:
         groups = [{"params": params}]
+    if c.optim == "adamw" and c.topk_adam:
+        lr = 1e-2 if c.dtype == "float64" else 1e-3
+        if mode == "zero":
+            return torch.optim.SGD(groups, lr=lr, weight_decay=0.1)
+        return FrozenAdamW(groups, lr=lr, weight_decay=0.1, freeze=c.topk_adam)
     if c.optim == "adamw":
         return torch.optim.AdamW(groups, lr=1e-2 if c.dtype == "float64" else 1e-3, weight_decay=0.1)
     if c.optim == "adam":
@@ -243,6 +254,15 @@ def make_optimizer(c: Cell, model: Net, mode: str = "ddp") -> torch.optim.Optimi
     if c.optim == "adagrad":
         return torch.optim.Adagrad(groups, lr=0.05)
     raise ValueError(c.optim)
+
+
+def _adam_mode(c: Cell) -> dict[str, Any]:
+    """The compression settings of the frozen-variance Adam mode (``topk_adam``) and of
+    ``region_indices`` (``topk_regions``)."""
+    extra: dict[str, Any] = {"region_indices": True} if c.topk_regions else {}
+    if c.topk_adam:
+        extra.update(optimizer="adam", warmup="dense", warmup_steps=c.topk_adam)
+    return extra
 
 
 def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,7 +384,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
             stage=c.stage, reduce_bucket_size=c.bucket, prefetch=c.prefetch, stage3_param_persistence_threshold=c.persist,
             collective_impl=c.impl, overlap_comm=c.overlap, precision=PrecisionConfig(reduce_dtype=DTYPES[c.reduce]),
             compression=CompressionConfig(type="topk", ratio=c.topk, momentum=c.topk_momentum,
-                                          momentum_masking=c.topk_masking) if c.topk else CompressionConfig(),
+                                          momentum_masking=c.topk_masking, **_adam_mode(c)) if c.topk else CompressionConfig(),
             load_balance=LoadBalanceConfig(scores=c.scores) if c.scores else LoadBalanceConfig(),
             memory=MemoryConfig() if cap is None else MemoryConfig(budget=10**9, persistent=c.persistent, cache=cap,
                                                                    working=0.1),
