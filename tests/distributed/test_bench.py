@@ -120,3 +120,39 @@ def test_update_results_replaces_only_the_marked_section(tmp_path: Path) -> None
     assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
     assert text.startswith("# history\n\nhand-written before\n") and text.endswith("hand-written after\n")
     assert "| 2.2500 |" in text and "| 1.5000 |" not in text and "![model states per rank](plots/memory.png)" in text
+
+
+def test_deepspeed_rows_train_as_ddp_and_count_model_states_not_buffers() -> None:
+    """``--peers``' DeepSpeed ZeRO-1/2/3 rows (pinned in the dev extra; skipped only where it is
+    not installed): every step's loss equals DDP's, exposed communication is "n/a" (not timed by
+    this engine's method, never estimated), and the model states counted hold at least what the
+    ZeRO paper's fp32 formula says (DeepSpeed also keeps fp32 master partitions) but not its
+    2 GB reduce bucket."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'zero-strategy[bench]')")
+    from zero_strategy.bench import harness, report
+
+    ds_rows = ("deepspeed1", "deepspeed2", "deepspeed3")
+    opts = harness.BenchOptions(model=SPEC, ranks=(2,), steps=2, warmup=1, batch=2, progress=False,
+                                rows=("ddp", *ds_rows))  # fmt: skip
+    data = harness.run_bench(opts)
+    data.update(machine={"device": "cpu"}, command="test")
+    data["summary"] = harness.summarize(data)
+    rows = {e["row"]: e for e in data["summary"]}
+    assert set(rows) == {"ddp", *ds_rows}
+    table = report.markdown(data)
+    for row in ds_rows:
+        e = rows[row]
+        assert e["status"] == "ok", (row, e["status"])
+        assert all(math.isfinite(v) for v in e["losses"]) and len(e["losses"]) == 3
+        assert isinstance(e["loss_vs_ddp"], float) and e["loss_vs_ddp"] <= 1e-5, (row, e["loss_vs_ddp"])
+        got, want = e["model_state_bytes"], e["formula_bytes"]
+        assert math.isfinite(want) and want <= got < 2 * want, f"{row}: model states {got} vs formula {want:.0f}"
+        assert e["exposed_pct"] is None and e["breakdown"]["exposed_comm"] is None
+        assert e["samples_per_s"] > 0
+        line = next(ln for ln in table.splitlines() if ln.startswith(f"| {e['label']} |"))
+        assert "| n/a |" in line and "| yes (" in line, line

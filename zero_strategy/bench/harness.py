@@ -32,11 +32,12 @@ from zero_strategy.testing.launcher import RankFailure
 __all__ = ["CORE_ROWS", "PEER_ROWS", "BenchOptions", "run_bench", "summarize"]
 
 CORE_ROWS = ("ddp", "zero1", "zero2", "zero3", "zero3_cpu", "zero3_nvme")
-PEER_ROWS = ("fsdp2", "deepspeed3")
+PEER_ROWS = ("fsdp2", "deepspeed1", "deepspeed2", "deepspeed3")
 LABELS = {
     "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
     "zero3_cpu": "ZeRO-3 + CPU offload", "zero3_nvme": "ZeRO-3 + NVMe",
-    "fsdp2": "FSDP2 (torch)", "deepspeed3": "DeepSpeed ZeRO-3",
+    "fsdp2": "FSDP2 (torch)", "deepspeed1": "DeepSpeed ZeRO-1", "deepspeed2": "DeepSpeed ZeRO-2",
+    "deepspeed3": "DeepSpeed ZeRO-3",
 }  # fmt: skip
 LOSS_RTOL = 1e-5  # fp32 rows see the same weights and data: a larger difference is a numerics bug
 
@@ -68,10 +69,8 @@ class BenchOptions:
 def peer_status() -> dict[str, str]:
     """Why a peer row runs or not: "ok", or the reason shown in its table cells."""
     out = {"fsdp2": "ok" if importlib.util.find_spec("torch.distributed.fsdp") else "not installed"}
-    if importlib.util.find_spec("deepspeed") is None:
-        out["deepspeed3"] = "not installed"
-    else:  # no DeepSpeed worker in the installed package yet: bench/bench_zero.py has one
-        out["deepspeed3"] = "installed, not run here (bench/bench_zero.py --engines ds3 measures it)"
+    ds = "ok" if importlib.util.find_spec("deepspeed") is not None else "not installed"
+    out.update({row: ds for row in PEER_ROWS if row.startswith("deepspeed")})
     return out
 
 
@@ -147,7 +146,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda msg: None)
                     t_run = time.monotonic()
                     try:
                         per_rank = launch(_run_rows(), n, args=(group, spec), timeout=opts.timeout * len(group),
-                                          env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+                                          env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})  # fmt: skip
                         results: list[dict[str, Any]] = [
                             {"status": "ok", "ranks": [rk[k] for rk in per_rank]} for k in range(len(group))
                         ]
@@ -181,8 +180,9 @@ def formula_bytes(row: str, n_params: int, ranks: int, persistent: int = 0) -> t
     if row == "fsdp2":
         est = zero_paper(Setup(n_params, ranks, 3, "fp32"))
         return "ZeRO paper, fp32 AdamW", est.total, [est.device, est.host, est.disk]
-    if row == "deepspeed3":
-        return "", float("nan"), []
+    if row.startswith("deepspeed"):
+        est = zero_paper(Setup(n_params, ranks, int(row[-1]), "fp32"))
+        return "ZeRO paper, fp32 AdamW", est.total, [est.device, est.host, est.disk]
     stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(row, 3)
     off = {"zero3_cpu": "cpu", "zero3_nvme": "nvme"}.get(row, "none")
     est = this_engine(Setup(n_params, ranks, stage, "fp32", "adamw", off, off, persistent=persistent))

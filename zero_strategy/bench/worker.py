@@ -48,6 +48,8 @@ ROWS: dict[str, tuple[int, str]] = {
     "zero3_cpu": (3, "cpu"),
     "zero3_nvme": (3, "nvme"),
     "fsdp2": (3, "none"),
+    "deepspeed1": (1, "none"),
+    "deepspeed2": (2, "none"),
     "deepspeed3": (3, "none"),
 }
 LR = 1e-3
@@ -97,7 +99,15 @@ def _exposed() -> float:
     return sum(c["exposed_seconds"] for c in zs.comm_stats().values())
 
 
-def _build(row: str, cfg: Any, nvme_path: str) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], dict[str, int]]]:
+Built = tuple[nn.Module, Any, Callable[[torch.Tensor], None], Callable[[], dict[str, int]]]
+
+
+def _plain_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def _build(row: str, cfg: Any, nvme_path: str, batch: int) -> Built:
+    """(model, optimizer, backward, model-state counter) for ``row``."""
     torch.manual_seed(0)
     gpt = GPT(cfg)
     stage, offload = ROWS[row]
@@ -106,7 +116,7 @@ def _build(row: str, cfg: Any, nvme_path: str) -> tuple[nn.Module, torch.optim.O
 
         ddp = DistributedDataParallel(gpt, gradient_as_bucket_view=True)
         opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
-        return ddp, opt, lambda: _torch_state(ddp, opt)
+        return ddp, opt, _plain_backward, lambda: _torch_state(ddp, opt)
     if row == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -116,9 +126,11 @@ def _build(row: str, cfg: Any, nvme_path: str) -> tuple[nn.Module, torch.optim.O
             fully_shard(blk, mesh=mesh)
         fully_shard(gpt, mesh=mesh)
         opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
-        return gpt, opt, lambda: _torch_state(gpt, opt)
-    if row == "deepspeed3":
-        raise RuntimeError("the deepspeed row is run only when deepspeed is installed (see harness.peer_status)")
+        return gpt, opt, _plain_backward, lambda: _torch_state(gpt, opt)
+    if row.startswith("deepspeed"):
+        from zero_strategy.bench.peers import build_deepspeed
+
+        return build_deepspeed(row, gpt, LR, batch)
     zo: dict[str, Any] = {"stage": stage}
     if offload != "none":
         block = {"device": offload, **({"nvme_path": nvme_path} if offload == "nvme" else {})}
@@ -126,7 +138,7 @@ def _build(row: str, cfg: Any, nvme_path: str) -> tuple[nn.Module, torch.optim.O
     model, zopt = zs.initialize(gpt, lambda p: torch.optim.AdamW(p, lr=LR), config={"zero_optimization": zo})
     if zopt is None:  # initialize returns the optimizer it built from the factory
         raise RuntimeError("zero_strategy.initialize returned no optimizer")
-    return model, zopt, lambda: dict(zs.memory_stats(model))
+    return model, zopt, _plain_backward, lambda: dict(zs.memory_stats(model))
 
 
 def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -144,7 +156,7 @@ def run_row(rank: int, world: int, row: str, spec: dict[str, Any]) -> dict[str, 
     corpus = stdlib_corpus(CORPUS_BYTES)
     gc.collect()
     _reset_peak_rss()
-    model, opt, state = _build(row, cfg, spec.get("nvme_path") or "")
+    model, opt, backward, state = _build(row, cfg, spec.get("nvme_path") or "", spec["batch"])
     warmup, steps, batch = spec["warmup"], spec["steps"], spec["batch"]
     progress = Path(spec["progress"]) if rank == 0 and spec.get("progress") else None
     losses, fb, op, fb_exp, op_exp = [], [], [], [], []
@@ -156,7 +168,7 @@ def run_row(rank: int, world: int, row: str, spec: dict[str, Any]) -> dict[str, 
         barrier_default_group()
         e0, t0 = _exposed(), time.perf_counter()
         loss = _forward(model, x, y)
-        loss.backward()
+        backward(loss)
         e1, t1 = _exposed(), time.perf_counter()
         after_backward = state()
         e1b, t1b = _exposed(), time.perf_counter()  # the counting itself is not part of the step
