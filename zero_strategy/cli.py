@@ -154,6 +154,8 @@ def _add_bench(sub: Any) -> None:
     )
     be.add_argument("--update-results", nargs="?", const="bench/RESULTS.md", metavar="RESULTS_MD",
                     help="regenerate the marked section of this file (default bench/RESULTS.md), plots in plots/")  # fmt: skip
+    be.add_argument("--launcher", default="auto", choices=("auto", "torchrun", "own"),
+                    help="how ranks start: torchrun (auto: when torch has it) or zero-strategy's own launcher")  # fmt: skip
 
 
 def _run(ns: argparse.Namespace) -> None:
@@ -173,7 +175,7 @@ def _run(ns: argparse.Namespace) -> None:
             return
         rows = tuple(r.strip() for r in ns.rows.split(",")) if ns.rows else None
         bench(ns.model, ns.ranks, ns.steps, ns.warmup, ns.repeats, ns.batch, ns.out, ns.peers, rows,
-              ns.update_results, fresh=ns.fresh_processes)  # fmt: skip
+              ns.update_results, fresh=ns.fresh_processes, launcher=ns.launcher)  # fmt: skip
         return
     export(ns.checkpoint, ns.out, ns.dtype)
 

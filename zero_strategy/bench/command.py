@@ -86,6 +86,7 @@ def bench(
     update_results: str | None = None,
     progress: bool | None = None,
     fresh: bool = False,
+    launcher: str = "auto",
 ) -> dict[str, Any]:
     """Run the bench, write ``out``/bench.{md,json} and three PNGs, print the table; with
     ``update_results`` regenerate that file's marked section (plot copied next to it)."""
@@ -93,7 +94,7 @@ def bench(
 
     opts = harness.BenchOptions(
         model=model, ranks=ranks, steps=steps, warmup=warmup, repeats=repeats, batch=batch, peers=peers,
-        rows=rows or harness.CORE_ROWS, fresh=fresh, **({} if progress is None else {"progress": progress}),
+        rows=rows or harness.CORE_ROWS, fresh=fresh, launcher=launcher, **({} if progress is None else {"progress": progress}),
     )  # fmt: skip
     info = machine_info()
 

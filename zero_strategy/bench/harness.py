@@ -1,8 +1,9 @@
 """``zero-strategy bench``: every row at every rank count in ranks it starts, and a summary.
 
 All rows of one (repeat, rank count) run one after the other in one launch of
-:func:`zero_strategy.bench.worker.run_rows` by the shared launcher (fresh processes, CPU/gloo
-here, ``OMP_NUM_THREADS=1``): one start instead of six. Each row's peak RSS is counted from the
+:func:`zero_strategy.bench.worker.run_rows` (fresh processes started by torchrun where torch has
+it, else by the test harness's launcher: :mod:`zero_strategy.bench.ranks`; CPU/gloo here,
+``OMP_NUM_THREADS=1``): one start instead of six. Each row's peak RSS is counted from the
 row's start but includes what earlier rows left to the allocator; ``fresh=True``
 (``--fresh-processes``) gives every row its own launch and a clean RSS column. Repeats are
 interleaved (all rows, then all rows again) so drift of the machine
@@ -26,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from zero_strategy.bench.estimate import Setup, this_engine, zero_paper
-from zero_strategy.testing import launch, rel_error
+from zero_strategy.bench.ranks import choose_launcher, start_ranks
+from zero_strategy.testing import rel_error
 from zero_strategy.testing.launcher import RankFailure
 
 __all__ = ["CORE_ROWS", "PEER_ROWS", "BenchOptions", "run_bench", "summarize"]
@@ -55,6 +57,7 @@ class BenchOptions:
     timeout: float = 900.0
     fresh: bool = False  # True: each row in its own ranks (clean peak RSS); False: one launch per rank count
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())
+    launcher: str = "auto"  # "torchrun" where torch has it, else "own" (zero_strategy.testing.launch)
 
     def __post_init__(self) -> None:
         if not self.ranks or min(self.ranks) < 1:
@@ -64,6 +67,7 @@ class BenchOptions:
         unknown = set(self.rows) - set(CORE_ROWS) - set(PEER_ROWS)
         if unknown:
             raise ValueError(f"bench: unknown row(s) {sorted(unknown)}; choose from {CORE_ROWS + PEER_ROWS}")
+        choose_launcher(self.launcher)  # an unknown or missing launcher fails before any run
 
 
 def peer_status() -> dict[str, str]:
@@ -127,6 +131,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda msg: None)
     per_run = opts.warmup + opts.steps
     launched = [r for r in rows if peers.get(r, "ok") == "ok"]
     total = opts.repeats * len(opts.ranks) * len(launched) * per_run
+    launcher = choose_launcher(opts.launcher)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zero_bench_") as tmp, _progress(opts.progress, total) as start:
         swap = os.path.join(tmp, "swap")
@@ -145,12 +150,13 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda msg: None)
                             "nvme_path": swap, "progress": str(prog)}  # fmt: skip
                     t_run = time.monotonic()
                     try:
-                        per_rank = launch(_run_rows(), n, args=(group, spec), timeout=opts.timeout * len(group),
-                                          env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})  # fmt: skip
+                        per_rank = start_ranks(_run_rows(), n, args=(group, spec), timeout=opts.timeout * len(group),
+                                               env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
+                                               launcher=launcher)  # fmt: skip
                         results: list[dict[str, Any]] = [
                             {"status": "ok", "ranks": [rk[k] for rk in per_rank]} for k in range(len(group))
                         ]
-                    except RankFailure as exc:  # a failing row is an error cell, never a silent gap
+                    except RankFailure as exc:  # (LaunchTimeout too) a failing row is an error cell, never a silent gap
                         results = [{"status": "error: " + str(exc).splitlines()[0][:200]} for _ in group]
                     wall = time.monotonic() - t_run
                     for row, result in zip(group, results):
@@ -162,6 +168,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda msg: None)
         "n_params": n_params,
         "largest_layer": largest,
         "peers": peers,
+        "launcher": launcher,
         "runs": runs,
         "wall_s": time.monotonic() - t0,
     }

@@ -74,7 +74,8 @@ def header(data: dict[str, Any]) -> str:
         f"GPT `{o['model']}` ({data['n_params'] / 1e6:.2f}M parameters), bundled text, fp32 AdamW, micro-batch "
         f"{o['batch']} per rank, {o['warmup']} warmup + {o['steps']} measured steps, {o['repeats']} interleaved "
         f"repeat(s); {m.get('nproc', '?')} CPU cores ({m.get('cpu', '?')}), torch {m.get('torch', '?')}, "
-        f"{m.get('date', '')}; load average at start {m.get('load', '?')}; total {data['wall_s']:.0f} s.\n\n"
+        f"{m.get('date', '')}; load average at start {m.get('load', '?')}; ranks started by "
+        f"{data.get('launcher', 'the own launcher')}; total {data['wall_s']:.0f} s.\n\n"
         f"Command: `{data.get('command', '')}`"
     )
 
