@@ -76,6 +76,9 @@ def test_tiny_bench_rows_match_formula_and_ddp_and_write_their_files(tmp_path: P
             assert isinstance(e["loss_vs_ddp"], float) and e["loss_vs_ddp"] <= 1e-5, (row, e["loss_vs_ddp"])
         if row.startswith("zero"):
             assert 0 <= e["exposed_pct"] <= 100 and e["breakdown"]["exposed_comm"] >= 0
+        # offload I/O has its own bar: the waits on swap files, only where a tier is on disk
+        io = e["breakdown"]["offload_io"]
+        assert math.isfinite(io) and (0 < io < e["step_s"] if row == "zero3_nvme" else io == 0), (row, io)
         # by tier (device, host, disk): offload rows hold their model states off the device
         t = e["tiers"]
         got_tiers = [t["tier_device"], t["tier_host_pinned"] + t["tier_host_pageable"], t["tier_disk"]]

@@ -3,8 +3,8 @@ generated section of ``bench/RESULTS.md``.
 
 - ``memory.png``: model-state MiB per rank against the rank count, one line per row (measured,
   solid) beside its formula (dashed).
-- ``breakdown.png``: seconds per step, stacked: compute, exposed communication, optimizer step
-  (with offload copies and I/O), per row at the largest rank count.
+- ``breakdown.png``: seconds per step, stacked: compute, exposed communication, optimizer step,
+  offload I/O (waits on the disk tier's swap files), per row at the largest rank count.
 - ``losses.png``: every row's loss per step at the largest rank count, overlaid on DDP's.
 
 The table and plots are made from the JSON alone (:func:`write_outputs`, ``--update-results``),
@@ -123,13 +123,14 @@ def write_plots(data: dict[str, Any], out: Path) -> list[Path]:
     at = [e for e in ok if e["ranks"] == n_max]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     bottom = [0.0] * len(at)
-    for part, color in (("compute", "C0"), ("exposed_comm", "C3"), ("optimizer", "C2")):
-        vals = [e["breakdown"][part] or 0.0 for e in at]
+    for part, color in (("compute", "C0"), ("exposed_comm", "C3"), ("optimizer", "C2"), ("offload_io", "C1")):
+        vals = [e["breakdown"].get(part) or 0.0 for e in at]
         ax.bar(range(len(at)), vals, bottom=bottom, color=color, label=part.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(at)), [e["label"].replace(" + ", "\n+ ") for e in at], fontsize=7)
     ax.set(ylabel="seconds per step (rank 0)", title=f"Step time breakdown, {n_max} rank(s): {title}")
-    ax.legend(fontsize=7, title="optimizer includes offload copies/I/O; peers: no comm split", title_fontsize=6)
+    ax.legend(fontsize=7, title="offload I/O: waits on swap-file reads/writes; DDP, peers: no comm split",
+              title_fontsize=6)  # fmt: skip
     fig.tight_layout()
     fig.savefig(paths[1], dpi=80)
     plt.close(fig)
