@@ -120,6 +120,13 @@ def _add_estimate(sub: Any) -> None:
         default=0.0,
         help="ZeRO-3: parameters of units kept gathered (stage3_param_persistence_threshold)",
     )
+    es.add_argument("--cache-budget", metavar="SIZE",
+                    help="ZeRO-3: the cache tier (zero_strategy: memory: cache): bytes ('20GB') or a fraction of --budget")  # fmt: skip
+    es.add_argument("--budget", metavar="BYTES", help="the memory budget a fractional --cache-budget is taken of")
+    es.add_argument("--moe-experts", type=int, metavar="E", help="MoE: experts per layer (with --moe-topk, --tokens)")
+    es.add_argument("--moe-topk", type=int, metavar="K", help="MoE: experts each token is routed to")
+    es.add_argument("--tokens", type=int, metavar="T", help="MoE: tokens per micro-batch and rank")
+    es.add_argument("--expert-params", type=float, help="MoE: parameters inside the experts (--model counts them)")
 
 
 def _ranks(text: str) -> tuple[int, ...]:
@@ -164,8 +171,14 @@ def _run(ns: argparse.Namespace) -> None:
     if ns.command == "estimate":
         from zero_strategy.bench.command import estimate
 
+        moe = None
+        if ns.moe_experts is not None or ns.moe_topk is not None or ns.tokens is not None:
+            if None in (ns.moe_experts, ns.moe_topk, ns.tokens):
+                raise SystemExit("zero-strategy estimate: error: --moe-experts, --moe-topk and --tokens go together")
+            moe = (ns.moe_experts, ns.moe_topk, ns.tokens)
         estimate(ns.params, ns.ranks, ns.stage, ns.precision, ns.optimizer, ns.offload_optimizer,
-                 ns.offload_param, ns.largest_layer, ns.model, ns.persistent)  # fmt: skip
+                 ns.offload_param, ns.largest_layer, ns.model, ns.persistent, ns.cache_budget, ns.budget,
+                 moe, ns.expert_params)  # fmt: skip
         return
     if ns.command == "bench":
         from zero_strategy.bench.command import bench, redraw

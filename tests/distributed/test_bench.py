@@ -48,11 +48,52 @@ def _estimate_vs_memory_stats(stage: int, precision: str) -> None:
     model.zero_engine.close()
 
 
+def _cache_tier_vs_memory_stats(units_cached: int) -> None:
+    """``estimate --cache-budget``: this engine's formula with the cache tier against
+    ``memory_stats()`` (model states, which count the cached full parameters, and the cache's
+    peak) on a 4-block GPT whose cache holds two blocks or the whole model."""
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.bench.estimate import Setup, cache_bytes, this_engine
+    from zero_strategy.bench.presets import gpt_config
+    from zero_strategy.models import GPT, num_parameters, synthetic_batch
+
+    cfg = gpt_config("d=128,layers=4,heads=4,seq=32")
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    n = num_parameters(gpt)
+    block = 4 * sum(p.numel() for p in gpt.blocks[0].parameters())  # one unit's gathered fp32 bytes
+    cap = units_cached * block
+    conf = {"zero_optimization": {"stage": 3},
+            "zero_strategy": {"memory": {"budget": "64MiB", "persistent": 0.3, "cache": cap, "working": 0.1}}}  # fmt: skip
+    model, opt = zs.initialize(gpt, lambda p: torch.optim.AdamW(p, lr=1e-3), config=conf)
+    peak = cache_peak = 0
+    for step in range(2):
+        x, y = synthetic_batch(cfg, 2, step, seed=torch.distributed.get_rank())
+        model.loss(x, y).backward()
+        stats = zs.memory_stats(model)
+        peak, cache_peak = max(peak, stats["model_state"]), max(cache_peak, stats["cache"])
+        opt.step()
+        stats = zs.memory_stats(model)
+        peak, cache_peak = max(peak, stats["model_state"]), max(cache_peak, stats["cache"])
+        opt.zero_grad()
+    assert stats["cache_cap"] == cap
+    persistent = sum(u.numel for u in model.zero_engine.params.units if u.persistent)
+    setup = Setup(n, torch.distributed.get_world_size(), 3, "fp32", persistent=persistent, cache_budget=cap)
+    want_cache, want = cache_bytes(setup), this_engine(setup).total
+    assert want_cache == (cap if units_cached < 4 else 4 * (n - persistent)) and want_cache > 0
+    assert abs(cache_peak - want_cache) <= 0.05 * want_cache, f"cache {cache_peak} vs formula {want_cache:.0f}"
+    assert abs(peak - want) <= 0.05 * want, f"model states with cache {peak} vs formula {want:.0f}"
+    model.zero_engine.close()
+
+
 def _estimate_worker(rank: int, world: int) -> None:
     run_subtests(_estimate_vs_memory_stats, subtest_grid(stage=[1, 2, 3], precision=["fp32", "bf16"]))
+    run_subtests(_cache_tier_vs_memory_stats, subtest_grid(units_cached=[2, 4]))
 
 
-def test_this_engines_formula_matches_memory_stats_within_5_percent(launch) -> None:
+def test_this_engines_formula_and_cache_tier_match_memory_stats_within_5_percent(launch) -> None:
     launch(_estimate_worker, 2, timeout=240)
 
 
