@@ -84,7 +84,10 @@ def _cache_tier(cache: str | None, budget: str | None) -> int:
     if isinstance(share, float) and budget is None:
         raise ValueError(f"estimate: --cache-budget {cache} is a fraction of the budget: give --budget BYTES too, "
                          "or the cache in bytes ('20GB')")  # fmt: skip
-    whole = budget if budget is not None else share
+    whole = to_size(budget, "estimate --budget", zero=False) if budget is not None else share
+    if isinstance(whole, float):
+        raise ValueError(f"estimate: --budget {budget}: give bytes ('60GB'); a fraction of a device's memory needs "
+                         "the device")  # fmt: skip
     return MemoryConfig(budget=whole, persistent=0.0, cache=share, working=0.0).resolve(None).cache
 
 
