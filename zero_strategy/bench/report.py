@@ -121,17 +121,24 @@ def write_plots(data: dict[str, Any], out: Path) -> list[Path]:
 
     n_max = max(e["ranks"] for e in ok)
     at = [e for e in ok if e["ranks"] == n_max]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     bottom = [0.0] * len(at)
     for part, color in (("compute", "C0"), ("exposed_comm", "C3"), ("optimizer", "C2"), ("offload_io", "C1")):
         vals = [e["breakdown"].get(part) or 0.0 for e in at]
-        ax.bar(range(len(at)), vals, bottom=bottom, color=color, label=part.replace("_", " "))
+        ax.bar(
+            range(len(at)),
+            vals,
+            bottom=bottom,
+            color=color,
+            label={"offload_io": "offload I/O"}.get(part, part.replace("_", " ")),
+        )
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(at)), [e["label"].replace(" + ", "\n+ ") for e in at], fontsize=7)
     ax.set(ylabel="seconds per step (rank 0)", title=f"Step time breakdown, {n_max} rank(s): {title}")
-    ax.legend(fontsize=7, title="offload I/O: waits on swap-file reads/writes; DDP, peers: no comm split",
-              title_fontsize=6)  # fmt: skip
-    fig.tight_layout()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.text(0.01, 0.01, "offload I/O: the waits on swap-file reads and writes; DDP and peers: no exposed-comm split",
+             fontsize=6)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(paths[1], dpi=80)
     plt.close(fig)
 
