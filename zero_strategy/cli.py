@@ -120,6 +120,13 @@ def _add_estimate(sub: Any) -> None:
         default=0.0,
         help="ZeRO-3: parameters of units kept gathered (stage3_param_persistence_threshold)",
     )
+    es.add_argument("--cache-budget", metavar="SIZE",
+                    help="ZeRO-3: the cache tier (zero_strategy: memory: cache): bytes ('20GB') or a fraction of --budget")  # fmt: skip
+    es.add_argument("--budget", metavar="BYTES", help="the memory budget a fractional --cache-budget is taken of")
+    es.add_argument("--moe-experts", type=int, metavar="E", help="MoE: experts per layer (with --moe-topk, --tokens)")
+    es.add_argument("--moe-topk", type=int, metavar="K", help="MoE: experts each token is routed to")
+    es.add_argument("--tokens", type=int, metavar="T", help="MoE: tokens per micro-batch and rank")
+    es.add_argument("--expert-params", type=float, help="MoE: parameters inside the experts (--model counts them)")
 
 
 def _ranks(text: str) -> tuple[int, ...]:
@@ -154,6 +161,8 @@ def _add_bench(sub: Any) -> None:
     )
     be.add_argument("--update-results", nargs="?", const="bench/RESULTS.md", metavar="RESULTS_MD",
                     help="regenerate the marked section of this file (default bench/RESULTS.md), plots in plots/")  # fmt: skip
+    be.add_argument("--launcher", default="auto", choices=("auto", "torchrun", "own"),
+                    help="how ranks start: torchrun (auto: when torch has it) or zero-strategy's own launcher")  # fmt: skip
 
 
 def _run(ns: argparse.Namespace) -> None:
@@ -162,8 +171,14 @@ def _run(ns: argparse.Namespace) -> None:
     if ns.command == "estimate":
         from zero_strategy.bench.command import estimate
 
+        moe = None
+        if ns.moe_experts is not None or ns.moe_topk is not None or ns.tokens is not None:
+            if None in (ns.moe_experts, ns.moe_topk, ns.tokens):
+                raise SystemExit("zero-strategy estimate: error: --moe-experts, --moe-topk and --tokens go together")
+            moe = (ns.moe_experts, ns.moe_topk, ns.tokens)
         estimate(ns.params, ns.ranks, ns.stage, ns.precision, ns.optimizer, ns.offload_optimizer,
-                 ns.offload_param, ns.largest_layer, ns.model, ns.persistent)  # fmt: skip
+                 ns.offload_param, ns.largest_layer, ns.model, ns.persistent, ns.cache_budget, ns.budget,
+                 moe, ns.expert_params)  # fmt: skip
         return
     if ns.command == "bench":
         from zero_strategy.bench.command import bench, redraw
@@ -173,7 +188,7 @@ def _run(ns: argparse.Namespace) -> None:
             return
         rows = tuple(r.strip() for r in ns.rows.split(",")) if ns.rows else None
         bench(ns.model, ns.ranks, ns.steps, ns.warmup, ns.repeats, ns.batch, ns.out, ns.peers, rows,
-              ns.update_results, fresh=ns.fresh_processes)  # fmt: skip
+              ns.update_results, fresh=ns.fresh_processes, launcher=ns.launcher)  # fmt: skip
         return
     export(ns.checkpoint, ns.out, ns.dtype)
 

@@ -48,11 +48,52 @@ def _estimate_vs_memory_stats(stage: int, precision: str) -> None:
     model.zero_engine.close()
 
 
+def _cache_tier_vs_memory_stats(units_cached: int) -> None:
+    """``estimate --cache-budget``: this engine's formula with the cache tier against
+    ``memory_stats()`` (model states, which count the cached full parameters, and the cache's
+    peak) on a 4-block GPT whose cache holds two blocks or the whole model."""
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.bench.estimate import Setup, cache_bytes, this_engine
+    from zero_strategy.bench.presets import gpt_config
+    from zero_strategy.models import GPT, num_parameters, synthetic_batch
+
+    cfg = gpt_config("d=128,layers=4,heads=4,seq=32")
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    n = num_parameters(gpt)
+    block = 4 * sum(p.numel() for p in gpt.blocks[0].parameters())  # one unit's gathered fp32 bytes
+    cap = units_cached * block
+    conf = {"zero_optimization": {"stage": 3},
+            "zero_strategy": {"memory": {"budget": "64MiB", "persistent": 0.3, "cache": cap, "working": 0.1}}}  # fmt: skip
+    model, opt = zs.initialize(gpt, lambda p: torch.optim.AdamW(p, lr=1e-3), config=conf)
+    peak = cache_peak = 0
+    for step in range(2):
+        x, y = synthetic_batch(cfg, 2, step, seed=torch.distributed.get_rank())
+        model.loss(x, y).backward()
+        stats = zs.memory_stats(model)
+        peak, cache_peak = max(peak, stats["model_state"]), max(cache_peak, stats["cache"])
+        opt.step()
+        stats = zs.memory_stats(model)
+        peak, cache_peak = max(peak, stats["model_state"]), max(cache_peak, stats["cache"])
+        opt.zero_grad()
+    assert stats["cache_cap"] == cap
+    persistent = sum(u.numel for u in model.zero_engine.params.units if u.persistent)
+    setup = Setup(n, torch.distributed.get_world_size(), 3, "fp32", persistent=persistent, cache_budget=cap)
+    want_cache, want = cache_bytes(setup), this_engine(setup).total
+    assert want_cache == (cap if units_cached < 4 else 4 * (n - persistent)) and want_cache > 0
+    assert abs(cache_peak - want_cache) <= 0.05 * want_cache, f"cache {cache_peak} vs formula {want_cache:.0f}"
+    assert abs(peak - want) <= 0.05 * want, f"model states with cache {peak} vs formula {want:.0f}"
+    model.zero_engine.close()
+
+
 def _estimate_worker(rank: int, world: int) -> None:
     run_subtests(_estimate_vs_memory_stats, subtest_grid(stage=[1, 2, 3], precision=["fp32", "bf16"]))
+    run_subtests(_cache_tier_vs_memory_stats, subtest_grid(units_cached=[2, 4]))
 
 
-def test_this_engines_formula_matches_memory_stats_within_5_percent(launch) -> None:
+def test_this_engines_formula_and_cache_tier_match_memory_stats_within_5_percent(launch) -> None:
     launch(_estimate_worker, 2, timeout=240)
 
 
@@ -76,6 +117,9 @@ def test_tiny_bench_rows_match_formula_and_ddp_and_write_their_files(tmp_path: P
             assert isinstance(e["loss_vs_ddp"], float) and e["loss_vs_ddp"] <= 1e-5, (row, e["loss_vs_ddp"])
         if row.startswith("zero"):
             assert 0 <= e["exposed_pct"] <= 100 and e["breakdown"]["exposed_comm"] >= 0
+        # offload I/O has its own bar: the waits on swap files, only where a tier is on disk
+        io = e["breakdown"]["offload_io"]
+        assert math.isfinite(io) and (0 < io < e["step_s"] if row == "zero3_nvme" else io == 0), (row, io)
         # by tier (device, host, disk): offload rows hold their model states off the device
         t = e["tiers"]
         got_tiers = [t["tier_device"], t["tier_host_pinned"] + t["tier_host_pageable"], t["tier_disk"]]
@@ -120,3 +164,39 @@ def test_update_results_replaces_only_the_marked_section(tmp_path: Path) -> None
     assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
     assert text.startswith("# history\n\nhand-written before\n") and text.endswith("hand-written after\n")
     assert "| 2.2500 |" in text and "| 1.5000 |" not in text and "![model states per rank](plots/memory.png)" in text
+
+
+def test_deepspeed_rows_train_as_ddp_and_count_model_states_not_buffers() -> None:
+    """``--peers``' DeepSpeed ZeRO-1/2/3 rows (pinned in the dev extra; skipped only where it is
+    not installed): every step's loss equals DDP's, exposed communication is "n/a" (not timed by
+    this engine's method, never estimated), and the model states counted hold at least what the
+    ZeRO paper's fp32 formula says (DeepSpeed also keeps fp32 master partitions) but not its
+    2 GB reduce bucket."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'zero-strategy[bench]')")
+    from zero_strategy.bench import harness, report
+
+    ds_rows = ("deepspeed1", "deepspeed2", "deepspeed3")
+    opts = harness.BenchOptions(model=SPEC, ranks=(2,), steps=2, warmup=1, batch=2, progress=False,
+                                rows=("ddp", *ds_rows))  # fmt: skip
+    data = harness.run_bench(opts)
+    data.update(machine={"device": "cpu"}, command="test")
+    data["summary"] = harness.summarize(data)
+    rows = {e["row"]: e for e in data["summary"]}
+    assert set(rows) == {"ddp", *ds_rows}
+    table = report.markdown(data)
+    for row in ds_rows:
+        e = rows[row]
+        assert e["status"] == "ok", (row, e["status"])
+        assert all(math.isfinite(v) for v in e["losses"]) and len(e["losses"]) == 3
+        assert isinstance(e["loss_vs_ddp"], float) and e["loss_vs_ddp"] <= 1e-5, (row, e["loss_vs_ddp"])
+        got, want = e["model_state_bytes"], e["formula_bytes"]
+        assert math.isfinite(want) and want <= got < 2 * want, f"{row}: model states {got} vs formula {want:.0f}"
+        assert e["exposed_pct"] is None and e["breakdown"]["exposed_comm"] is None
+        assert e["samples_per_s"] > 0
+        line = next(ln for ln in table.splitlines() if ln.startswith(f"| {e['label']} |"))
+        assert "| n/a |" in line and "| yes (" in line, line

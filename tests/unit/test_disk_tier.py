@@ -301,3 +301,41 @@ def test_an_unusable_nvme_path_is_named_before_anything_changes(tmp_path) -> Non
     cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path)
     with pytest.raises(RuntimeError, match="is not a directory of this user"):
         zs.initialize(_model(), _adamw, config=cfg)
+
+
+def test_the_io_clock_counts_bytes_and_the_time_the_training_thread_waited(tmp_path) -> None:
+    """``io_clock()``: every swap-file read and write counts its bytes; the seconds counted as
+    waited are those the calling (training) thread blocked: a synchronous read or write, or a
+    wait on the pool's future, never a background write nobody waited for."""
+    import time
+
+    from zero_strategy.storage.disk import SwapPool, io_at, io_clock, wait_io
+
+    d = SwapDir(str(tmp_path), rank=0)
+    f = DiskFile(os.path.join(d.path, "clock.swap"), 2**20, d.direct)
+    d.reserve(f)
+    pool = SwapPool(2, f.nbytes, pinned=False)
+    buf = pool.get()
+    buf.copy_(torch.arange(buf.numel(), dtype=torch.int64).to(torch.uint8))
+    before = io_clock()
+    t0 = time.perf_counter()
+    io_at(os.pwritev, f.fd, buf, 0, "test write")  # synchronous: the caller waits
+    sync_s = time.perf_counter() - t0
+    mid = io_clock()
+    assert mid["bytes_written"] - before["bytes_written"] == f.nbytes
+    assert 0 < mid["waited_s"] - before["waited_s"] <= sync_s
+    f.written = True
+    other = pool.get()
+    t0 = time.perf_counter()
+    wait_io(pool.read(f, other))  # in the pool's thread; the wait counts
+    read_s = time.perf_counter() - t0
+    after = io_clock()
+    assert after["bytes_read"] - mid["bytes_read"] == f.nbytes and torch.equal(other, buf)
+    assert 0 < after["waited_s"] - mid["waited_s"] <= read_s
+    assert after["busy_s"] - before["busy_s"] > 0
+    pool.write(f, buf).result()  # nobody waits through wait_io: busy, not waited
+    last = io_clock()
+    assert last["waited_s"] == after["waited_s"] and last["bytes_written"] - after["bytes_written"] == f.nbytes
+    pool.shutdown()
+    f.close()
+    d.remove()

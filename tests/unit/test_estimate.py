@@ -111,13 +111,67 @@ def test_bench_arguments_reach_the_command(monkeypatch: pytest.MonkeyPatch) -> N
     got: dict = {}
     monkeypatch.setattr(command, "bench", lambda *a, **k: got.update(args=a, kwargs=k))
     cli.main(["bench", "--model", "d=128,layers=2", "--ranks", "1,2,4", "--steps", "3", "--rows", "ddp,zero3",
-              "--update-results", "--fresh-processes"])  # fmt: skip
+              "--update-results", "--fresh-processes", "--launcher", "own"])  # fmt: skip
     assert got["args"] == ("d=128,layers=2", (1, 2, 4), 3, 2, 1, 4, "bench-out", False, ("ddp", "zero3"),
                            "bench/RESULTS.md")  # fmt: skip
-    assert got["kwargs"] == {"fresh": True}
+    assert got["kwargs"] == {"fresh": True, "launcher": "own"}
     with pytest.raises(SystemExit):
         cli.main(["bench", "--ranks", "1,x"])
     with pytest.raises(ValueError, match="--model 'huge'"):
         from zero_strategy.bench.presets import gpt_config
 
         gpt_config("huge")
+
+
+def test_moe_selected_share_applies_to_the_expert_params_a_step_gathers(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--moe-experts E --moe-topk k --tokens T``: a step selects the share 1 - (1 - k/E)^T of
+    the experts (each token picks k of E), so ZeRO-3 gathers that share of the expert params
+    and all the dense ones; model states (every expert stored, sharded) do not change."""
+    from zero_strategy.bench.estimate import gathered_params, moe_selected_share
+
+    e, k, t = 8, 2, 4
+    share = 1 - (1 - k / e) ** t  # 0.68359375
+    assert moe_selected_share(e, k, t) == pytest.approx(share, rel=1e-12) and 0.68 < share < 0.69
+    assert moe_selected_share(64, 8, 10_000) == pytest.approx(1.0)  # many tokens: every expert
+    p, experts, persistent = 10e9, 8e9, 1e8
+    s = Setup(p, 8, 3, "bf16", persistent=persistent, moe_experts=e, moe_topk=k, tokens=t, expert_params=experts)
+    assert gathered_params(s) == pytest.approx(p - persistent - experts + share * experts, rel=1e-12)
+    dense = Setup(p, 8, 3, "bf16", persistent=persistent)
+    assert gathered_params(dense) == p - persistent
+    assert this_engine(s).total == this_engine(dense).total  # model states: every expert is stored
+    with pytest.raises(ValueError, match="--moe-topk"):
+        Setup(p, 8, 3, moe_experts=8, moe_topk=9, tokens=4, expert_params=experts)
+    with pytest.raises(ValueError, match="--expert-params"):
+        Setup(p, 8, 3, moe_experts=8, moe_topk=2, tokens=4, expert_params=2 * p)
+    cli.main(["estimate", "--params", "10e9", "--ranks", "8", "--stage", "3", "--precision", "bf16",
+              "--moe-experts", "8", "--moe-topk", "2", "--tokens", "4", "--expert-params", "8e9"])  # fmt: skip
+    text = capsys.readouterr().out
+    assert "selected share 1 - (1 - 2/8)^4 = 0.6836" in text, text
+    assert f"{2 * (2e9 + share * 8e9) / 1e9:,.2f} GB" in text, text  # bf16 bytes gathered per step
+
+
+def test_cache_budget_adds_the_cache_tier_to_this_engines_device_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--cache-budget``: the cache tier (``zero_strategy: memory: cache``) holds gathered full
+    parameters up to its cap: min(cap, b x gathered params) more device bytes at ZeRO-3."""
+    from zero_strategy.bench.estimate import cache_bytes
+
+    p, n, persistent = 7e9, 8, 5e7
+    base = this_engine(Setup(p, n, 3, "bf16", persistent=persistent))
+    small = this_engine(Setup(p, n, 3, "bf16", persistent=persistent, cache_budget=10e9))
+    whole = this_engine(Setup(p, n, 3, "bf16", persistent=persistent, cache_budget=1e12))
+    assert small.device - base.device == 10e9 and small.host == base.host  # the cap binds: 10 GB < 2 B x 7e9
+    assert whole.device - base.device == pytest.approx(2 * (p - persistent), rel=1e-12)
+    assert cache_bytes(Setup(p, n, 3, "bf16", cache_budget=1e12)) == 2 * p
+    with pytest.raises(ValueError, match="--cache-budget needs --stage 3"):
+        Setup(p, n, 2, cache_budget=1e9)
+    cli.main(["estimate", "--params", "7e9", "--ranks", "8", "--stage", "3", "--precision", "bf16",
+              "--cache-budget", "10GB"])  # fmt: skip
+    text = capsys.readouterr().out
+    assert _row(text, "this engine")[0] == pytest.approx(
+        (this_engine(Setup(p, n, 3, "bf16")).device + 10e9) / 1e9, abs=0.01
+    )
+    assert "gather cache (cache tier) 10.00" in text, text
+    # a fraction of --budget, as the memory block reads it
+    cli.main(["estimate", "--params", "7e9", "--ranks", "8", "--stage", "3", "--precision", "bf16",
+              "--budget", "60GB", "--cache-budget", "0.5"])  # fmt: skip
+    assert "gather cache (cache tier) 14.00" in capsys.readouterr().out  # min(30 GB, 2 B x 7e9)

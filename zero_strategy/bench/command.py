@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from zero_strategy.bench.estimate import Setup, count_model, format_estimate
+from zero_strategy.bench.estimate import Setup, count_expert_params, count_model, format_estimate
 
 __all__ = ["bench", "estimate", "machine_info"]
 
@@ -28,14 +28,27 @@ def estimate(
     largest_layer: float | None = None,
     model: str | None = None,
     persistent: float = 0.0,
+    cache_budget: str | None = None,
+    budget: str | None = None,
+    moe: tuple[int, int, int] | None = None,
+    expert_params: float | None = None,
 ) -> str:
-    """Print (and return) the model-state bytes per rank from the four formulas."""
+    """Print (and return) the model-state bytes per rank from the four formulas. ``cache_budget``
+    and ``budget`` are read as the ``zero_strategy: memory:`` block reads them (a fraction of
+    the budget, or bytes); ``moe``: (experts, top-k, tokens)."""
     if model is not None:
         counted, largest = count_model(model)
         params = params or counted
         largest_layer = largest_layer or largest
+        if moe is not None and expert_params is None:
+            expert_params = count_expert_params(model)
     if params is None:
         raise ValueError("estimate: give --params N or --model PATH-OR-PRESET")
+    experts, topk, tokens = moe or (0, 0, 0)
+    if moe is not None and not expert_params:
+        raise ValueError(
+            "estimate: --moe-experts needs --expert-params N (or a --model whose expert modules it counts)"
+        )
     text = format_estimate(
         Setup(
             float(params),
@@ -47,10 +60,35 @@ def estimate(
             offload_param,
             float(largest_layer or 0),
             persistent,
+            float(_cache_tier(cache_budget, budget)),
+            experts,
+            topk,
+            tokens,
+            float(expert_params or 0),
         )  # fmt: skip
     )
     print(text, end="")
     return text
+
+
+def _cache_tier(cache: str | None, budget: str | None) -> int:
+    """The cache tier in bytes, resolved by :class:`zero_strategy.config.memory.MemoryConfig` (only
+    imported, with torch, when the option is given)."""
+    if cache is None:
+        if budget is not None:
+            raise ValueError("estimate: --budget is read only with --cache-budget (a fraction of it)")
+        return 0
+    from zero_strategy.config.memory import MemoryConfig, to_size
+
+    share = to_size(cache, "estimate --cache-budget")
+    if isinstance(share, float) and budget is None:
+        raise ValueError(f"estimate: --cache-budget {cache} is a fraction of the budget: give --budget BYTES too, "
+                         "or the cache in bytes ('20GB')")  # fmt: skip
+    whole = to_size(budget, "estimate --budget", zero=False) if budget is not None else share
+    if isinstance(whole, float):
+        raise ValueError(f"estimate: --budget {budget}: give bytes ('60GB'); a fraction of a device's memory needs "
+                         "the device")  # fmt: skip
+    return MemoryConfig(budget=whole, persistent=0.0, cache=share, working=0.0).resolve(None).cache
 
 
 def machine_info() -> dict[str, Any]:
@@ -86,6 +124,7 @@ def bench(
     update_results: str | None = None,
     progress: bool | None = None,
     fresh: bool = False,
+    launcher: str = "auto",
 ) -> dict[str, Any]:
     """Run the bench, write ``out``/bench.{md,json} and three PNGs, print the table; with
     ``update_results`` regenerate that file's marked section (plot copied next to it)."""
@@ -93,7 +132,7 @@ def bench(
 
     opts = harness.BenchOptions(
         model=model, ranks=ranks, steps=steps, warmup=warmup, repeats=repeats, batch=batch, peers=peers,
-        rows=rows or harness.CORE_ROWS, fresh=fresh, **({} if progress is None else {"progress": progress}),
+        rows=rows or harness.CORE_ROWS, fresh=fresh, launcher=launcher, **({} if progress is None else {"progress": progress}),
     )  # fmt: skip
     info = machine_info()
 

@@ -41,7 +41,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DESIGN_NOTE", "OPTIMIZER_BYTES", "Estimate", "Setup", "count_model", "estimate", "format_estimate"]
+__all__ = [
+    "DESIGN_NOTE",
+    "OPTIMIZER_BYTES",
+    "Estimate",
+    "Setup",
+    "cache_bytes",
+    "count_expert_params",
+    "count_model",
+    "estimate",
+    "format_estimate",
+    "gathered_params",
+    "moe_selected_share",
+]
 
 GB = 1e9  # decimal, as section 1.1 counts (175e9 x 2 bytes = 350 GB)
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "lamb": 8, "adagrad": 4, "rmsprop": 4, "sgd-momentum": 4, "sgd": 0}
@@ -70,6 +82,11 @@ class Setup:
     offload_param: str = "none"
     largest_layer: float = 0.0
     persistent: float = 0.0  # ZeRO-3: parameters of units at or below stage3_param_persistence_threshold
+    cache_budget: float = 0.0  # ZeRO-3: bytes of the cache tier (zero_strategy: memory: cache), 0: none
+    moe_experts: int = 0  # MoE: experts per layer (0: a dense model)
+    moe_topk: int = 0  # MoE: experts each token is routed to
+    tokens: int = 0  # MoE: tokens per micro-batch and rank that the router sees
+    expert_params: float = 0.0  # MoE: parameters inside the experts (all layers)
 
     def __post_init__(self) -> None:
         if self.params <= 0 or self.ranks < 1:
@@ -87,6 +104,17 @@ class Setup:
             raise ValueError("estimate: --offload-param needs --stage 3 (stages 1 and 2 keep the full parameters)")
         if self.offload_optimizer != "none" and self.stage == 0:
             raise ValueError("estimate: --offload-optimizer needs a ZeRO stage (1-3)")
+        if self.cache_budget < 0 or (self.cache_budget and self.stage != 3):
+            raise ValueError("estimate: --cache-budget needs --stage 3 (the cache holds ZeRO-3's gathered parameters) "
+                             "and bytes >= 0")  # fmt: skip
+        if self.moe_experts or self.moe_topk or self.tokens or self.expert_params:
+            if self.moe_experts < 1 or self.tokens < 1:
+                raise ValueError("estimate: MoE needs --moe-experts E >= 1, --moe-topk k and --tokens T >= 1 together")
+            if not 1 <= self.moe_topk <= self.moe_experts:
+                raise ValueError(f"estimate: --moe-topk {self.moe_topk}: give 1 to --moe-experts ({self.moe_experts})")
+            if not 0 < self.expert_params <= self.params:
+                raise ValueError(f"estimate: --expert-params {self.expert_params:g}: the experts' parameters, > 0 and "
+                                 f"at most --params ({self.params:g}); --model counts them from module names")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -196,7 +224,31 @@ def this_engine(s: Setup) -> Estimate:
         put("masters", 4 * p / n if separate_masters else 0.0, opt_host)
     put("grad shards (fp32)", 4 * p / n, opt_host)
     put("optimizer", k * p / n, s.offload_optimizer)
+    put("gather cache (cache tier)", cache_bytes(s), "none")
     return Estimate("this engine", tiers["none"], tiers["cpu"], tiers["nvme"], tuple(parts))
+
+
+def moe_selected_share(experts: int, topk: int, tokens: int) -> float:
+    """The share of an MoE layer's experts that ``tokens`` tokens select when each picks ``topk``
+    of ``experts``, taken as independent and uniform: ``1 - (1 - k/E)^T`` (an expert is missed by
+    a token with probability ``1 - k/E``)."""
+    return 1.0 - (1.0 - topk / experts) ** tokens
+
+
+def gathered_params(s: Setup) -> float:
+    """Parameters a ZeRO-3 step gathers in full: the units that are not persistent, with MoE
+    only the selected share of the experts (the MoE issue's selective gather)."""
+    share = moe_selected_share(s.moe_experts, s.moe_topk, s.tokens) if s.moe_experts else 1.0
+    return s.params - s.persistent - s.expert_params + share * s.expert_params
+
+
+def cache_bytes(s: Setup) -> float:
+    """Device bytes the cache tier holds at its fullest: gathered full parameters (training
+    precision) up to the cap, ``min(cache_budget, b x gathered params)``. An upper bound: the
+    cache keeps whole units, so a cap between unit sizes holds a little less."""
+    if s.stage != 3 or not s.cache_budget:
+        return 0.0
+    return min(s.cache_budget, PRECISION_BYTES[s.precision] * gathered_params(s))
 
 
 def estimate(s: Setup) -> list[Estimate]:
@@ -231,6 +283,16 @@ def format_estimate(s: Setup) -> str:
             out.append(f"{e.label}: " + ", ".join(f"{name} {_gb(v)}" for name, v in e.parts if v))
         if e.note:
             out.append(f"{e.label}: {e.note}")
+    if s.moe_experts:
+        share = moe_selected_share(s.moe_experts, s.moe_topk, s.tokens)
+        out.append(
+            f"MoE: selected share 1 - (1 - {s.moe_topk}/{s.moe_experts})^{s.tokens} = {share:.4f} of "
+            f"{s.expert_params:.4g} expert params; a ZeRO-3 step gathers {gathered_params(s):.4g} params, "
+            f"{_gb(b * gathered_params(s))} GB (model states keep every expert)"
+        )
+    if s.cache_budget:
+        out.append(f"cache tier: min(budget {_gb(s.cache_budget)} GB, {b} B x {gathered_params(s):.4g} gathered params) "
+                   f"= {_gb(cache_bytes(s))} GB on the device, in this engine's row")  # fmt: skip
     if s.stage == 3 and not s.largest_layer:
         out.append("DeepSpeed's formula adds 4 B x the largest layer's parameters: pass --largest-layer N or --model.")
     out.append("")
@@ -243,6 +305,21 @@ def count_model(spec: str) -> tuple[int, int]:
     GPT preset or spec (``small``, ``d=256,layers=4``), or a Hugging Face config (a directory
     with ``config.json``, the file itself, or a name already in the local cache). Shared
     parameters count once; the largest layer is the module with the most parameters of its own."""
+    model = _meta_model(spec)
+    total = sum({id(p): p.numel() for p in model.parameters()}.values())
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return int(total), int(largest)
+
+
+def count_expert_params(spec: str) -> int:
+    """Parameters of ``spec`` (as :func:`count_model`) whose name has a part containing
+    ``expert`` (``...mlp.experts.3.w1``, Mixtral's ``block_sparse_moe.experts``): an MoE's experts."""
+    model = _meta_model(spec)
+    named = {id(p): (n, p.numel()) for n, p in model.named_parameters()}
+    return int(sum(k for n, k in named.values() if any("expert" in part for part in n.split(".")[:-1])))
+
+
+def _meta_model(spec: str) -> Any:
     import torch
 
     from zero_strategy.bench.presets import gpt_config, is_gpt_spec
@@ -251,12 +328,8 @@ def count_model(spec: str) -> tuple[int, int]:
         if is_gpt_spec(spec):
             from zero_strategy.models import GPT
 
-            model: torch.nn.Module = GPT(gpt_config(spec))
-        else:
-            model = _hf_model(spec)
-    total = sum({id(p): p.numel() for p in model.parameters()}.values())
-    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
-    return int(total), int(largest)
+            return GPT(gpt_config(spec))
+        return _hf_model(spec)
 
 
 def _hf_model(spec: str) -> Any:

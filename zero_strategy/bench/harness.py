@@ -1,8 +1,9 @@
 """``zero-strategy bench``: every row at every rank count in ranks it starts, and a summary.
 
 All rows of one (repeat, rank count) run one after the other in one launch of
-:func:`zero_strategy.bench.worker.run_rows` by the shared launcher (fresh processes, CPU/gloo
-here, ``OMP_NUM_THREADS=1``): one start instead of six. Each row's peak RSS is counted from the
+:func:`zero_strategy.bench.worker.run_rows` (fresh processes started by torchrun where torch has
+it, else by the test harness's launcher: :mod:`zero_strategy.bench.ranks`; CPU/gloo here,
+``OMP_NUM_THREADS=1``): one start instead of six. Each row's peak RSS is counted from the
 row's start but includes what earlier rows left to the allocator; ``fresh=True``
 (``--fresh-processes``) gives every row its own launch and a clean RSS column. Repeats are
 interleaved (all rows, then all rows again) so drift of the machine
@@ -26,17 +27,19 @@ from pathlib import Path
 from typing import Any
 
 from zero_strategy.bench.estimate import Setup, this_engine, zero_paper
-from zero_strategy.testing import launch, rel_error
+from zero_strategy.bench.ranks import choose_launcher, start_ranks
+from zero_strategy.testing import rel_error
 from zero_strategy.testing.launcher import RankFailure
 
 __all__ = ["CORE_ROWS", "PEER_ROWS", "BenchOptions", "run_bench", "summarize"]
 
 CORE_ROWS = ("ddp", "zero1", "zero2", "zero3", "zero3_cpu", "zero3_nvme")
-PEER_ROWS = ("fsdp2", "deepspeed3")
+PEER_ROWS = ("fsdp2", "deepspeed1", "deepspeed2", "deepspeed3")
 LABELS = {
     "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
     "zero3_cpu": "ZeRO-3 + CPU offload", "zero3_nvme": "ZeRO-3 + NVMe",
-    "fsdp2": "FSDP2 (torch)", "deepspeed3": "DeepSpeed ZeRO-3",
+    "fsdp2": "FSDP2 (torch)", "deepspeed1": "DeepSpeed ZeRO-1", "deepspeed2": "DeepSpeed ZeRO-2",
+    "deepspeed3": "DeepSpeed ZeRO-3",
 }  # fmt: skip
 LOSS_RTOL = 1e-5  # fp32 rows see the same weights and data: a larger difference is a numerics bug
 
@@ -54,6 +57,7 @@ class BenchOptions:
     timeout: float = 900.0
     fresh: bool = False  # True: each row in its own ranks (clean peak RSS); False: one launch per rank count
     progress: bool = field(default_factory=lambda: sys.stderr.isatty())
+    launcher: str = "auto"  # "torchrun" where torch has it, else "own" (zero_strategy.testing.launch)
 
     def __post_init__(self) -> None:
         if not self.ranks or min(self.ranks) < 1:
@@ -63,15 +67,14 @@ class BenchOptions:
         unknown = set(self.rows) - set(CORE_ROWS) - set(PEER_ROWS)
         if unknown:
             raise ValueError(f"bench: unknown row(s) {sorted(unknown)}; choose from {CORE_ROWS + PEER_ROWS}")
+        choose_launcher(self.launcher)  # an unknown or missing launcher fails before any run
 
 
 def peer_status() -> dict[str, str]:
     """Why a peer row runs or not: "ok", or the reason shown in its table cells."""
     out = {"fsdp2": "ok" if importlib.util.find_spec("torch.distributed.fsdp") else "not installed"}
-    if importlib.util.find_spec("deepspeed") is None:
-        out["deepspeed3"] = "not installed"
-    else:  # no DeepSpeed worker in the installed package yet: bench/bench_zero.py has one
-        out["deepspeed3"] = "installed, not run here (bench/bench_zero.py --engines ds3 measures it)"
+    ds = "ok" if importlib.util.find_spec("deepspeed") is not None else "not installed"
+    out.update({row: ds for row in PEER_ROWS if row.startswith("deepspeed")})
     return out
 
 
@@ -128,6 +131,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda msg: None)
     per_run = opts.warmup + opts.steps
     launched = [r for r in rows if peers.get(r, "ok") == "ok"]
     total = opts.repeats * len(opts.ranks) * len(launched) * per_run
+    launcher = choose_launcher(opts.launcher)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zero_bench_") as tmp, _progress(opts.progress, total) as start:
         swap = os.path.join(tmp, "swap")
@@ -146,12 +150,13 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda msg: None)
                             "nvme_path": swap, "progress": str(prog)}  # fmt: skip
                     t_run = time.monotonic()
                     try:
-                        per_rank = launch(_run_rows(), n, args=(group, spec), timeout=opts.timeout * len(group),
-                                          env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+                        per_rank = start_ranks(_run_rows(), n, args=(group, spec), timeout=opts.timeout * len(group),
+                                               env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"},
+                                               launcher=launcher)  # fmt: skip
                         results: list[dict[str, Any]] = [
                             {"status": "ok", "ranks": [rk[k] for rk in per_rank]} for k in range(len(group))
                         ]
-                    except RankFailure as exc:  # a failing row is an error cell, never a silent gap
+                    except RankFailure as exc:  # (LaunchTimeout too) a failing row is an error cell, never a silent gap
                         results = [{"status": "error: " + str(exc).splitlines()[0][:200]} for _ in group]
                     wall = time.monotonic() - t_run
                     for row, result in zip(group, results):
@@ -163,6 +168,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda msg: None)
         "n_params": n_params,
         "largest_layer": largest,
         "peers": peers,
+        "launcher": launcher,
         "runs": runs,
         "wall_s": time.monotonic() - t0,
     }
@@ -181,8 +187,9 @@ def formula_bytes(row: str, n_params: int, ranks: int, persistent: int = 0) -> t
     if row == "fsdp2":
         est = zero_paper(Setup(n_params, ranks, 3, "fp32"))
         return "ZeRO paper, fp32 AdamW", est.total, [est.device, est.host, est.disk]
-    if row == "deepspeed3":
-        return "", float("nan"), []
+    if row.startswith("deepspeed"):
+        est = zero_paper(Setup(n_params, ranks, int(row[-1]), "fp32"))
+        return "ZeRO paper, fp32 AdamW", est.total, [est.device, est.host, est.disk]
     stage = {"ddp": 0, "zero1": 1, "zero2": 2}.get(row, 3)
     off = {"zero3_cpu": "cpu", "zero3_nvme": "nvme"}.get(row, "none")
     est = this_engine(Setup(n_params, ranks, stage, "fp32", "adamw", off, off, persistent=persistent))
@@ -233,16 +240,26 @@ def summarize(raw: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _breakdown(ok: list[dict[str, Any]]) -> dict[str, float | None]:
     """Seconds per step (rank 0, median over repeats): compute (forward + backward without
-    exposed communication), exposed communication, optimizer step (with the offload tiers'
-    copies and I/O, which the engine does not time apart)."""
+    exposed communication and offload I/O), exposed communication, optimizer step (without
+    either), offload I/O (the time the training thread waited on the disk tier's swap-file
+    reads and writes, in both phases; the host tier's copies are memory copies and stay in
+    compute and optimizer)."""
     r0 = [r["ranks"][0] for r in ok]
-    fb = statistics.median(r["forward_backward_s"] for r in r0)
-    opt = statistics.median(r["optimizer_s"] for r in r0)
+
+    def med(key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in r0)
+
+    fb, opt, io_fb, io_op = (
+        med("forward_backward_s"),
+        med("optimizer_s"),
+        med("io_forward_backward_s"),
+        med("io_optimizer_s"),
+    )
     if r0[0]["exposed_forward_backward_s"] is None:
-        return {"compute": fb, "exposed_comm": None, "optimizer": opt}
-    e_fb = statistics.median(r["exposed_forward_backward_s"] for r in r0)
-    e_op = statistics.median(r["exposed_optimizer_s"] for r in r0)
-    return {"compute": fb - e_fb, "exposed_comm": e_fb + e_op, "optimizer": opt - e_op}
+        return {"compute": fb - io_fb, "exposed_comm": None, "optimizer": opt - io_op, "offload_io": io_fb + io_op}
+    e_fb, e_op = med("exposed_forward_backward_s"), med("exposed_optimizer_s")
+    return {"compute": fb - e_fb - io_fb, "exposed_comm": e_fb + e_op, "optimizer": opt - e_op - io_op,
+            "offload_io": io_fb + io_op}  # fmt: skip
 
 
 def _loss_vs(losses: list[float], ddp_reps: list[dict[str, Any]]) -> float | str:

@@ -3,8 +3,8 @@ generated section of ``bench/RESULTS.md``.
 
 - ``memory.png``: model-state MiB per rank against the rank count, one line per row (measured,
   solid) beside its formula (dashed).
-- ``breakdown.png``: seconds per step, stacked: compute, exposed communication, optimizer step
-  (with offload copies and I/O), per row at the largest rank count.
+- ``breakdown.png``: seconds per step, stacked: compute, exposed communication, optimizer step,
+  offload I/O (waits on the disk tier's swap files), per row at the largest rank count.
 - ``losses.png``: every row's loss per step at the largest rank count, overlaid on DDP's.
 
 The table and plots are made from the JSON alone (:func:`write_outputs`, ``--update-results``),
@@ -74,7 +74,8 @@ def header(data: dict[str, Any]) -> str:
         f"GPT `{o['model']}` ({data['n_params'] / 1e6:.2f}M parameters), bundled text, fp32 AdamW, micro-batch "
         f"{o['batch']} per rank, {o['warmup']} warmup + {o['steps']} measured steps, {o['repeats']} interleaved "
         f"repeat(s); {m.get('nproc', '?')} CPU cores ({m.get('cpu', '?')}), torch {m.get('torch', '?')}, "
-        f"{m.get('date', '')}; load average at start {m.get('load', '?')}; total {data['wall_s']:.0f} s.\n\n"
+        f"{m.get('date', '')}; load average at start {m.get('load', '?')}; ranks started by "
+        f"{data.get('launcher', 'the own launcher')}; total {data['wall_s']:.0f} s.\n\n"
         f"Command: `{data.get('command', '')}`"
     )
 
@@ -120,16 +121,24 @@ def write_plots(data: dict[str, Any], out: Path) -> list[Path]:
 
     n_max = max(e["ranks"] for e in ok)
     at = [e for e in ok if e["ranks"] == n_max]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     bottom = [0.0] * len(at)
-    for part, color in (("compute", "C0"), ("exposed_comm", "C3"), ("optimizer", "C2")):
-        vals = [e["breakdown"][part] or 0.0 for e in at]
-        ax.bar(range(len(at)), vals, bottom=bottom, color=color, label=part.replace("_", " "))
+    for part, color in (("compute", "C0"), ("exposed_comm", "C3"), ("optimizer", "C2"), ("offload_io", "C1")):
+        vals = [e["breakdown"].get(part) or 0.0 for e in at]
+        ax.bar(
+            range(len(at)),
+            vals,
+            bottom=bottom,
+            color=color,
+            label={"offload_io": "offload I/O"}.get(part, part.replace("_", " ")),
+        )
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(at)), [e["label"].replace(" + ", "\n+ ") for e in at], fontsize=7)
     ax.set(ylabel="seconds per step (rank 0)", title=f"Step time breakdown, {n_max} rank(s): {title}")
-    ax.legend(fontsize=7, title="optimizer includes offload copies/I/O; peers: no comm split", title_fontsize=6)
-    fig.tight_layout()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.text(0.01, 0.01, "offload I/O: the waits on swap-file reads and writes; DDP and peers: no exposed-comm split",
+             fontsize=6)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(paths[1], dpi=80)
     plt.close(fig)
 

@@ -8,7 +8,8 @@ barrier:
 
 - the forward + backward and the optimizer step + ``zero_grad`` as two wall-clock phases, and
   the exposed (waited-on) communication inside each from :func:`zs.comm_stats` (this engine's
-  rows; "n/a" for peers, whose collectives are not ours to time);
+  rows; "n/a" for peers, whose collectives are not ours to time), and the time waited on the
+  disk tier's swap-file reads and writes inside each (``io_clock()['waited_s']``);
 - model-state bytes after the backward and after the step (the larger is the step's peak):
   ``memory_stats()`` for this engine, by tier; for DDP and FSDP2 the unique storages of the
   parameters, their gradients and the optimizer state (a DTensor counts its local shard);
@@ -35,6 +36,7 @@ from torch import nn
 import zero_strategy as zs
 from zero_strategy.bench.presets import gpt_config
 from zero_strategy.models import GPT, stdlib_corpus, text_batch
+from zero_strategy.storage.disk import io_clock
 from zero_strategy.testing._pg import barrier_default_group
 
 __all__ = ["ROWS", "run_row", "run_rows"]
@@ -48,6 +50,8 @@ ROWS: dict[str, tuple[int, str]] = {
     "zero3_cpu": (3, "cpu"),
     "zero3_nvme": (3, "nvme"),
     "fsdp2": (3, "none"),
+    "deepspeed1": (1, "none"),
+    "deepspeed2": (2, "none"),
     "deepspeed3": (3, "none"),
 }
 LR = 1e-3
@@ -97,7 +101,19 @@ def _exposed() -> float:
     return sum(c["exposed_seconds"] for c in zs.comm_stats().values())
 
 
-def _build(row: str, cfg: Any, nvme_path: str) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], dict[str, int]]]:
+def _io_waited() -> float:
+    return io_clock()["waited_s"]
+
+
+Built = tuple[nn.Module, Any, Callable[[torch.Tensor], None], Callable[[], dict[str, int]]]
+
+
+def _plain_backward(loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def _build(row: str, cfg: Any, nvme_path: str, batch: int) -> Built:
+    """(model, optimizer, backward, model-state counter) for ``row``."""
     torch.manual_seed(0)
     gpt = GPT(cfg)
     stage, offload = ROWS[row]
@@ -106,7 +122,7 @@ def _build(row: str, cfg: Any, nvme_path: str) -> tuple[nn.Module, torch.optim.O
 
         ddp = DistributedDataParallel(gpt, gradient_as_bucket_view=True)
         opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
-        return ddp, opt, lambda: _torch_state(ddp, opt)
+        return ddp, opt, _plain_backward, lambda: _torch_state(ddp, opt)
     if row == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -116,9 +132,11 @@ def _build(row: str, cfg: Any, nvme_path: str) -> tuple[nn.Module, torch.optim.O
             fully_shard(blk, mesh=mesh)
         fully_shard(gpt, mesh=mesh)
         opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
-        return gpt, opt, lambda: _torch_state(gpt, opt)
-    if row == "deepspeed3":
-        raise RuntimeError("the deepspeed row is run only when deepspeed is installed (see harness.peer_status)")
+        return gpt, opt, _plain_backward, lambda: _torch_state(gpt, opt)
+    if row.startswith("deepspeed"):
+        from zero_strategy.bench.peers import build_deepspeed
+
+        return build_deepspeed(row, gpt, LR, batch)
     zo: dict[str, Any] = {"stage": stage}
     if offload != "none":
         block = {"device": offload, **({"nvme_path": nvme_path} if offload == "nvme" else {})}
@@ -126,7 +144,7 @@ def _build(row: str, cfg: Any, nvme_path: str) -> tuple[nn.Module, torch.optim.O
     model, zopt = zs.initialize(gpt, lambda p: torch.optim.AdamW(p, lr=LR), config={"zero_optimization": zo})
     if zopt is None:  # initialize returns the optimizer it built from the factory
         raise RuntimeError("zero_strategy.initialize returned no optimizer")
-    return model, zopt, lambda: dict(zs.memory_stats(model))
+    return model, zopt, _plain_backward, lambda: dict(zs.memory_stats(model))
 
 
 def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -144,32 +162,34 @@ def run_row(rank: int, world: int, row: str, spec: dict[str, Any]) -> dict[str, 
     corpus = stdlib_corpus(CORPUS_BYTES)
     gc.collect()
     _reset_peak_rss()
-    model, opt, state = _build(row, cfg, spec.get("nvme_path") or "")
+    model, opt, backward, state = _build(row, cfg, spec.get("nvme_path") or "", spec["batch"])
     warmup, steps, batch = spec["warmup"], spec["steps"], spec["batch"]
     progress = Path(spec["progress"]) if rank == 0 and spec.get("progress") else None
-    losses, fb, op, fb_exp, op_exp = [], [], [], [], []
+    losses, fb, op, fb_exp, op_exp, fb_io, op_io = [], [], [], [], [], [], []
     peak: dict[str, int] = {}
     for i in range(warmup + steps):
         if i == warmup:
             zs.reset_comm_stats()
         x, y = text_batch(corpus, batch, cfg.seq_len, step=i, rank=rank)
         barrier_default_group()
-        e0, t0 = _exposed(), time.perf_counter()
+        e0, io0, t0 = _exposed(), _io_waited(), time.perf_counter()
         loss = _forward(model, x, y)
-        loss.backward()
-        e1, t1 = _exposed(), time.perf_counter()
+        backward(loss)
+        e1, io1, t1 = _exposed(), _io_waited(), time.perf_counter()
         after_backward = state()
-        e1b, t1b = _exposed(), time.perf_counter()  # the counting itself is not part of the step
+        e1b, io1b, t1b = _exposed(), _io_waited(), time.perf_counter()  # the counting is not part of the step
         opt.step()
         after_step = state()
         opt.zero_grad(set_to_none=True)
-        e2, t2 = _exposed(), time.perf_counter()
+        e2, io2, t2 = _exposed(), _io_waited(), time.perf_counter()
         losses.append(float(loss.detach()))
         if i >= warmup:
             fb.append(t1 - t0)
             op.append(t2 - t1b)
             fb_exp.append(e1 - e0)
             op_exp.append(e2 - e1b)
+            fb_io.append(io1 - io0)
+            op_io.append(io2 - io1b)
         for sample in (after_backward, after_step):
             if sample["model_state"] >= peak.get("model_state", -1):
                 peak = sample
@@ -191,6 +211,8 @@ def run_row(rank: int, world: int, row: str, spec: dict[str, Any]) -> dict[str, 
         "optimizer_s": statistics.median(op),
         "exposed_forward_backward_s": statistics.median(fb_exp) if report else None,
         "exposed_optimizer_s": statistics.median(op_exp) if report else None,
+        "io_forward_backward_s": statistics.median(fb_io),
+        "io_optimizer_s": statistics.median(op_io),
         "exposed_pct": 100.0 * (sum(fb_exp) + sum(op_exp)) / sum(step_s) if report else None,
         "comm_report": report,
         "model_state": peak,

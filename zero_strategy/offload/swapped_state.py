@@ -35,7 +35,7 @@ import torch
 
 from zero_strategy._swap import original_class
 from zero_strategy.sharding.group import ShardGroup
-from zero_strategy.storage.disk import ALIGN, DiskFile, Region, SwapDir, SwapPool, views
+from zero_strategy.storage.disk import ALIGN, DiskFile, Region, SwapDir, SwapPool, views, wait_io
 
 __all__ = ["SwappedOptimizerState", "base_step", "step_subset"]
 
@@ -248,14 +248,14 @@ class SwappedOptimizerState:
             for k, g in enumerate(todo):
                 while len(writes) > max(pool.count - 2, 0):  # a buffer for the next read
                     wfut, wbuf = writes[0]
-                    wfut.result()
+                    wait_io(wfut)
                     writes.pop(0)
                     pool.put(wbuf)
                 if k + 1 < len(todo):
                     start_read(todo[k + 1])
                 buf, rfut = reads[g.index]
                 if rfut is not None:
-                    rfut.result()
+                    wait_io(rfut)
                 f = self.files[g.index]
                 current = g
                 self._install(optimizer, g, buf, fresh=not f.written)
@@ -268,7 +268,7 @@ class SwappedOptimizerState:
                 writes.append((wfut, buf))
             while writes:
                 wfut, wbuf = writes[0]
-                wfut.result()
+                wait_io(wfut)
                 writes.pop(0)
                 pool.put(wbuf)
         finally:

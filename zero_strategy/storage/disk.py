@@ -21,6 +21,11 @@ a real directory of this user). An owner marker (pid, process start time, host, 
 namespace) lets the next start remove what a killed run left; a normal exit, an exception or
 ``destroy()`` removes the directory. Reads check each file's size, and a directory whose
 marker names another run is refused.
+
+Every read and write is counted (:func:`io_clock`, process-wide): bytes, seconds of I/O in any
+thread (``busy_s``), and seconds the training thread *waited* on it (``waited_s``: a read or write
+done in that thread, or a wait on the pool's future through :func:`wait_io`), which is the I/O's
+share of the step time (``zero-strategy bench``'s offload I/O bar).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import socket
 import stat
 import tempfile
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -53,7 +59,9 @@ __all__ = [
     "clean_stale_runs",
     "direct_io_works",
     "io_at",
+    "io_clock",
     "swap_root_name",
+    "wait_io",
 ]
 
 ALIGN = 4096  # O_DIRECT: buffer address, offset and length in multiples of the block size
@@ -338,14 +346,50 @@ class DiskFile:
 _CHUNK = 64 << 20  # one preadv/pwritev call per 64 MiB (a file is one task: the pool runs several files at once)
 
 
+_POOL_THREAD = "zero-swap"
+_CLOCK_LOCK = threading.Lock()
+_CLOCK = {"bytes_read": 0, "bytes_written": 0, "busy_s": 0.0, "waited_s": 0.0}
+
+
+def io_clock() -> dict[str, float]:
+    """This process's swap-file I/O so far: ``bytes_read``, ``bytes_written``, ``busy_s``
+    (seconds in reads and writes, any thread) and ``waited_s`` (seconds the calling threads
+    blocked on them; take differences around a step)."""
+    with _CLOCK_LOCK:
+        return dict(_CLOCK)
+
+
+def _count(key: str, nbytes: int, seconds: float, waited: bool) -> None:
+    with _CLOCK_LOCK:
+        _CLOCK[key] += nbytes
+        _CLOCK["busy_s"] += seconds
+        if waited:
+            _CLOCK["waited_s"] += seconds
+
+
+def wait_io(fut: Future[None]) -> None:
+    """``fut.result()``, counting the wait as the training thread's I/O wait."""
+    t0 = time.perf_counter()
+    try:
+        fut.result()
+    finally:
+        with _CLOCK_LOCK:
+            _CLOCK["waited_s"] += time.perf_counter() - t0
+
+
 def io_at(fn: Callable[..., int], fd: int, buf: torch.Tensor, offset: int, what: str) -> None:
     view = buf.numpy().data  # a memoryview over the tensor's bytes
     pos = 0
-    while pos < len(view):
-        n = fn(fd, [view[pos : pos + _CHUNK]], offset + pos)
-        if n <= 0:
-            raise OSError(f"offload: {what} moved {n} bytes at offset {offset + pos}")
-        pos += n
+    t0 = time.perf_counter()
+    try:
+        while pos < len(view):
+            n = fn(fd, [view[pos : pos + _CHUNK]], offset + pos)
+            if n <= 0:
+                raise OSError(f"offload: {what} moved {n} bytes at offset {offset + pos}")
+            pos += n
+    finally:  # in the pool's threads the caller's wait is counted by wait_io
+        waited = not threading.current_thread().name.startswith(_POOL_THREAD)
+        _count("bytes_written" if fn is os.pwritev else "bytes_read", pos, time.perf_counter() - t0, waited)
 
 
 class SwapPool:
@@ -361,7 +405,7 @@ class SwapPool:
         self._free: list[torch.Tensor] = []
         self._made = 0
         self._lock = threading.Lock()
-        self._io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zero-swap")
+        self._io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=_POOL_THREAD)
 
     @property
     def allocated(self) -> int:

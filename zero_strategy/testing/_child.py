@@ -1,6 +1,7 @@
 """One rank of :func:`zero_strategy.testing.launch`; run as ``python -m zero_strategy.testing._child``.
 
-argv: ``<launch_dir> <rank> <world_size>``. Protocol (see launcher.py):
+argv: ``<launch_dir> <rank> <world_size>``, or ``<launch_dir>`` alone under torchrun (which sets
+``RANK`` and ``WORLD_SIZE``; :mod:`zero_strategy.bench.ranks`). Protocol (see launcher.py):
 reads ``spec.pkl``, writes ``result_<rank>.pkl`` (atomically) on success, then meets the other
 ranks at a final barrier and writes ``barrier_<rank>`` before destroying the process group; on
 failure it writes ``error_<rank>.txt`` and exits 1 (without any barrier).
@@ -120,8 +121,11 @@ def _report_failure(launch_dir: str, rank: int, exc: BaseException) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 1 and "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        argv = [argv[0], os.environ["RANK"], os.environ["WORLD_SIZE"]]
     if len(argv) != 3:
-        print(f"usage: python -m zero_strategy.testing._child LAUNCH_DIR RANK WORLD_SIZE; got {argv}", file=sys.stderr)
+        print(f"usage: python -m zero_strategy.testing._child LAUNCH_DIR [RANK WORLD_SIZE] (without them: RANK and "
+              f"WORLD_SIZE from the environment, as torchrun sets them); got {argv}", file=sys.stderr)  # fmt: skip
         return 2
     launch_dir, rank, world_size = argv[0], int(argv[1]), int(argv[2])
     faulthandler.enable(all_threads=True)  # segfault / abort -> Python stacks on stderr
