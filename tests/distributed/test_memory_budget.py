@@ -126,7 +126,9 @@ def test_cache_tier_matches_ddp_caps_gathers_and_refuses_a_budget_too_small(laun
         gathered = [sweep[c][0] for c in _SWEEP[1:]]  # "none" has no budget, so no LAST_STATS
         moved = [sweep[c][1] for c in _SWEEP]
         # cache 0 is today's behaviour: the same all-gathered bytes as without a budget
-        assert moved[0] == moved[1] > 0, (rank, sweep)
+        # (up to a few bytes: initialize's agreement all-gathers a pickled config digest, whose
+        # size varies by a byte with the digest's value; a unit's gather is thousands of bytes)
+        assert abs(moved[0] - moved[1]) <= 16 and moved[1] > 0, (rank, sweep)
         # each larger cache moves no more, and the whole model moves strictly less than no cache
         assert all(a >= b for a, b in zip(moved[1:], moved[2:])), (rank, sweep)
         assert all(a >= b for a, b in zip(gathered, gathered[1:])), (rank, sweep)
