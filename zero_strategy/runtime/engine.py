@@ -228,7 +228,7 @@ class ZeroEngine(WholeModelState):
         if config.stage == 3:
             self._plan = find_units(module, policy)
             storage = ShardedParams(
-                module, self._plan.units, named, self.ctx, self.precision, config.stage3_param_persistence_threshold,
+                module, self._plan.storage_units(), named, self.ctx, self.precision, config.stage3_param_persistence_threshold,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
                 row_swap=self.disk.row_swap, fractions=fractions,
             )  # fmt: skip

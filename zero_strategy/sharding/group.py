@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -30,6 +30,8 @@ from zero_strategy.storage.offload import HOST, OffloadPolicy, OnDevice
 
 __all__ = [
     "GroupSpec",
+    "ReducePlan",
+    "RowSelection",
     "HostMasters",
     "InPlaceMasters",
     "MasterPolicy",
@@ -89,6 +91,42 @@ class HostMasters(MasterPolicy):
         return out
 
 
+@dataclass(frozen=True)
+class ReducePlan:
+    """One selective reduction: each rank's segments (of the trainable layout) and the padded length."""
+
+    segments: list[list[tuple[int, int, int]]]
+    width: int
+
+    def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
+        """Every rank's segments of the full gradients into ``out`` (world_size rows of ``width``)."""
+        rows = out.view(len(self.segments), self.width)
+        rows.zero_()
+        for r, segs in enumerate(self.segments):
+            pos = 0
+            for i, lo, hi in segs:
+                g = grads[i]
+                if g is not None:
+                    rows[r, pos : pos + hi - lo].copy_(g[lo:hi])
+                pos += hi - lo
+
+    def add_into(self, layout: ShardLayout, shard: torch.Tensor, mine: torch.Tensor, rank: int, *, fresh: bool) -> None:
+        """This rank's reduced segments ``mine`` into its gradient shard (``fresh``: zeros elsewhere)."""
+        if fresh:
+            shard.zero_()
+        pos = 0
+        for i, lo, hi in self.segments[rank]:
+            b = layout.local_range(i)[0]
+            layout.local_view(shard, i)[lo - b : hi - b].add_(mine[pos : pos + hi - lo])
+            pos += hi - lo
+
+
+class RowSelection(Protocol):
+    """What the reducer asks an MoE experts unit (``experts.py``): the rows of its next reduction."""
+
+    def reduce_plan(self) -> ReducePlan | None: ...
+
+
 class ShardGroup:
     """Parameters of one dtype that travel in one collective (a bucket, later a ZeRO-3 unit)."""
 
@@ -117,6 +155,7 @@ class ShardGroup:
         self.master_device = self.masters[0].device  # where the optimizer works on it
         self.tier = tier  # "device" or "host": where its masters, gradient shard and optimizer state live
         self._grad_shard: torch.Tensor | None = None
+        self.experts: RowSelection | None = None  # an MoE experts unit: reduced by its selection (experts.py)
         self.grad_valid = False  # False: the next reduction overwrites instead of adding
 
     @property

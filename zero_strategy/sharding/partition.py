@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from zero_strategy.sharding.experts import ExpertsModule, find_expert_modules
+
 __all__ = ["UnitPlan", "UnitPolicy", "find_units", "is_zero_unit_class", "zero_auto_partition"]
 
 _MARK = "_zero_auto_partition"
@@ -57,6 +59,13 @@ class UnitPlan:
     units: list[tuple[str, nn.Module]]
     rule: str
     conditional_lists: list[list[str]] = field(default_factory=list)
+    # MoE experts modules (``experts.py``): each a unit of its own inside its block's unit,
+    # gathered by the router's selection instead of by the unit hooks
+    experts: list[ExpertsModule] = field(default_factory=list)
+
+    def storage_units(self) -> list[tuple[str, nn.Module]]:
+        """The modules that own ZeRO-3 rows: the units, then the experts modules."""
+        return self.units + [(e.fqn, e.module) for e in self.experts]
 
 
 def _policy_fn(
@@ -132,4 +141,8 @@ def find_units(root: nn.Module, policy: UnitPolicy = None) -> UnitPlan:
     visit(root, "")
     fqn_of = {id(m): fqn for fqn, m in units}
     conditional = [[fqn_of[id(m)] for m in members if id(m) in fqn_of] for members in lists]
-    return UnitPlan(units, how, [c for c in conditional if c])
+    # an experts module that is a unit itself (or holds one) stays as the policy made it
+    experts = [
+        e for e in find_expert_modules(root) if not any(f"{f}.".startswith(f"{e.fqn}.") for f in fqn_of.values())
+    ]
+    return UnitPlan(units, how, [c for c in conditional if c], experts)

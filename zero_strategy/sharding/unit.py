@@ -590,7 +590,8 @@ class ShardedParams(ParamStorage):
         prefixes = [(f"{fqn}.", k) for k, (fqn, _) in enumerate(units)]
         owners: dict[int, set[int | None]] = {}
         for name, p in root.named_parameters(remove_duplicate=False):
-            owner = next((k for pre, k in prefixes if name.startswith(pre)), None)
+            inner = [k for pre, k in prefixes if name.startswith(pre)]  # an experts unit inside a block's
+            owner = max(inner, key=lambda k: len(prefixes[k][0]), default=None)
             owners.setdefault(id(p), set()).add(owner)
         members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(units) + 1)]
         for name, p in named:
