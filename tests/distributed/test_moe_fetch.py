@@ -139,13 +139,69 @@ def _generate_case(rank: int) -> None:
     assert 0 < moved < whole / 2, (moved, whole)  # one token per decode step: 2 of 16 experts per rank
 
 
-def _worker(rank: int, world: int) -> int:
+def _checkpoint_case(rank: int, tmp: str) -> None:
+    """Save at world size 2 after two steps, resume at world size 1 (and the uninterrupted run
+    goes on at 2): the same losses and weights; ``full_state_dict`` and ``load_full_state_dict``
+    round-trip the experts."""
+    import torch
+    import torch.distributed as dist
+
+    import zero_strategy as zs
+
+    groups = {n: dist.new_group(list(range(n))) for n in (1, 2)}
+
+    def build(world: int):
+        model = _build("mixtral", 32, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+        cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0)
+        return zs.initialize(model, opt, config=cfg, process_group=groups[world])
+
+    def run(model, opt, world: int, steps: range) -> list[float]:
+        out = []
+        for step in steps:
+            data = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(step))
+            ids = data.chunk(world)[rank]
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=groups[world])
+            out.append(total.item() / world)
+        return out
+
+    model, opt = build(2)
+    run(model, opt, 2, range(2))
+    zs.save_checkpoint(f"{tmp}/moe", model, opt)
+    full = zs.full_state_dict(model, rank0_only=False)
+    ref = run(model, opt, 2, range(2, 4))
+    with zs.gathered_parameters(model):
+        ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if rank == 0:  # the resumed run, alone
+        m1, o1 = build(1)
+        zs.load_checkpoint(f"{tmp}/moe", m1, o1)
+        got = run(m1, o1, 1, range(2, 4))
+        assert_close(got, ref, rtol=1e-5, what="losses after resuming at world size 1")
+        with zs.gathered_parameters(m1):
+            for k, v in m1.state_dict().items():
+                assert_close(v, ref_state[k], rtol=0.0, atol=1e-5 * float(ref_state[k].abs().max()), what=k)
+    dist.barrier()
+    m2, _ = build(2)
+    zs.load_full_state_dict(m2, full)
+    with zs.gathered_parameters(m2):
+        for k, v in m2.state_dict().items():
+            assert_close(v, full[k], rtol=0.0, atol=0.0, what=f"load_full_state_dict: {k}")
+    assert any("experts.gate_up_proj" in k for k in full), sorted(full)
+
+
+def _worker(rank: int, world: int, tmp: str) -> int:
     cells = _cells()
     run_subtests(lambda **kw: _parity_cell(rank, **kw), cells, label="moe parity")
     _generate_case(rank)
+    _checkpoint_case(rank, tmp)
     return len(cells)
 
 
-def test_moe_selected_experts_match_ddp(launch) -> None:
-    counts = launch(_worker, 2, timeout=90)
+def test_moe_selected_experts_match_ddp(launch, tmp_path) -> None:
+    counts = launch(_worker, 2, args=(str(tmp_path),), timeout=120)
     assert counts == [len(_cells())] * 2
