@@ -130,24 +130,28 @@ def find_expert_modules(root: nn.Module) -> list[ExpertsModule]:
 
 
 def row_segments(
-    layout: ShardLayout, rows: Sequence[int], union: Sequence[int], rank: int
-) -> list[tuple[int, int, int]]:
-    """The flat ranges ``(parameter, lo, hi)`` of the experts in ``union`` (sorted) that ``rank``
-    holds, for parameters of ``rows[i]`` elements per expert, in parameter order."""
-    runs: list[tuple[int, int]] = []  # consecutive experts merged: [first, end)
-    for e in union:
-        if runs and runs[-1][1] == e:
-            runs[-1] = (runs[-1][0], e + 1)
-        else:
-            runs.append((e, e + 1))
+    layout: ShardLayout, rows: Sequence[int], union: Sequence[int], rank: int, device: torch.device
+) -> list[tuple[int, torch.Tensor]]:
+    """The flat positions of the experts in ``union`` (sorted) that ``rank`` holds, per
+    parameter of ``rows[i]`` elements per expert: ``(parameter, positions)`` in parameter order
+    (positions ascending, so every rank packs and unpacks them alike)."""
+    chosen = torch.tensor(list(union), dtype=torch.long, device=device)
     out = []
     for i, r in enumerate(rows):
-        b_lo, b_hi = layout.local_range(i, rank)
-        for a, z in runs:
-            lo, hi = max(a * r, b_lo), min(z * r, b_hi)
-            if lo < hi:
-                out.append((i, lo, hi))
+        lo, hi = layout.local_range(i, rank)
+        first, last = lo // r, -(-hi // r)  # the experts this rank's piece touches
+        sel = chosen[(chosen >= first) & (chosen < last)]
+        if not sel.numel():
+            continue
+        idx = (sel[:, None] * r + torch.arange(r, device=device)[None, :]).reshape(-1)
+        idx = idx[(idx >= lo) & (idx < hi)]
+        if idx.numel():
+            out.append((i, idx))
     return out
+
+
+def _width(segments: Sequence[Sequence[tuple[int, torch.Tensor]]]) -> int:
+    return max(sum(idx.numel() for _, idx in s) for s in segments)
 
 
 class MoeStats:
@@ -188,6 +192,7 @@ class ExpertRows:
         self.passes: list[tuple[int, ...]] = []  # unions of forwards whose backward is to come
         self.pending: set[int] = set()  # experts of every forward since the last reduction
         self.pending_full = False  # some forward since the last reduction did not say its selection
+        self._segments: dict[tuple[int, ...], list[list[tuple[int, torch.Tensor]]]] = {}  # by union
         if unit.group is not None:
             unit.group.experts = self
 
@@ -226,10 +231,15 @@ class ExpertRows:
             self.pending.update(union)
 
     # -- gathers ---------------------------------------------------------------------------
-    def _whole(self, union: Sequence[int]) -> tuple[bool, list[list[tuple[int, int, int]]], int]:
+    def _whole(self, union: Sequence[int]) -> tuple[bool, list[list[tuple[int, torch.Tensor]]], int]:
         lay, n = self.unit.layout, self.ctx.world_size
-        segs = [row_segments(lay, self.rows, union, r) for r in range(n)]
-        width = max(sum(hi - lo for _, lo, hi in s) for s in segs)
+        key = tuple(union)
+        if key not in self._segments:  # the backward asks for its forward's union again
+            if len(self._segments) > 4:
+                self._segments.clear()
+            self._segments[key] = [row_segments(lay, self.rows, union, r, self.ctx.device) for r in range(n)]
+        segs = self._segments[key]
+        width = _width(segs)
         return width >= self.full_share * lay.shard_numel, segs, width
 
     def gather(self, union: tuple[int, ...] | None, step: str) -> None:
@@ -256,17 +266,17 @@ class ExpertRows:
         self.stats.gathered_bytes += self.ctx.world_size * width * u.full[0].element_size()
         self.current = union
 
-    def _gather_rows(self, segs: list[list[tuple[int, int, int]]], width: int, step: str) -> None:
+    def _gather_rows(self, segs: list[list[tuple[int, torch.Tensor]]], width: int, step: str) -> None:
         u, ctx = self.unit, self.ctx
         n, s = ctx.world_size, width + TAG
         buf = ctx.pool.get(n * s, u.dtype, ctx.device)
         slot = buf.view(n, s)[ctx.rank]
         pos = 0
         with u.resident():
-            for i, lo, hi in segs[ctx.rank]:
+            for i, idx in segs[ctx.rank]:
                 b = u.layout.local_range(i)[0]
-                slot[pos : pos + hi - lo].copy_(u.piece(i)[lo - b : hi - b])
-                pos += hi - lo
+                slot[pos : pos + idx.numel()].copy_(u.piece(i).index_select(0, idx - b))  # cast to the compute dtype
+                pos += idx.numel()
         slot[pos : s - TAG].zero_()
         slot[-TAG] = u.tag % 128
         slot[-1] = u.tag // 128
@@ -292,9 +302,9 @@ class ExpertRows:
                 flats.append(f.view(-1))
             for r in range(n):
                 pos = 0
-                for i, lo, hi in segs[r]:
-                    flats[i][lo:hi].copy_(rows[r, pos : pos + hi - lo])
-                    pos += hi - lo
+                for i, idx in segs[r]:
+                    flats[i].index_copy_(0, idx, rows[r, pos : pos + idx.numel()])
+                    pos += idx.numel()
         ctx.pool.put(buf)
         u._to(ShardedState.UNSHARDED, "a selective expert gather")
 
@@ -329,8 +339,8 @@ class ExpertRows:
             return None
         n = self.ctx.world_size
         rows = self.rows[: len(g.params)]
-        segs = [row_segments(g.layout, rows, union, r) for r in range(n)]
-        width = max(sum(hi - lo for _, lo, hi in s) for s in segs)
+        segs = [row_segments(g.layout, rows, union, r, self.ctx.device) for r in range(n)]
+        width = _width(segs)
         if width >= self.full_share * g.layout.shard_numel:
             self._count_reduce(g.layout.shard_numel, g)
             return None

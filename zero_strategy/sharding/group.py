@@ -95,7 +95,7 @@ class HostMasters(MasterPolicy):
 class ReducePlan:
     """One selective reduction: each rank's segments (of the trainable layout) and the padded length."""
 
-    segments: list[list[tuple[int, int, int]]]
+    segments: list[list[tuple[int, torch.Tensor]]]  # per rank: (parameter, flat positions)
     width: int
 
     def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
@@ -104,21 +104,21 @@ class ReducePlan:
         rows.zero_()
         for r, segs in enumerate(self.segments):
             pos = 0
-            for i, lo, hi in segs:
+            for i, idx in segs:
                 g = grads[i]
                 if g is not None:
-                    rows[r, pos : pos + hi - lo].copy_(g[lo:hi])
-                pos += hi - lo
+                    rows[r, pos : pos + idx.numel()].copy_(g.index_select(0, idx))  # cast to the reduce dtype
+                pos += idx.numel()
 
     def add_into(self, layout: ShardLayout, shard: torch.Tensor, mine: torch.Tensor, rank: int, *, fresh: bool) -> None:
         """This rank's reduced segments ``mine`` into its gradient shard (``fresh``: zeros elsewhere)."""
         if fresh:
             shard.zero_()
         pos = 0
-        for i, lo, hi in self.segments[rank]:
+        for i, idx in self.segments[rank]:
             b = layout.local_range(i)[0]
-            layout.local_view(shard, i)[lo - b : hi - b].add_(mine[pos : pos + hi - lo])
-            pos += hi - lo
+            layout.local_view(shard, i).index_add_(0, idx - b, mine[pos : pos + idx.numel()])
+            pos += idx.numel()
 
 
 class RowSelection(Protocol):
