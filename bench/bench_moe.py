@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """MoE at ZeRO-3 (docs/moe.md): gathering only the selected experts against gathering all of them.
 
-Part 1, the cost switch (``moe_full_gather_share``): one experts layer of a tiny Mixtral, its
+Part 1, the cost switch (``moe_full_gather_share``): one experts layer of a small Mixtral
+(hidden 128, intermediate 128: 196 KiB per expert, 12 MiB for 64), its
 selective gather of random unions of growing size timed against one whole gather, so the share
 of a whole gather's bytes where selective stops paying is measured, not guessed.
 
@@ -30,24 +31,24 @@ if _REPO_ROOT not in sys.path:
 K = 2
 
 
-def _model(experts: int):
+def _model(experts: int, hidden: int = 16, inter: int = 4):
     import torch
     import transformers
 
     cfg = transformers.MixtralConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=4, num_hidden_layers=1, num_attention_heads=2,
+        vocab_size=64, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, num_local_experts=experts, num_experts_per_tok=K, max_position_embeddings=8192,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(cfg)
 
 
-def _engine(experts: int, share: float):
+def _engine(experts: int, share: float, hidden: int = 16, inter: int = 4):
     import torch
 
     import zero_strategy as zs
 
-    model = _model(experts)
+    model = _model(experts, hidden, inter)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=share)
     return zs.initialize(model, opt, config=cfg)
@@ -57,7 +58,7 @@ def _switch(rank: int, experts: int, reps: int) -> list[dict]:
     """Selective gathers of random unions against whole gathers of one experts layer."""
     import torch
 
-    model, _ = _engine(experts, 1.0)
+    model, _ = _engine(experts, 1.0, hidden=128, inter=128)  # 196 KiB per expert: bytes, not overheads
     x = next(iter(model.zero_engine.zero3.experts.values()))
     g = torch.Generator().manual_seed(0)
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small grid (the test's)")
     args = ap.parse_args(argv)
     res = launch(_worker, 2, args=(args.steps, args.quick), timeout=1800)[0]
-    print("## Cost switch: one selective gather / one whole gather (E=64, 2 ranks, best of reps)\n")
+    print("## Cost switch: one selective gather / one whole gather (E=64, 196 KiB experts, 2 ranks, best of reps)\n")
     print("| union experts | selective bytes / whole bytes | time / whole gather's |")
     print("|---|---|---|")
     for r in res["switch"]:
