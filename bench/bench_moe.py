@@ -8,8 +8,9 @@ of a whole gather's bytes where selective stops paying is measured, not guessed.
 
 Part 2, training steps: a one-layer tiny Mixtral (hidden 16, intermediate 4: tiny experts, so
 1,024 fit), top-2, 2 CPU ranks (gloo, one thread each), for 8, 64 and 1,024 experts and 16, 256
-and 4,096 tokens per step (over both ranks), with the default switch ("selected") and with
-``moe_full_gather_share`` so small that every gather is whole ("all experts"). Per step: expert
+and 4,096 tokens per step (over both ranks), with the default switch (0.2), with selective gathers
+whenever they move fewer bytes (share 1.0, "selected") and with ``moe_full_gather_share`` so small
+that every gather is whole ("all experts"). Per step: expert
 bytes gathered (forward and backward) and reduced, step time, and the union share measured next
 to the formula ``1 - (1 - k/E)^T`` for uniform routing (a freshly initialised router is close).
 
@@ -117,7 +118,7 @@ def _worker(rank: int, world: int, steps: int, quick: bool) -> dict:
     out: dict = {"switch": _switch(rank, 64, 3 if quick else 10), "steps": []}
     grid = [(8, 16), (64, 256)] if quick else [(e, t) for e in (8, 64, 1024) for t in (16, 256, 4096)]
     for experts, tokens in grid:
-        for name, share in (("selected", 0.5), ("all experts", 1e-9)):
+        for name, share in (("switch 0.2", 0.2), ("selected", 1.0), ("all experts", 1e-9)):
             r = _steps(rank, world, experts, tokens, share, steps)
             out["steps"].append({"E": experts, "T": tokens, "mode": name, **r})
     return out

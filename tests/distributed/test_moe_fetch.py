@@ -42,7 +42,9 @@ def _batch(step: int, micro: int, rank: int):
     return torch.randint(0, VOCAB, (1, 3), generator=g)  # few tokens: some expert is idle on every rank
 
 
-def _train(kind: str, experts: int, top_k: int, mode: str, stage: int, accum: str, clip: float | None, rank: int):
+def _train(
+    kind: str, experts: int, top_k: int, mode: str, stage: int, accum: str, clip: float | None, rank: int, switch: bool
+):
     import contextlib
 
     import torch
@@ -56,7 +58,9 @@ def _train(kind: str, experts: int, top_k: int, mode: str, stage: int, accum: st
         net = DDP(model, find_unused_parameters=False)
         no_sync = net.no_sync
     else:
-        cfg = zs.ZeroConfig(stage=stage, stage3_param_persistence_threshold=0)
+        # share 1.0: selective unless padding makes it whole; the switch cell keeps the default
+        share = {} if switch else {"moe_full_gather_share": 1.0}
+        cfg = zs.ZeroConfig(stage=stage, stage3_param_persistence_threshold=0, **share)
         net, opt = zs.initialize(model, opt, config=cfg)
         no_sync = net.no_sync
     n_micro = 1 if accum == "none" else 2
@@ -82,8 +86,8 @@ def _train(kind: str, experts: int, top_k: int, mode: str, stage: int, accum: st
 def _parity_cell(
     rank: int, kind: str, experts: int, top_k: int, stage: int, accum: str, clip: float | None, switch: bool = False
 ) -> None:
-    ref_losses, ref_state, _ = _train(kind, experts, top_k, "ddp", stage, accum, clip, rank)
-    losses, state, stats = _train(kind, experts, top_k, "zero", stage, accum, clip, rank)
+    ref_losses, ref_state, _ = _train(kind, experts, top_k, "ddp", stage, accum, clip, rank, switch)
+    losses, state, stats = _train(kind, experts, top_k, "zero", stage, accum, clip, rank, switch)
     assert_close(losses, ref_losses, rtol=1e-5, what=f"rank {rank}: losses (and clip norms) against DDP")
     assert state.keys() == ref_state.keys(), (sorted(state), sorted(ref_state))
     for k, ref in ref_state.items():
@@ -93,13 +97,13 @@ def _parity_cell(
     elif stage == 3:
         # some expert was selected by no rank in some pass, and only the union moved
         assert 0 < stats["moe_union_experts"] < stats["moe_experts_seen"], stats
-        assert stats["moe_full_gathers"] < stats["moe_gathers"] / 4, stats  # the switch: unions crowded on one rank
+        assert stats["moe_full_gathers"] < stats["moe_gathers"] / 4, stats  # whole: the union's rows all on one rank
         assert 0 < stats["moe_gathered_bytes"] < stats["moe_full_bytes"], stats
         assert 0 < stats["moe_reduced_bytes"] < stats["moe_full_reduce_bytes"], stats
 
 
 def _cells() -> list[dict]:
-    # E=4 top-2: the union is most experts, so the cost switch gathers (and reduces) whole
+    # E=4 top-2, the default share: the union is most experts, so the switch gathers (and reduces) whole
     return [
         dict(kind="mixtral", experts=32, top_k=2, stage=3, accum="none", clip=None),
         dict(kind="mixtral", experts=16, top_k=1, stage=3, accum="no_sync", clip=0.05),
@@ -124,7 +128,7 @@ def _generate_case(rank: int) -> None:
         plain.lm_head.weight.mul_(4.0)
     model, _ = zs.initialize(
         copy.deepcopy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
-        config=zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0),
+        config=zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=1.0),
     )  # fmt: skip
     model.eval()
     prompt = torch.tensor([[1, 2, 3, 4]])

@@ -60,7 +60,7 @@ __all__ = [
 # forward arguments that carry the router's selection (expert indices per token)
 SELECTION_ARGUMENTS = ("top_k_index", "router_indices", "selected_experts", "expert_indices", "topk_ids", "topk_idx")
 _CONFIG_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
-FULL_SHARE = 0.5  # default cost switch: see docs/moe.md for the measurement behind it
+FULL_SHARE = 0.2  # default cost switch, measured: bench/bench_moe.py part 1, bench/RESULTS.md
 
 
 @dataclass(frozen=True)
