@@ -275,7 +275,8 @@ class ExpertRows:
         with u.resident():
             for i, idx in segs[ctx.rank]:
                 b = u.layout.local_range(i)[0]
-                slot[pos : pos + idx.numel()].copy_(u.piece(i).index_select(0, idx - b))  # cast to the compute dtype
+                piece = u.piece(i)  # on the host with offloaded parameters
+                slot[pos : pos + idx.numel()].copy_(piece.index_select(0, (idx - b).to(piece.device)))
                 pos += idx.numel()
         slot[pos : s - TAG].zero_()
         slot[-TAG] = u.tag % 128
