@@ -12,7 +12,10 @@ and 4,096 tokens per step (over both ranks), with the default switch (0.2), with
 whenever they move fewer bytes (share 1.0, "selected") and with ``moe_full_gather_share`` so small
 that every gather is whole ("all experts"). Per step: expert
 bytes gathered (forward and backward) and reduced, step time, and the union share measured next
-to the formula ``1 - (1 - k/E)^T`` for uniform routing (a freshly initialised router is close).
+to the formula ``1 - (1 - k/E)^T`` for uniform routing.
+
+Part 3, decoding: greedy ``generate`` of 32 tokens on both ranks with 64 experts: tokens/s and
+expert bytes gathered per token, for the same three settings.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_moe.py [--steps 3] [--quick]
 """
@@ -111,12 +114,38 @@ def _steps(rank: int, world: int, experts: int, tokens: int, share: float, steps
     }
 
 
-def _worker(rank: int, world: int, steps: int, quick: bool) -> dict:
+def _decode(rank: int, experts: int, share: float, new_tokens: int) -> dict:
+    """``generate`` on every rank (greedy, one prompt each): tokens/s and expert bytes per token."""
+    import torch
+
+    model, _ = _engine(experts, share)
+    model.eval()
+    prompt = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(rank))
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        before = model.zero_engine.memory_stats()
+        t0 = time.perf_counter()
+        model.generate(prompt, **kw)
+        seconds = time.perf_counter() - t0
+    after = model.zero_engine.memory_stats()
+    return {
+        "tokens_per_s": new_tokens / seconds,
+        "bytes_per_token": (after["moe_gathered_bytes"] - before["moe_gathered_bytes"]) / new_tokens,
+        "union": (after["moe_union_experts"] - before["moe_union_experts"])
+        / max(after["moe_experts_seen"] - before["moe_experts_seen"], 1),
+    }
+
+
+def _worker(rank: int, world: int, steps: int, quick: bool, decode_only: bool) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    out: dict = {"switch": _switch(rank, 64, 3 if quick else 10), "steps": []}
+    out: dict = {"switch": [] if decode_only else _switch(rank, 64, 3 if quick else 10), "steps": [], "decode": []}
+    for name, share in (("switch 0.2", 0.2), ("selected", 1.0), ("all experts", 1e-9)):
+        out["decode"].append({"mode": name, **_decode(rank, 64, share, 8 if quick else 32)})
     grid = [(8, 16), (64, 256)] if quick else [(e, t) for e in (8, 64, 1024) for t in (16, 256, 4096)]
+    grid = [] if decode_only else grid
     for experts, tokens in grid:
         for name, share in (("switch 0.2", 0.2), ("selected", 1.0), ("all experts", 1e-9)):
             r = _steps(rank, world, experts, tokens, share, steps)
@@ -130,13 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a small grid (the test's)")
+    ap.add_argument("--decode-only", action="store_true", help="part 3 only")
     args = ap.parse_args(argv)
-    res = launch(_worker, 2, args=(args.steps, args.quick), timeout=1800)[0]
+    res = launch(_worker, 2, args=(args.steps, args.quick, args.decode_only), timeout=1800)[0]
     print("## Cost switch: one selective gather / one whole gather (E=64, 196 KiB experts, 2 ranks, best of reps)\n")
     print("| union experts | selective bytes / whole bytes | time / whole gather's |")
     print("|---|---|---|")
     for r in res["switch"]:
         print(f"| {r['experts']} | {r['width_share']:.2f} | {r['ratio']:.2f} |")
+    print("\n## Decoding: E=64, top-2, greedy generate on both ranks (one prompt each, rank 0's numbers)\n")
+    print("| mode | union share | expert KiB per token | tokens/s |")
+    print("|---|---|---|---|")
+    for r in res["decode"]:
+        print(f"| {r['mode']} | {r['union']:.3f} | {r['bytes_per_token'] / 1024:.1f} | {r['tokens_per_s']:.1f} |")
     print("\n## Steps (per rank and step, forward + backward; 2 ranks, top-2)\n")
     print("| E | tokens | mode | union share | formula | gathered KiB | reduced KiB | step ms |")
     print("|---|---|---|---|---|---|---|---|")
