@@ -14,9 +14,71 @@ from zero_strategy.testing import assert_close, run_subtests
 VOCAB = 32
 
 
+def _list_moe(experts: int, top_k: int):
+    """A hand-written MoE whose experts are a declared ``nn.ModuleList`` (``zs.declare_experts``),
+    its blocks the default policy's units."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import zero_strategy as zs
+
+    d = 16
+
+    class Out(dict):
+        @property
+        def loss(self):
+            return self["loss"]
+
+    class Expert(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(d, 8), nn.Linear(8, d)
+
+        def forward(self, x):
+            return self.down(torch.tanh(self.up(x)))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.gate = nn.Linear(d, experts, bias=False)
+            self.experts = zs.declare_experts(nn.ModuleList(Expert() for _ in range(experts)))
+
+        def forward(self, x):
+            h = self.norm(x).reshape(-1, d)
+            weights, idx = F.softmax(self.gate(h), dim=-1).topk(top_k, dim=-1)
+            zs.select_experts(self.experts, idx)
+            out = torch.zeros_like(h)
+            for e in idx.unique().tolist():
+                tok, pos = torch.where(idx == e)
+                out = out.index_add(0, tok, self.experts[e](h[tok]) * weights[tok, pos, None])
+            return x + out.view_as(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.head = nn.Linear(d, VOCAB)
+
+        def forward(self, input_ids, labels):
+            x = self.emb(input_ids)
+            for b in self.blocks:
+                x = b(x)
+            loss = F.cross_entropy(self.head(x).view(-1, VOCAB), labels.reshape(-1))
+            return Out(loss=loss)  # a dict: DDP finds the loss in it (find_unused_parameters)
+
+    torch.manual_seed(0)
+    return Net()
+
+
 def _build(kind: str, experts: int, top_k: int):
     import torch
     import transformers
+
+    if kind == "list":
+        return _list_moe(experts, top_k)
 
     common = dict(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -55,7 +117,7 @@ def _train(
     model = _build(kind, experts, top_k)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)  # eps: no amplified rounding of tiny grads
     if mode == "ddp":
-        net = DDP(model, find_unused_parameters=False)
+        net = DDP(model, find_unused_parameters=kind == "list")  # idle ModuleList experts: no gradient
         no_sync = net.no_sync
     else:
         # share 1.0: selective unless padding makes it whole; the switch cell keeps the default
@@ -111,6 +173,9 @@ def _cells() -> list[dict]:
         dict(kind="qwen3_moe", experts=32, top_k=2, stage=3, accum="none", clip=0.05),
         dict(kind="qwen3_moe", experts=32, top_k=1, stage=3, accum="no_sync", clip=None),
         dict(kind="mixtral", experts=4, top_k=2, stage=3, accum="plain", clip=0.05, switch=True),
+        dict(kind="list", experts=8, top_k=1, stage=3, accum="none", clip=0.05),
+        dict(kind="list", experts=8, top_k=2, stage=3, accum="no_sync", clip=None),
+        dict(kind="list", experts=8, top_k=2, stage=2, accum="plain", clip=None),
         dict(kind="mixtral", experts=8, top_k=2, stage=2, accum="no_sync", clip=0.05),
         dict(kind="qwen3_moe", experts=8, top_k=1, stage=2, accum="none", clip=None),
     ]

@@ -345,6 +345,10 @@ class UnitScheduler:
 
     def post_forward(self, u: UnitStorage) -> None:
         P.close_range(self._ranges.pop(("forward", u.tag), None))
+        if not self._in_backward:  # a ModuleList of experts inside: regathered for the unit's backward
+            for x in self.experts_of.get(u.tag, ()):
+                if x.found.members:
+                    x.release()
         if u.tag in self._running:  # the innermost call of it
             del self._running[len(self._running) - 1 - self._running[::-1].index(u.tag)]
         # a checkpoint's recomputation keeps it for the backward; a unit that runs again soon
@@ -377,6 +381,9 @@ class UnitScheduler:
         if self._bwd_pos is not None:
             self._prefetch(self._bwd_pos, -1)
         u.wait_unshard(self.names)
+        for x in self.experts_of.get(u.tag, ()):  # a ModuleList of experts: its forward's union again
+            if x.found.members and not x.unit.persistent:
+                x.gather(x.passes.pop() if x.passes else None, self.step)
         if P.enabled():
             self._ranges[("backward", u.tag)] = P.open_range("zero: backward", u.name)
 

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.runtime.zero3 import UnitScheduler
-from zero_strategy.sharding.experts import ExpertRows
+from zero_strategy.sharding.experts import SELECT_HOOK, ExpertRows
 from zero_strategy.sharding.pieces import is_placeholder
 from zero_strategy.sharding.unit import UnitStorage
 
@@ -86,6 +86,9 @@ class Zero3Hooks:
                 if sub is not m:
                     enclosing.setdefault(id(sub), u)
         handles: list[RemovableHandle] = []
+        for listed in self.scheduler.experts.values():  # a declared ModuleList: select_experts() calls in
+            if listed.found.members:
+                setattr(listed.found.module, SELECT_HOOK, functools.partial(self.scheduler.expert_pre_forward, listed))
         for sub in root.modules():
             if sub is root or next(sub.parameters(), None) is None:
                 continue
@@ -98,7 +101,7 @@ class Zero3Hooks:
                 handles.append(sub.register_forward_pre_hook(pre_unit, with_kwargs=True))
                 handles.append(sub.register_forward_hook(post_unit, with_kwargs=True))
             x = self.scheduler.experts.get(id(sub))
-            if x is not None:  # an MoE experts module: gathered by the router's selection
+            if x is not None and not x.found.members:  # an MoE experts module: gathered by the router's selection
                 handles.append(sub.register_forward_pre_hook(functools.partial(self._expert_pre, x), with_kwargs=True))
                 handles.append(sub.register_forward_hook(functools.partial(self._expert_post, x)))
             handles.append(sub.register_forward_hook(self._outside_post_forward, always_call=True))

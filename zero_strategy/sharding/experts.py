@@ -50,6 +50,8 @@ from zero_strategy.sharding.unit import TAG, UnitDivergence, UnitStorage
 
 __all__ = [
     "SELECTION_ARGUMENTS",
+    "declare_experts",
+    "select_experts",
     "ExpertRows",
     "ExpertsModule",
     "MoeStats",
@@ -73,6 +75,7 @@ class ExpertsModule:
     num_experts: int
     argument: str
     position: int | None  # positional index after ``self``; None: keyword only
+    members: bool = False  # a declared ModuleList of experts (:func:`declare_experts`), not stacked weights
 
     def selection(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The selected expert indices of one call (None: the call does not say)."""
@@ -110,12 +113,43 @@ def _selection_argument(m: nn.Module) -> tuple[str, int | None] | None:
     return None
 
 
+_DECLARED = "_zero_experts_list"
+SELECT_HOOK = "_zero_select_experts"  # set on a declared list by the ZeRO-3 hooks
+
+
+def declare_experts(experts: nn.ModuleList) -> nn.ModuleList:
+    """Declare a ``ModuleList`` whose members are the experts of an MoE layer (expert ``e`` is
+    ``experts[e]``), before ``initialize``. At ZeRO-3 its forward must call
+    :func:`select_experts` with the router's selection before running any member; then only the
+    experts some rank selected are gathered. Returns ``experts``."""
+    if not isinstance(experts, nn.ModuleList) or len(experts) < 2:
+        raise TypeError(
+            f"declare_experts() takes an nn.ModuleList of two or more experts, got {type(experts).__name__}"
+        )
+    setattr(experts, _DECLARED, True)
+    return experts
+
+
+def select_experts(experts: nn.ModuleList, selection: torch.Tensor) -> None:
+    """Before running any member of a :func:`declare_experts` list: ``selection`` holds the expert
+    indices this rank's tokens chose (any shape; out-of-range values are ignored). At ZeRO-3 every
+    rank must call it once per forward of the layer (a collective: the ranks agree on the union
+    and gather it); elsewhere it does nothing."""
+    hook = getattr(experts, SELECT_HOOK, None)
+    if hook is not None:
+        hook(selection)
+
+
 def find_expert_modules(root: nn.Module) -> list[ExpertsModule]:
     """The outermost experts modules below ``root`` (see the module doc), in registration order."""
     found: list[ExpertsModule] = []
     inside: list[str] = []
     for fqn, m in root.named_modules():
         if m is root or any(fqn.startswith(f"{p}.") for p in inside):
+            continue
+        if getattr(m, _DECLARED, False) and any(True for _ in m.parameters()):
+            found.append(ExpertsModule(fqn, m, len(m), "", None, members=True))
+            inside.append(fqn)
             continue
         n = _num_experts(m)
         params = list(m.parameters())
@@ -130,15 +164,26 @@ def find_expert_modules(root: nn.Module) -> list[ExpertsModule]:
 
 
 def row_segments(
-    layout: ShardLayout, rows: Sequence[int], union: Sequence[int], rank: int, device: torch.device
+    layout: ShardLayout,
+    rows: Sequence[int],
+    union: Sequence[int],
+    rank: int,
+    device: torch.device,
+    owners: Sequence[int | None] | None = None,
 ) -> list[tuple[int, torch.Tensor]]:
     """The flat positions of the experts in ``union`` (sorted) that ``rank`` holds, per
     parameter of ``rows[i]`` elements per expert: ``(parameter, positions)`` in parameter order
-    (positions ascending, so every rank packs and unpacks them alike)."""
+    (positions ascending, so every rank packs and unpacks them alike). A parameter with an
+    ``owners[i]`` belongs to that expert whole (a ModuleList member's)."""
     chosen = torch.tensor(list(union), dtype=torch.long, device=device)
+    wanted = set(union)
     out = []
     for i, r in enumerate(rows):
         lo, hi = layout.local_range(i, rank)
+        if owners is not None and owners[i] is not None:
+            if owners[i] in wanted and lo < hi:
+                out.append((i, torch.arange(lo, hi, device=device)))
+            continue
         first, last = lo // r, -(-hi // r)  # the experts this rank's piece touches
         sel = chosen[(chosen >= first) & (chosen < last)]
         if not sel.numel():
@@ -186,12 +231,19 @@ class ExpertRows:
     def __init__(self, found: ExpertsModule, unit: UnitStorage, stats: MoeStats, full_share: float) -> None:
         self.found, self.unit, self.stats, self.full_share = found, unit, stats, full_share
         self.num_experts = found.num_experts
-        self.rows = [p.numel() // found.num_experts for p in unit.params]
+        if found.members:  # a ModuleList: each parameter belongs to one expert, named by its index
+            cut = len(found.fqn) + 1
+            self.owners: list[int | None] | None = [int(f[cut:].split(".", 1)[0]) for f in unit.fqns]
+            self.rows = [p.numel() for p in unit.params]
+        else:
+            self.owners = None
+            self.rows = [p.numel() // found.num_experts for p in unit.params]
         self.ctx = unit.ctx
         self.current: tuple[int, ...] | None = None  # the union gathered now (None: whole, or nothing)
         self.passes: list[tuple[int, ...]] = []  # unions of forwards whose backward is to come
         self.pending: set[int] = set()  # experts of every forward since the last reduction
         self.pending_full = False  # some forward since the last reduction did not say its selection
+        self.current_union: tuple[int, ...] = ()  # the union being gathered
         self._segments: dict[tuple[int, ...], list[list[tuple[int, torch.Tensor]]]] = {}  # by union
         if unit.group is not None:
             unit.group.experts = self
@@ -237,7 +289,9 @@ class ExpertRows:
         if key not in self._segments:  # the backward asks for its forward's union again
             if len(self._segments) > 4:
                 self._segments.clear()
-            self._segments[key] = [row_segments(lay, self.rows, union, r, self.ctx.device) for r in range(n)]
+            self._segments[key] = [
+                row_segments(lay, self.rows, union, r, self.ctx.device, self.owners) for r in range(n)
+            ]
         segs = self._segments[key]
         width = _width(segs)
         return width >= self.full_share * lay.shard_numel, segs, width
@@ -262,6 +316,7 @@ class ExpertRows:
             u.unshard_async(step)
             u.wait_unshard(u.checks.names)
             return
+        self.current_union = union or ()
         self._gather_rows(segs, width, step)
         self.stats.gathered_bytes += self.ctx.world_size * width * u.full[0].element_size()
         self.current = union
@@ -294,13 +349,16 @@ class ExpertRows:
         u.meter.gathers += 1
         u.meter.gathered_bytes += n * width * u.full[0].element_size()
         u.gathers += 1
+        wanted = set(self.current_union)
         with torch.no_grad():
             flats = []
-            for p, f in zip(u.params, u.full):
+            for i, (p, f) in enumerate(zip(u.params, u.full)):
+                flats.append(f.view(-1))
+                if self.owners is not None and self.owners[i] not in wanted:
+                    continue  # an idle ModuleList expert: its parameters stay placeholders
                 f.untyped_storage().resize_(f.numel() * f.element_size())
                 f.zero_()
                 p.data = f
-                flats.append(f.view(-1))
             for r in range(n):
                 pos = 0
                 for i, idx in segs[r]:
@@ -339,14 +397,14 @@ class ExpertRows:
                 self._count_reduce(g.layout.shard_numel, g)
             return None
         n = self.ctx.world_size
-        rows = self.rows[: len(g.params)]
-        segs = [row_segments(g.layout, rows, union, r, self.ctx.device) for r in range(n)]
+        rows, owners = self.rows[: len(g.params)], None if self.owners is None else self.owners[: len(g.params)]
+        segs = [row_segments(g.layout, rows, union, r, self.ctx.device, owners) for r in range(n)]
         width = _width(segs)
         if width >= self.full_share * g.layout.shard_numel:
             self._count_reduce(g.layout.shard_numel, g)
             return None
         self._count_reduce(width, g)
-        return ReducePlan(segs, width)
+        return ReducePlan(segs, width, frozenset(i for per_rank in segs for i, _ in per_rank))
 
     def _count_reduce(self, width: int, g: Any) -> None:
         size = self.ctx.world_size * torch.empty(0, dtype=g.reduce_dtype).element_size()

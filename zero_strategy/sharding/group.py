@@ -97,15 +97,22 @@ class ReducePlan:
 
     segments: list[list[tuple[int, torch.Tensor]]]  # per rank: (parameter, flat positions)
     width: int
+    covered: frozenset[int] = frozenset()  # the parameters some rank reduces rows of
 
     def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
         """Every rank's segments of the full gradients into ``out`` (world_size rows of ``width``)."""
+        stray = [i for i, g in enumerate(grads) if g is not None and i not in self.covered]
+        if stray:
+            raise RuntimeError(
+                f"an MoE experts unit has gradients for parameters {stray} of experts that no rank selected: "
+                "pass every expert a forward runs to zero_strategy.select_experts(experts, selection) first"
+            )
         rows = out.view(len(self.segments), self.width)
         rows.zero_()
         for r, segs in enumerate(self.segments):
             pos = 0
             for i, idx in segs:
-                g = grads[i]
+                g = grads[i]  # None: this rank did not run that expert (zeros)
                 if g is not None:
                     rows[r, pos : pos + idx.numel()].copy_(g.index_select(0, idx))  # cast to the reduce dtype
                 pos += idx.numel()
