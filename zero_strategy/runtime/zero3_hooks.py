@@ -88,7 +88,11 @@ class Zero3Hooks:
         handles: list[RemovableHandle] = []
         for listed in self.scheduler.experts.values():  # a declared ModuleList: select_experts() calls in
             if listed.found.members:
-                setattr(listed.found.module, SELECT_HOOK, functools.partial(self.scheduler.expert_pre_forward, listed))
+                slot: dict[int, Any] = {}
+                setattr(listed.found.module, SELECT_HOOK, slot)
+                handle = RemovableHandle(slot)  # closing the engine empties the slot
+                slot[handle.id] = functools.partial(self.scheduler.expert_pre_forward, listed)
+                handles.append(handle)
         for sub in root.modules():
             if sub is root or next(sub.parameters(), None) is None:
                 continue

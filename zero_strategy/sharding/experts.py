@@ -114,7 +114,7 @@ def _selection_argument(m: nn.Module) -> tuple[str, int | None] | None:
 
 
 _DECLARED = "_zero_experts_list"
-SELECT_HOOK = "_zero_select_experts"  # set on a declared list by the ZeRO-3 hooks
+SELECT_HOOK = "_zero_select_experts"  # on a declared list: {handle id: the ZeRO-3 engine's call}
 
 
 def declare_experts(experts: nn.ModuleList) -> nn.ModuleList:
@@ -135,8 +135,7 @@ def select_experts(experts: nn.ModuleList, selection: torch.Tensor) -> None:
     indices this rank's tokens chose (any shape; out-of-range values are ignored). At ZeRO-3 every
     rank must call it once per forward of the layer (a collective: the ranks agree on the union
     and gather it); elsewhere it does nothing."""
-    hook = getattr(experts, SELECT_HOOK, None)
-    if hook is not None:
+    for hook in list(getattr(experts, SELECT_HOOK, {}).values()):  # none once the engine is closed
         hook(selection)
 
 
