@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -88,7 +89,7 @@ class Zero3Hooks:
         handles: list[RemovableHandle] = []
         for listed in self.scheduler.experts.values():  # a declared ModuleList: select_experts() calls in
             if listed.found.members:
-                slot: dict[int, Any] = {}
+                slot: OrderedDict[int, Any] = OrderedDict()  # RemovableHandle keeps a weak reference
                 setattr(listed.found.module, SELECT_HOOK, slot)
                 handle = RemovableHandle(slot)  # closing the engine empties the slot
                 slot[handle.id] = functools.partial(self.scheduler.expert_pre_forward, listed)
