@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from zero_strategy.config import ZeroConfig, resolve_overrides
     from zero_strategy.runtime.optimizer import UnknownOptimizerWarning
     from zero_strategy.sharding.construction import sharded_init
+    from zero_strategy.sharding.experts import declare_experts, select_experts
     from zero_strategy.sharding.partition import zero_auto_partition
     from zero_strategy.sharding.unit import UnitDivergence
 
@@ -71,6 +72,8 @@ _PUBLIC: dict[str, str] = {
     "resolve_overrides": "zero_strategy.config",
     "UnknownOptimizerWarning": "zero_strategy.runtime.optimizer",
     "sharded_init": "zero_strategy.sharding.construction",
+    "declare_experts": "zero_strategy.sharding.experts",
+    "select_experts": "zero_strategy.sharding.experts",
     "zero_auto_partition": "zero_strategy.sharding.partition",
     "UnitDivergence": "zero_strategy.sharding.unit",
 }
@@ -87,6 +90,7 @@ __all__ = [
     "comm_report",
     "comm_stats",
     "commit_versioned_save",
+    "declare_experts",
     "destroy",
     "export_full",
     "full_grad",
@@ -103,6 +107,7 @@ __all__ = [
     "reset_comm_stats",
     "resolve_overrides",
     "save_checkpoint",
+    "select_experts",
     "sharded_init",
     "zero_auto_partition",
 ]

@@ -175,6 +175,9 @@ class ZeroConfig:
     comm_timeout: float | None = setting(None, optional(float_rule(gt=0.0, le=1e9)), ds=_OWN)
     prefetch: int = setting(1, int_rule(0), ds=_OWN)  # units gathered ahead of use
     check_unit_order: bool = setting(True, to_bool, ds=_OWN)
+    # ZeRO-3 MoE experts units (sharding/experts.py): a selective gather that would move at least
+    # this share of a whole gather's bytes gathers (and reduces) the whole unit instead
+    moe_full_gather_share: float = setting(0.2, float_rule(gt=0.0, le=1.0), ds=_OWN)
     # ZeRO-3's per-gather checks once the unit order is known: "immediate" (a host read per
     # gather; every rank raises UnitDivergence), "deferred" (compared on the device, read with
     # the step's gradient flags: no host sync per gather), "auto": deferred on an accelerator

@@ -32,7 +32,7 @@ from torch import nn
 
 from zero_strategy.comm import collectives as C
 from zero_strategy.reduction.compression import ErrorFeedback, SparseExchange
-from zero_strategy.sharding.group import ShardGroup
+from zero_strategy.sharding.group import ReducePlan, ShardGroup
 
 __all__ = [
     "AllReduceAtEnd",
@@ -108,6 +108,7 @@ class _InFlight:
     inp: torch.Tensor | None = None
     out: torch.Tensor | None = None
     sparse: SparseExchange | None = None  # top-k compression's exchange instead of a reduce-scatter
+    rows: ReducePlan | None = None  # an MoE experts unit's selected rows only (sharding/experts.py)
 
 
 class DeferredCheck(Protocol):
@@ -205,7 +206,10 @@ class GradReducer:
         self._launched[g.index] = True
         lay, n = g.layout, self.ctx.world_size
         fb = self.compression if self.compression is not None and self.compression.active() else None
-        inp = self.ctx.pool.get(n * lay.shard_numel, g.reduce_dtype if fb is None else g.master_dtype, g.device)
+        # an MoE experts unit reduces the union of the selected experts' rows only
+        rows = g.experts.reduce_plan() if g.experts is not None and fb is None else None
+        width = lay.shard_numel if rows is None else rows.width
+        inp = self.ctx.pool.get(n * width, g.reduce_dtype if fb is None else g.master_dtype, g.device)
         grads: list[torch.Tensor | None] = []
         for p in g.params:
             if p.grad is not None:
@@ -213,7 +217,10 @@ class GradReducer:
                 grads.append(p.grad.reshape(-1))
             else:
                 grads.append(None)
-        lay.pack_full(grads, inp)
+        if rows is None:
+            lay.pack_full(grads, inp)
+        else:
+            rows.pack(grads, inp)
         if _narrow(g) and fb is None:  # as DDP's compress hooks: divided before the 16-bit sum (no overflow)
             inp.div_(n)
         for p in g.params:
@@ -230,9 +237,9 @@ class GradReducer:
             self.ctx.pool.put(inp)  # added into the residual already
             self._in_flight.append(_InFlight(g, exchange.handle, sparse=exchange))
         else:
-            out = self.ctx.pool.get(lay.shard_numel, g.reduce_dtype, g.device)
+            out = self.ctx.pool.get(width, g.reduce_dtype, g.device)
             handle = C.reduce_scatter(self.ctx, out, inp, what=what)
-            self._in_flight.append(_InFlight(g, handle, inp, out))
+            self._in_flight.append(_InFlight(g, handle, inp, out, rows=rows))
         if self.max_in_flight == 0:
             self.wait_all()
 
@@ -255,7 +262,10 @@ class GradReducer:
             else:
                 scratch.mul_(self._grad_factor())
                 out = scratch.to(g.master_device)  # offloaded (g.tier "host"): copied down as each bucket finishes
-        if g.grad_valid:
+        if f.rows is not None:  # the selected rows; the others stay (or become) zeros
+            f.rows.add_into(g.layout, g.grad_shard, out, self.ctx.rank, fresh=not g.grad_valid)
+            g.grad_valid = True
+        elif g.grad_valid:
             g.grad_shard.add_(out)
         else:
             g.grad_shard.copy_(out)

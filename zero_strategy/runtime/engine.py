@@ -199,6 +199,7 @@ class ZeroEngine(WholeModelState):
                 defer_checks=config.gather_checks == "deferred"
                 or (config.gather_checks == "auto" and self.ctx.device.type != "cpu"),
                 cache=self.budget.cache if self.budget is not None else None,
+                moe_full_share=config.moe_full_gather_share,
             )
             self.zero3 = UnitScheduler(self.params, self._plan, self.reducer, settings)
             self.params.refresh_persistent("initialize")  # never partitioned for their readers
@@ -232,12 +233,14 @@ class ZeroEngine(WholeModelState):
             self._plan = find_units(module, policy)
             # with a budget, persistent units are chosen by the budget (budget.py) once the state exists
             threshold = -1 if config.memory.enabled else config.stage3_param_persistence_threshold
-            members = unit_members(module, self._plan.units, named)  # ratio auto: the smallest offload that fits
+            members = unit_members(
+                module, self._plan.storage_units(), named
+            )  # ratio auto: the smallest offload that fits
             self.offload_optimizer, self.offload_params = resolve_ratios(
                 config, members, self.precision, self.ctx, fractions, self.offload_optimizer, self.offload_params
             )
             storage = ShardedParams(
-                module, self._plan.units, named, self.ctx, self.precision, threshold,
+                module, self._plan.storage_units(), named, self.ctx, self.precision, threshold,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
                 row_swap=self.disk.row_swap, fractions=fractions,
             )  # fmt: skip

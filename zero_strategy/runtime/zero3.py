@@ -35,6 +35,7 @@ from zero_strategy.comm import collectives as C
 from zero_strategy.comm import profiling as P
 from zero_strategy.reduction.grads import GradReducer
 from zero_strategy.sharding.cache import GatherCache
+from zero_strategy.sharding.experts import FULL_SHARE, ExpertRows, MoeStats
 from zero_strategy.sharding.partition import UnitPlan
 from zero_strategy.sharding.states import ShardedState
 from zero_strategy.sharding.unit import ShardedParams, UnitStorage
@@ -55,6 +56,7 @@ class Zero3Settings:
     check_unit_order: bool
     defer_checks: bool = False  # gather checks read once per step once the unit order is known
     cache: int | None = None  # the cache cap in bytes (memory budget); None or 0: free each unit after use
+    moe_full_share: float = FULL_SHARE  # experts units: gather whole above this share of a whole gather
 
 
 class UnitScheduler:
@@ -102,6 +104,20 @@ class UnitScheduler:
         self.cache = GatherCache(storage.meter, settings.cache)
         self._running: list[int] = []  # tags of the units whose forward runs now (the cache keeps them)
         self._step_live = False  # the root and pinned units are in use (a forward and its backward)
+        # MoE experts units (sharding/experts.py): gathered by selection, finished with their block's unit
+        self.moe = MoeStats()
+        unit_fqns = [fqn for fqn, _ in plan.units]
+        self.experts: dict[int, ExpertRows] = {}
+        self.experts_of: dict[int | None, list[ExpertRows]] = {}  # enclosing unit tag -> its experts
+        for found in plan.experts:
+            eu = by_label.get(found.fqn)
+            if eu is None:
+                continue
+            x = ExpertRows(found, eu, self.moe, settings.moe_full_share)
+            self.experts[id(found.module)] = x
+            outer = max((f for f in unit_fqns if found.fqn.startswith(f"{f}.")), key=len, default=None)
+            tag = by_label[outer].tag if outer is not None and outer in by_label else None
+            self.experts_of.setdefault(tag, []).append(x)
 
     # -- helpers ---------------------------------------------------------------------------
     def _gather(self, u: UnitStorage, position: int | None = None) -> None:
@@ -329,6 +345,10 @@ class UnitScheduler:
 
     def post_forward(self, u: UnitStorage) -> None:
         P.close_range(self._ranges.pop(("forward", u.tag), None))
+        if not self._in_backward:  # a ModuleList of experts inside: regathered for the unit's backward
+            for x in self.experts_of.get(u.tag, ()):
+                if x.found.members:
+                    x.release()
         if u.tag in self._running:  # the innermost call of it
             del self._running[len(self._running) - 1 - self._running[::-1].index(u.tag)]
         # a checkpoint's recomputation keeps it for the backward; a unit that runs again soon
@@ -361,6 +381,9 @@ class UnitScheduler:
         if self._bwd_pos is not None:
             self._prefetch(self._bwd_pos, -1)
         u.wait_unshard(self.names)
+        for x in self.experts_of.get(u.tag, ()):  # a ModuleList of experts: its forward's union again
+            if x.found.members and not x.unit.persistent:
+                x.gather(x.passes.pop() if x.passes else None, self.step)
         if P.enabled():
             self._ranges[("backward", u.tag)] = P.open_range("zero: backward", u.name)
 
@@ -379,10 +402,42 @@ class UnitScheduler:
         P.close_range(self._ranges.pop(("backward", u.tag), None))
         if self._sync and u.group is not None:
             self.reducer.launch(u.group)  # whether the cache keeps the parameters or not
+        self._finish_experts(u.tag)
         if not self.cache.enabled and not self._reuse_soon(u, self._bwd_pos, -1):
             u.release()
 
+    # -- MoE experts units (sharding/experts.py) --------------------------------------------
+    def expert_pre_forward(self, x: ExpertRows, selection: torch.Tensor | None) -> None:
+        """Before an experts module's forward: agree on the union of the selected experts (one
+        all-reduce) and gather its rows. A forward with gradients remembers the union for its
+        backward and the reduction."""
+        if x.unit.persistent:
+            return
+        union = x.agree(selection, self.step)
+        if torch.is_grad_enabled():
+            x.remember(union)
+        x.gather(union, self.step)
+
+    def expert_post_forward(self, x: ExpertRows) -> None:
+        x.release()
+
+    def expert_pre_backward(self, x: ExpertRows) -> None:
+        """Gradients reached an experts module's output: gather its forward's union again. It
+        stays until its block's unit finishes its backward (or the backward ends)."""
+        if x.unit.persistent:
+            return
+        union = x.passes.pop() if x.passes else None
+        x.gather(union, self.step)
+
+    def _finish_experts(self, tag: int | None) -> None:
+        for x in self.experts_of.get(tag, ()):  # their backward ran inside the unit's
+            if self._sync and x.unit.group is not None:
+                self.reducer.launch(x.unit.group)
+            x.release()
+
     def abort_backward(self) -> None:
+        for x in self.experts.values():
+            x.passes.clear()
         self._close_ranges("backward")
         self._in_backward = False
         self._active = None
@@ -402,6 +457,9 @@ class UnitScheduler:
         self._step_live = False
         for u in self.all_units:
             self._release(u)
+        for x in self.experts.values():
+            x.passes.clear()
+            x.release()
         if self._seq:
             self._adopt_order(self._seq)
             self._seq = []

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -41,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from zero_strategy.runtime.zero3 import UnitScheduler
+from zero_strategy.sharding.experts import SELECT_HOOK, ExpertRows
 from zero_strategy.sharding.pieces import is_placeholder
 from zero_strategy.sharding.unit import UnitStorage
 
@@ -85,6 +87,13 @@ class Zero3Hooks:
                 if sub is not m:
                     enclosing.setdefault(id(sub), u)
         handles: list[RemovableHandle] = []
+        for listed in self.scheduler.experts.values():  # a declared ModuleList: select_experts() calls in
+            if listed.found.members:
+                slot: OrderedDict[int, Any] = OrderedDict()  # RemovableHandle keeps a weak reference
+                setattr(listed.found.module, SELECT_HOOK, slot)
+                handle = RemovableHandle(slot)  # closing the engine empties the slot
+                slot[handle.id] = functools.partial(self.scheduler.expert_pre_forward, listed)
+                handles.append(handle)
         for sub in root.modules():
             if sub is root or next(sub.parameters(), None) is None:
                 continue
@@ -96,8 +105,30 @@ class Zero3Hooks:
                 post_unit = functools.partial(self._unit_post_forward, unit)
                 handles.append(sub.register_forward_pre_hook(pre_unit, with_kwargs=True))
                 handles.append(sub.register_forward_hook(post_unit, with_kwargs=True))
+            x = self.scheduler.experts.get(id(sub))
+            if x is not None and not x.found.members:  # an MoE experts module: gathered by the router's selection
+                handles.append(sub.register_forward_pre_hook(functools.partial(self._expert_pre, x), with_kwargs=True))
+                handles.append(sub.register_forward_hook(functools.partial(self._expert_post, x)))
             handles.append(sub.register_forward_hook(self._outside_post_forward, always_call=True))
         return handles
+
+    # -- MoE experts modules ---------------------------------------------------------------
+    def _expert_pre(self, x: ExpertRows, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self.scheduler.expert_pre_forward(x, x.found.selection(args, kwargs))
+
+    def _expert_post(self, x: ExpertRows, module: nn.Module, args: Any, output: Any) -> Any:
+        self.scheduler.expert_post_forward(x)
+        if torch.is_grad_enabled():  # its backward gathers the same union again
+            hooked = False
+            for t in _tensors(output):
+                if t.requires_grad and not hooked:
+                    t.register_hook(functools.partial(self._expert_pre_backward, x))
+                    hooked = True
+        return output
+
+    def _expert_pre_backward(self, x: ExpertRows, grad: torch.Tensor) -> None:
+        self._backward_coming()
+        self.scheduler.expert_pre_backward(x)
 
     # -- units -----------------------------------------------------------------------------
     def _unit_pre_forward(self, u: UnitStorage, module: nn.Module, args: Any, kwargs: Any) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -30,6 +30,8 @@ from zero_strategy.storage.offload import HOST, OffloadPolicy, OnDevice
 
 __all__ = [
     "GroupSpec",
+    "ReducePlan",
+    "RowSelection",
     "HostMasters",
     "InPlaceMasters",
     "MasterPolicy",
@@ -89,6 +91,49 @@ class HostMasters(MasterPolicy):
         return out
 
 
+@dataclass(frozen=True)
+class ReducePlan:
+    """One selective reduction: each rank's segments (of the trainable layout) and the padded length."""
+
+    segments: list[list[tuple[int, torch.Tensor]]]  # per rank: (parameter, flat positions)
+    width: int
+    covered: frozenset[int] = frozenset()  # the parameters some rank reduces rows of
+
+    def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
+        """Every rank's segments of the full gradients into ``out`` (world_size rows of ``width``)."""
+        stray = [i for i, g in enumerate(grads) if g is not None and i not in self.covered]
+        if stray:
+            raise RuntimeError(
+                f"an MoE experts unit has gradients for parameters {stray} of experts that no rank selected: "
+                "pass every expert a forward runs to zero_strategy.select_experts(experts, selection) first"
+            )
+        rows = out.view(len(self.segments), self.width)
+        rows.zero_()
+        for r, segs in enumerate(self.segments):
+            pos = 0
+            for i, idx in segs:
+                g = grads[i]  # None: this rank did not run that expert (zeros)
+                if g is not None:
+                    rows[r, pos : pos + idx.numel()].copy_(g.index_select(0, idx))  # cast to the reduce dtype
+                pos += idx.numel()
+
+    def add_into(self, layout: ShardLayout, shard: torch.Tensor, mine: torch.Tensor, rank: int, *, fresh: bool) -> None:
+        """This rank's reduced segments ``mine`` into its gradient shard (``fresh``: zeros elsewhere)."""
+        if fresh:
+            shard.zero_()
+        pos = 0
+        for i, idx in self.segments[rank]:
+            b = layout.local_range(i)[0]
+            layout.local_view(shard, i).index_add_(0, idx - b, mine[pos : pos + idx.numel()])
+            pos += idx.numel()
+
+
+class RowSelection(Protocol):
+    """What the reducer asks an MoE experts unit (``experts.py``): the rows of its next reduction."""
+
+    def reduce_plan(self) -> ReducePlan | None: ...
+
+
 class ShardGroup:
     """Parameters of one dtype that travel in one collective (a bucket, later a ZeRO-3 unit)."""
 
@@ -117,6 +162,7 @@ class ShardGroup:
         self.master_device = self.masters[0].device  # where the optimizer works on it
         self.tier = tier  # "device" or "host": where its masters, gradient shard and optimizer state live
         self._grad_shard: torch.Tensor | None = None
+        self.experts: RowSelection | None = None  # an MoE experts unit: reduced by its selection (experts.py)
         self.grad_valid = False  # False: the next reduction overwrites instead of adding
 
     @property

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from zero_strategy.sharding.experts import ExpertsModule, find_expert_modules
+
 __all__ = ["UnitPlan", "UnitPolicy", "find_units", "is_zero_unit_class", "unit_members", "zero_auto_partition"]
 
 _MARK = "_zero_auto_partition"
@@ -57,6 +59,13 @@ class UnitPlan:
     units: list[tuple[str, nn.Module]]
     rule: str
     conditional_lists: list[list[str]] = field(default_factory=list)
+    # MoE experts modules (``experts.py``): each a unit of its own inside its block's unit,
+    # gathered by the router's selection instead of by the unit hooks
+    experts: list[ExpertsModule] = field(default_factory=list)
+
+    def storage_units(self) -> list[tuple[str, nn.Module]]:
+        """The modules that own ZeRO-3 rows: the units, then the experts modules."""
+        return self.units + [(e.fqn, e.module) for e in self.experts]
 
 
 def _policy_fn(
@@ -132,7 +141,11 @@ def find_units(root: nn.Module, policy: UnitPolicy = None) -> UnitPlan:
     visit(root, "")
     fqn_of = {id(m): fqn for fqn, m in units}
     conditional = [[fqn_of[id(m)] for m in members if id(m) in fqn_of] for members in lists]
-    return UnitPlan(units, how, [c for c in conditional if c])
+    # an experts module that is a unit itself (or holds one) stays as the policy made it
+    experts = [
+        e for e in find_expert_modules(root) if not any(f"{f}.".startswith(f"{e.fqn}.") for f in fqn_of.values())
+    ]
+    return UnitPlan(units, how, [c for c in conditional if c], experts)
 
 
 def unit_members(
@@ -140,12 +153,14 @@ def unit_members(
 ) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
     """The parameters of each ZeRO-3 unit: one per module of ``units`` (in that order), then the
     root unit (label ``<root>``) for the parameters outside every unit; units without a
-    parameter are left out. A parameter reachable from two units, or from a unit and outside
-    it (tied weights), belongs to the root unit."""
+    parameter are left out. A parameter belongs to the innermost unit whose module holds it (an
+    experts unit inside its block's); one reachable from two units that do not nest, or from a
+    unit and outside it (tied weights), belongs to the root unit."""
     prefixes = [(f"{fqn}.", k) for k, (fqn, _) in enumerate(units)]
     owners: dict[int, set[int | None]] = {}
     for name, p in root.named_parameters(remove_duplicate=False):
-        owner = next((k for pre, k in prefixes if name.startswith(pre)), None)
+        inner = [k for pre, k in prefixes if name.startswith(pre)]  # an experts unit inside a block's
+        owner = max(inner, key=lambda k: len(prefixes[k][0]), default=None)
         owners.setdefault(id(p), set()).add(owner)
     members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(units) + 1)]
     for name, p in named:

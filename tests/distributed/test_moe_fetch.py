@@ -1,0 +1,276 @@
+"""MoE at ZeRO-3: only the experts the router selected (the union over the ranks) are gathered,
+for Hugging Face experts modules found without a per-model list, against the DDP oracle.
+
+One launch at world size 2 runs every training cell (``run_subtests``): a tiny Mixtral and a
+tiny Qwen3-MoE built from configs, top-1 and top-2, stages 2 and 3, accumulation (plain and
+``no_sync``), clipping; every cell has steps where some expert is selected by no rank, and the
+stage-3 cells check that fewer expert bytes were gathered than whole gathers would move. Then
+``generate`` on the ZeRO-3 model against the plain model, gathering only the union per step."""
+
+from __future__ import annotations
+
+from zero_strategy.testing import assert_close, run_subtests
+
+VOCAB = 32
+
+
+def _list_moe(experts: int, top_k: int):
+    """A hand-written MoE whose experts are a declared ``nn.ModuleList`` (``zs.declare_experts``),
+    its blocks the default policy's units."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import zero_strategy as zs
+
+    d = 16
+
+    class Out(dict):
+        @property
+        def loss(self):
+            return self["loss"]
+
+    class Expert(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(d, 8), nn.Linear(8, d)
+
+        def forward(self, x):
+            return self.down(torch.tanh(self.up(x)))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.gate = nn.Linear(d, experts, bias=False)
+            self.experts = zs.declare_experts(nn.ModuleList(Expert() for _ in range(experts)))
+
+        def forward(self, x):
+            h = self.norm(x).reshape(-1, d)
+            weights, idx = F.softmax(self.gate(h), dim=-1).topk(top_k, dim=-1)
+            zs.select_experts(self.experts, idx)
+            out = torch.zeros_like(h)
+            for e in idx.unique().tolist():
+                tok, pos = torch.where(idx == e)
+                out = out.index_add(0, tok, self.experts[e](h[tok]) * weights[tok, pos, None])
+            return x + out.view_as(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.head = nn.Linear(d, VOCAB)
+
+        def forward(self, input_ids, labels):
+            x = self.emb(input_ids)
+            for b in self.blocks:
+                x = b(x)
+            loss = F.cross_entropy(self.head(x).view(-1, VOCAB), labels.reshape(-1))
+            return Out(loss=loss)  # a dict: DDP finds the loss in it (find_unused_parameters)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _build(kind: str, experts: int, top_k: int):
+    import torch
+    import transformers
+
+    if kind == "list":
+        return _list_moe(experts, top_k)
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=64, num_experts_per_tok=top_k, tie_word_embeddings=False,
+    )  # fmt: skip
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=8, num_local_experts=experts, **common)
+        cls = transformers.MixtralForCausalLM
+    else:
+        cfg = transformers.Qwen3MoeConfig(
+            intermediate_size=16, moe_intermediate_size=8, num_experts=experts, decoder_sparse_step=1,
+            head_dim=8, norm_topk_prob=True, **common,
+        )  # fmt: skip
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    return cls(cfg).float()
+
+
+def _batch(step: int, micro: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randint(0, VOCAB, (1, 3), generator=g)  # few tokens: some expert is idle on every rank
+
+
+def _train(
+    kind: str, experts: int, top_k: int, mode: str, stage: int, accum: str, clip: float | None, rank: int, switch: bool
+):
+    import contextlib
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zero_strategy as zs
+
+    model = _build(kind, experts, top_k)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)  # eps: no amplified rounding of tiny grads
+    if mode == "ddp":
+        net = DDP(model, find_unused_parameters=kind == "list")  # idle ModuleList experts: no gradient
+        no_sync = net.no_sync
+    else:
+        # share 1.0: selective unless padding makes it whole; the switch cell keeps the default
+        share = {} if switch else {"moe_full_gather_share": 1.0}
+        cfg = zs.ZeroConfig(stage=stage, stage3_param_persistence_threshold=0, **share)
+        net, opt = zs.initialize(model, opt, config=cfg)
+        no_sync = net.no_sync
+    n_micro = 1 if accum == "none" else 2
+    losses = []
+    for step in range(3):
+        for micro in range(n_micro):
+            ids = _batch(step, micro, rank)
+            quiet = accum == "no_sync" and micro < n_micro - 1
+            with no_sync() if quiet else contextlib.nullcontext():
+                loss = net(input_ids=ids, labels=ids).loss
+                (loss / n_micro).backward()
+            losses.append(loss.item())
+        if clip is not None:
+            losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    stats = net.zero_engine.memory_stats() if mode == "zero" else {}
+    with zs.gathered_parameters(model) if mode == "zero" else contextlib.nullcontext():
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, state, stats
+
+
+def _parity_cell(
+    rank: int, kind: str, experts: int, top_k: int, stage: int, accum: str, clip: float | None, switch: bool = False
+) -> None:
+    ref_losses, ref_state, _ = _train(kind, experts, top_k, "ddp", stage, accum, clip, rank, switch)
+    losses, state, stats = _train(kind, experts, top_k, "zero", stage, accum, clip, rank, switch)
+    assert_close(losses, ref_losses, rtol=1e-5, what=f"rank {rank}: losses (and clip norms) against DDP")
+    assert state.keys() == ref_state.keys(), (sorted(state), sorted(ref_state))
+    for k, ref in ref_state.items():
+        assert_close(state[k], ref, rtol=0.0, atol=1e-5 * float(ref.abs().max()), what=f"rank {rank}: {k}")
+    if stage == 3 and switch:  # the cost switch chose whole gathers
+        assert stats["moe_full_gathers"] > 0 and stats["moe_gathered_bytes"] <= stats["moe_full_bytes"], stats
+    elif stage == 3:
+        # some expert was selected by no rank in some pass, and only the union moved
+        assert 0 < stats["moe_union_experts"] < stats["moe_experts_seen"], stats
+        assert stats["moe_full_gathers"] < stats["moe_gathers"] / 4, stats  # whole: the union's rows all on one rank
+        assert 0 < stats["moe_gathered_bytes"] < stats["moe_full_bytes"], stats
+        assert 0 < stats["moe_reduced_bytes"] < stats["moe_full_reduce_bytes"], stats
+
+
+def _cells() -> list[dict]:
+    # E=4 top-2, the default share: the union is most experts, so the switch gathers (and reduces) whole
+    return [
+        dict(kind="mixtral", experts=32, top_k=2, stage=3, accum="none", clip=None),
+        dict(kind="mixtral", experts=16, top_k=1, stage=3, accum="no_sync", clip=0.05),
+        dict(kind="mixtral", experts=32, top_k=2, stage=3, accum="plain", clip=None),
+        dict(kind="qwen3_moe", experts=32, top_k=2, stage=3, accum="none", clip=0.05),
+        dict(kind="qwen3_moe", experts=32, top_k=1, stage=3, accum="no_sync", clip=None),
+        dict(kind="mixtral", experts=4, top_k=2, stage=3, accum="plain", clip=0.05, switch=True),
+        dict(kind="list", experts=8, top_k=1, stage=3, accum="none", clip=0.05),
+        dict(kind="list", experts=8, top_k=2, stage=3, accum="no_sync", clip=None),
+        dict(kind="list", experts=8, top_k=2, stage=2, accum="plain", clip=None),
+        dict(kind="mixtral", experts=8, top_k=2, stage=2, accum="no_sync", clip=0.05),
+        dict(kind="qwen3_moe", experts=8, top_k=1, stage=2, accum="none", clip=None),
+    ]
+
+
+def _generate_case(rank: int) -> None:
+    import copy
+
+    import torch
+
+    import zero_strategy as zs
+
+    plain = _build("mixtral", 16, 2).eval()
+    with torch.no_grad():  # a sharper head: the greedy ids depend on the weights, not on rounding
+        plain.lm_head.weight.mul_(4.0)
+    model, _ = zs.initialize(
+        copy.deepcopy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
+        config=zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=1.0),
+    )  # fmt: skip
+    model.eval()
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    before = model.zero_engine.memory_stats()
+    with torch.no_grad():
+        got, ref = model.generate(prompt, **kw), plain.generate(prompt, **kw)
+    assert got.tolist() == ref.tolist() and got.shape == (1, 9), (got.tolist(), ref.tolist())
+    after = model.zero_engine.memory_stats()
+    moved = after["moe_gathered_bytes"] - before["moe_gathered_bytes"]
+    whole = after["moe_full_bytes"] - before["moe_full_bytes"]
+    assert 0 < moved < whole / 2, (moved, whole)  # one token per decode step: 2 of 16 experts per rank
+
+
+def _checkpoint_case(rank: int, tmp: str) -> None:
+    """Save at world size 2 after two steps, resume at world size 1 (and the uninterrupted run
+    goes on at 2): the same losses and weights; ``full_state_dict`` and ``load_full_state_dict``
+    round-trip the experts."""
+    import torch
+    import torch.distributed as dist
+
+    import zero_strategy as zs
+
+    groups = {n: dist.new_group(list(range(n))) for n in (1, 2)}
+
+    def build(world: int):
+        model = _build("mixtral", 32, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+        cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0)
+        return zs.initialize(model, opt, config=cfg, process_group=groups[world])
+
+    def run(model, opt, world: int, steps: range) -> list[float]:
+        out = []
+        for step in steps:
+            data = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(step))
+            ids = data.chunk(world)[rank]
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=groups[world])
+            out.append(total.item() / world)
+        return out
+
+    model, opt = build(2)
+    run(model, opt, 2, range(2))
+    zs.save_checkpoint(f"{tmp}/moe", model, opt)
+    full = zs.full_state_dict(model, rank0_only=False)
+    ref = run(model, opt, 2, range(2, 4))
+    with zs.gathered_parameters(model):
+        ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if rank == 0:  # the resumed run, alone
+        m1, o1 = build(1)
+        zs.load_checkpoint(f"{tmp}/moe", m1, o1)
+        got = run(m1, o1, 1, range(2, 4))
+        assert_close(got, ref, rtol=1e-5, what="losses after resuming at world size 1")
+        with zs.gathered_parameters(m1):
+            for k, v in m1.state_dict().items():
+                assert_close(v, ref_state[k], rtol=0.0, atol=1e-5 * float(ref_state[k].abs().max()), what=k)
+    dist.barrier()
+    m2, _ = build(2)
+    zs.load_full_state_dict(m2, full)
+    with zs.gathered_parameters(m2):
+        for k, v in m2.state_dict().items():
+            assert_close(v, full[k], rtol=0.0, atol=0.0, what=f"load_full_state_dict: {k}")
+    assert any("experts.gate_up_proj" in k for k in full), sorted(full)
+
+
+def _worker(rank: int, world: int, tmp: str) -> int:
+    cells = _cells()
+    run_subtests(lambda **kw: _parity_cell(rank, **kw), cells, label="moe parity")
+    _generate_case(rank)
+    _checkpoint_case(rank, tmp)
+    return len(cells)
+
+
+def test_moe_selected_experts_match_ddp(launch, tmp_path) -> None:
+    counts = launch(_worker, 2, args=(str(tmp_path),), timeout=120)
+    assert counts == [len(_cells())] * 2

@@ -1,0 +1,411 @@
+"""Mixture-of-experts at ZeRO-3: gather only the experts the router selected.
+
+Detection (:func:`find_expert_modules`, no per-model list). An *experts module* holds the
+weights of all experts stacked along dimension 0 and receives the router's selection as an
+argument. Hugging Face transformers 5 stores experts this way (``MixtralExperts``,
+``Qwen3MoeExperts``, ``DeepseekV3Experts``, ``GptOssExperts``: ``gate_up_proj [E, 2I, H]``,
+``down_proj [E, H, I]``, ``forward(hidden_states, top_k_index, top_k_weights)``). A module is
+one when every parameter's first dimension is its number of experts ``E`` (``num_experts`` or
+its config's ``num_local_experts``/``num_experts``/``n_routed_experts``) and its ``forward``
+takes the selection: an argument named in :data:`SELECTION_ARGUMENTS`, or, for classes marked by
+transformers' ``use_experts_implementation`` decorator, the argument after the hidden states.
+
+Storage. Each detected experts module is a ZeRO-3 unit of its own (inside its block's unit).
+Its rows use the ordinary flat layout (``layout.py``), so checkpoints, exports, loads and
+resharding see ordinary parameters; expert ``e`` of a parameter with ``R`` elements per expert
+is its flat range ``[e*R, (e+1)*R)``, and each rank holds the parts of those ranges that fall
+into its piece (whole experts when ``world_size`` divides ``E``: the expert dimension is
+sharded).
+
+Selective gather (:class:`ExpertRows`). Before the module's forward every rank marks the experts
+its tokens selected and one all-reduce (MAX) of that ``E``-element mask gives the union over the
+ranks. Each rank then sends the parts of the union's ranges it holds, padded to the longest
+rank's, in one all-gather (with the unit's tag, so a diverged gather is still caught), and the
+union's rows are written into the full parameters; the other rows are zeros that the experts'
+forward never reads. The backward gathers the same union again. Gradients: the experts' forward
+only reads selected rows, so a rank's gradient is zero outside its selection, and the reduction
+reduce-scatters exactly the union's ranges (the union of every forward since the last reduction,
+for accumulation): the other rows of the gradient shard are zeros, as DDP's. Nothing depends on
+a gradient hook of an idle expert.
+
+Cost switch. When the padded selective gather would move at least ``full_share`` of a whole
+gather's bytes, the whole unit is gathered (and reduced) in one collective instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero_strategy.comm import collectives as C
+from zero_strategy.sharding.group import ReducePlan
+from zero_strategy.sharding.layout import ShardLayout
+from zero_strategy.sharding.states import ShardedState
+from zero_strategy.sharding.unit import TAG, UnitDivergence, UnitStorage
+
+__all__ = [
+    "SELECTION_ARGUMENTS",
+    "declare_experts",
+    "select_experts",
+    "ExpertRows",
+    "ExpertsModule",
+    "MoeStats",
+    "find_expert_modules",
+    "row_segments",
+]
+
+# forward arguments that carry the router's selection (expert indices per token)
+SELECTION_ARGUMENTS = ("top_k_index", "router_indices", "selected_experts", "expert_indices", "topk_ids", "topk_idx")
+_CONFIG_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+FULL_SHARE = 0.2  # default cost switch, measured: bench/bench_moe.py part 1, bench/RESULTS.md
+
+
+@dataclass(frozen=True)
+class ExpertsModule:
+    """A detected experts module: where it is, its number of experts, and the forward argument
+    (name and position) that carries the selection."""
+
+    fqn: str
+    module: nn.Module
+    num_experts: int
+    argument: str
+    position: int | None  # positional index after ``self``; None: keyword only
+    members: bool = False  # a declared ModuleList of experts (:func:`declare_experts`), not stacked weights
+
+    def selection(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """The selected expert indices of one call (None: the call does not say)."""
+        if self.position is not None and len(args) > self.position:
+            value = args[self.position]
+        else:
+            value = kwargs.get(self.argument)
+        return value if isinstance(value, torch.Tensor) else None
+
+
+def _num_experts(m: nn.Module) -> int | None:
+    n = getattr(m, "num_experts", None)
+    if isinstance(n, int):
+        return n
+    config = getattr(m, "config", None)
+    for key in _CONFIG_COUNTS:
+        n = getattr(config, key, None)
+        if isinstance(n, int):
+            return n
+    return None
+
+
+def _selection_argument(m: nn.Module) -> tuple[str, int | None] | None:
+    try:
+        params = list(inspect.signature(m.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for p in params:
+        if p.name in SELECTION_ARGUMENTS:
+            return p.name, positional.index(p) if p in positional else None
+    marked = getattr(type(m), "_apply_gate", None) is not None and hasattr(m, "_is_expert_parallel")
+    if marked and len(positional) >= 2:  # transformers' experts decorator: forward(hidden_states, selection, ...)
+        return positional[1].name, 1
+    return None
+
+
+_DECLARED = "_zero_experts_list"
+SELECT_HOOK = "_zero_select_experts"  # on a declared list: {handle id: the ZeRO-3 engine's call}
+
+
+def declare_experts(experts: nn.ModuleList) -> nn.ModuleList:
+    """Declare a ``ModuleList`` whose members are the experts of an MoE layer (expert ``e`` is
+    ``experts[e]``), before ``initialize``. At ZeRO-3 its forward must call
+    :func:`select_experts` with the router's selection before running any member; then only the
+    experts some rank selected are gathered. Returns ``experts``."""
+    if not isinstance(experts, nn.ModuleList) or len(experts) < 2:
+        raise TypeError(
+            f"declare_experts() takes an nn.ModuleList of two or more experts, got {type(experts).__name__}"
+        )
+    setattr(experts, _DECLARED, True)
+    return experts
+
+
+def select_experts(experts: nn.ModuleList, selection: torch.Tensor) -> None:
+    """Before running any member of a :func:`declare_experts` list: ``selection`` holds the expert
+    indices this rank's tokens chose (any shape; out-of-range values are ignored). At ZeRO-3 every
+    rank must call it once per forward of the layer (a collective: the ranks agree on the union
+    and gather it); elsewhere it does nothing."""
+    for hook in list(getattr(experts, SELECT_HOOK, {}).values()):  # none once the engine is closed
+        hook(selection)
+
+
+def find_expert_modules(root: nn.Module) -> list[ExpertsModule]:
+    """The outermost experts modules below ``root`` (see the module doc), in registration order."""
+    found: list[ExpertsModule] = []
+    inside: list[str] = []
+    for fqn, m in root.named_modules():
+        if m is root or any(fqn.startswith(f"{p}.") for p in inside):
+            continue
+        if getattr(m, _DECLARED, False) and any(True for _ in m.parameters()):
+            found.append(ExpertsModule(fqn, m, len(m), "", None, members=True))
+            inside.append(fqn)
+            continue
+        n = _num_experts(m)
+        params = list(m.parameters())
+        if n is None or n < 2 or not params or any(p.dim() < 2 or p.shape[0] != n for p in params):
+            continue
+        arg = _selection_argument(m)
+        if arg is None:
+            continue
+        found.append(ExpertsModule(fqn, m, n, arg[0], arg[1]))
+        inside.append(fqn)
+    return found
+
+
+def row_segments(
+    layout: ShardLayout,
+    rows: Sequence[int],
+    union: Sequence[int],
+    rank: int,
+    device: torch.device,
+    owners: Sequence[int | None] | None = None,
+) -> list[tuple[int, torch.Tensor]]:
+    """The flat positions of the experts in ``union`` (sorted) that ``rank`` holds, per
+    parameter of ``rows[i]`` elements per expert: ``(parameter, positions)`` in parameter order
+    (positions ascending, so every rank packs and unpacks them alike). A parameter with an
+    ``owners[i]`` belongs to that expert whole (a ModuleList member's)."""
+    chosen = torch.tensor(list(union), dtype=torch.long, device=device)
+    wanted = set(union)
+    out = []
+    for i, r in enumerate(rows):
+        lo, hi = layout.local_range(i, rank)
+        if owners is not None and owners[i] is not None:
+            if owners[i] in wanted and lo < hi:
+                out.append((i, torch.arange(lo, hi, device=device)))
+            continue
+        first, last = lo // r, -(-hi // r)  # the experts this rank's piece touches
+        sel = chosen[(chosen >= first) & (chosen < last)]
+        if not sel.numel():
+            continue
+        idx = (sel[:, None] * r + torch.arange(r, device=device)[None, :]).reshape(-1)
+        idx = idx[(idx >= lo) & (idx < hi)]
+        if idx.numel():
+            out.append((i, idx))
+    return out
+
+
+def _width(segments: Sequence[Sequence[tuple[int, torch.Tensor]]]) -> int:
+    return max(sum(idx.numel() for _, idx in s) for s in segments)
+
+
+class MoeStats:
+    """Counters of the selective expert fetches since the engine started (``memory_stats()``)."""
+
+    def __init__(self) -> None:
+        self.gathers = 0  # expert gathers (selective or whole)
+        self.full_gathers = 0  # of them, whole ones chosen by the cost switch
+        self.gathered_bytes = 0  # bytes the expert gathers moved (received, with padding)
+        self.full_bytes = 0  # bytes whole gathers of the same units would have moved
+        self.union_experts = 0  # experts in the agreed unions, summed over the forwards
+        self.experts_seen = 0  # experts of the modules, summed over the same forwards
+        self.reduced_bytes = 0  # gradient bytes the expert reductions moved
+        self.full_reduce_bytes = 0  # bytes whole reductions would have moved
+
+    def entries(self) -> dict[str, int]:
+        return {
+            "moe_gathers": self.gathers,
+            "moe_full_gathers": self.full_gathers,
+            "moe_gathered_bytes": self.gathered_bytes,
+            "moe_full_bytes": self.full_bytes,
+            "moe_union_experts": self.union_experts,
+            "moe_experts_seen": self.experts_seen,
+            "moe_reduced_bytes": self.reduced_bytes,
+            "moe_full_reduce_bytes": self.full_reduce_bytes,
+        }
+
+
+class ExpertRows:
+    """The selective fetch of one detected experts module's unit (see the module doc)."""
+
+    def __init__(self, found: ExpertsModule, unit: UnitStorage, stats: MoeStats, full_share: float) -> None:
+        self.found, self.unit, self.stats, self.full_share = found, unit, stats, full_share
+        self.num_experts = found.num_experts
+        if found.members:  # a ModuleList: each parameter belongs to one expert, named by its index
+            cut = len(found.fqn) + 1
+            self.owners: list[int | None] | None = [int(f[cut:].split(".", 1)[0]) for f in unit.fqns]
+            self.rows = [p.numel() for p in unit.params]
+        else:
+            self.owners = None
+            self.rows = [p.numel() // found.num_experts for p in unit.params]
+        self.ctx = unit.ctx
+        self.current: tuple[int, ...] | None = None  # the union gathered now (None: whole, or nothing)
+        self.passes: list[tuple[int, ...]] = []  # unions of forwards whose backward is to come
+        self.pending: set[int] = set()  # experts of every forward since the last reduction
+        self.pending_full = False  # some forward since the last reduction did not say its selection
+        self.current_union: tuple[int, ...] = ()  # the union being gathered
+        self._segments: dict[tuple[int, ...], list[list[tuple[int, torch.Tensor]]]] = {}  # by union
+        if unit.group is not None:
+            unit.group.experts = self
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
+
+    # -- agreement -------------------------------------------------------------------------
+    def agree(self, selection: torch.Tensor | None, step: str) -> tuple[int, ...] | None:
+        """The union over the ranks of the experts selected in this call: one all-reduce of an
+        ``E``-element mask (an element past the experts means "all": a rank that cannot say).
+        None: every expert. Collective."""
+        e = self.num_experts
+        mask = torch.zeros(e + 1, dtype=torch.int32, device=self.ctx.device)
+        if selection is None:
+            mask[e] = 1
+        else:
+            idx = selection.detach().reshape(-1).to(device=self.ctx.device, dtype=torch.long)
+            mask[idx[(idx >= 0) & (idx < e)]] = 1
+        C.all_reduce(self.ctx, mask, op="max", what=f"expert selection of {self.name} ({step})").wait()
+        values = mask.tolist()
+        self.stats.experts_seen += e
+        if values[e]:
+            self.stats.union_experts += e
+            return None
+        union = tuple(k for k in range(e) if values[k])
+        self.stats.union_experts += len(union)
+        return union
+
+    def remember(self, union: tuple[int, ...] | None) -> None:
+        """A forward with gradients used ``union``: its backward gathers it, the reduction covers it."""
+        self.passes.append(union if union is not None else tuple(range(self.num_experts)))
+        if union is None:
+            self.pending_full = True
+        else:
+            self.pending.update(union)
+
+    # -- gathers ---------------------------------------------------------------------------
+    def _whole(self, union: Sequence[int]) -> tuple[bool, list[list[tuple[int, torch.Tensor]]], int]:
+        lay, n = self.unit.layout, self.ctx.world_size
+        key = tuple(union)
+        if key not in self._segments:  # the backward asks for its forward's union again
+            if len(self._segments) > 4:
+                self._segments.clear()
+            self._segments[key] = [
+                row_segments(lay, self.rows, union, r, self.ctx.device, self.owners) for r in range(n)
+            ]
+        segs = self._segments[key]
+        width = _width(segs)
+        return width >= self.full_share * lay.shard_numel, segs, width
+
+    def gather(self, union: tuple[int, ...] | None, step: str) -> None:
+        """Gather ``union``'s rows (None: the whole unit). Collective."""
+        u = self.unit
+        if u.state is ShardedState.UNSHARDED and (self.current is None or self.current == union):
+            return  # gathered already (whole, or this union)
+        if not self._sharded():
+            self.release(force=True)
+            if not self._sharded():
+                return  # held whole (gathered_parameters): a superset
+        full_bytes = self.ctx.world_size * u.layout.shard_numel * u.full[0].element_size()
+        self.stats.gathers += 1
+        self.stats.full_bytes += full_bytes
+        whole, segs, width = (True, [], 0) if union is None else self._whole(union)
+        if whole:
+            self.stats.full_gathers += 1
+            self.stats.gathered_bytes += full_bytes
+            self.current = None
+            u.unshard_async(step)
+            u.wait_unshard(u.checks.names)
+            return
+        self.current_union = union or ()
+        self._gather_rows(segs, width, step)
+        self.stats.gathered_bytes += self.ctx.world_size * width * u.full[0].element_size()
+        self.current = union
+
+    def _gather_rows(self, segs: list[list[tuple[int, torch.Tensor]]], width: int, step: str) -> None:
+        u, ctx = self.unit, self.ctx
+        n, s = ctx.world_size, width + TAG
+        buf = ctx.pool.get(n * s, u.dtype, ctx.device)
+        slot = buf.view(n, s)[ctx.rank]
+        pos = 0
+        with u.resident():
+            for i, idx in segs[ctx.rank]:
+                b = u.layout.local_range(i)[0]
+                piece = u.piece(i)  # on the host with offloaded parameters
+                slot[pos : pos + idx.numel()].copy_(piece.index_select(0, (idx - b).to(piece.device)))
+                pos += idx.numel()
+        slot[pos : s - TAG].zero_()
+        slot[-TAG] = u.tag % 128
+        slot[-1] = u.tag // 128
+        u._to(ShardedState.UNSHARDING, "a selective expert gather")
+        C.all_gather(ctx, buf, slot, what=f"selected experts of {u.name} ({step})").wait()
+        rows = buf.view(n, s)
+        try:
+            u.checks.gathered(u, (rows[:, -TAG] + 128 * rows[:, -1]).round().long(), step)
+        except UnitDivergence:
+            ctx.pool.put(buf)
+            u._to(ShardedState.SHARDED, "a diverged gather")
+            raise
+        u.meter.add(u.full_bytes)  # the full-shaped parameters exist from here on
+        u.meter.gathers += 1
+        u.meter.gathered_bytes += n * width * u.full[0].element_size()
+        u.gathers += 1
+        wanted = set(self.current_union)
+        with torch.no_grad():
+            flats = []
+            for i, (p, f) in enumerate(zip(u.params, u.full)):
+                flats.append(f.view(-1))
+                if self.owners is not None and self.owners[i] not in wanted:
+                    continue  # an idle ModuleList expert: its parameters stay placeholders
+                f.untyped_storage().resize_(f.numel() * f.element_size())
+                f.zero_()
+                p.data = f
+            for r in range(n):
+                pos = 0
+                for i, idx in segs[r]:
+                    flats[i].index_copy_(0, idx, rows[r, pos : pos + idx.numel()])
+                    pos += idx.numel()
+        ctx.pool.put(buf)
+        u._to(ShardedState.UNSHARDED, "a selective expert gather")
+
+    def _sharded(self) -> bool:
+        return self.unit.state is ShardedState.SHARDED
+
+    def release(self, *, force: bool = False) -> None:
+        """Free the gathered rows (unless persistent, or held by ``gathered_parameters``; with
+        ``force`` a selective gather goes even then, since it is not the whole parameter)."""
+        u = self.unit
+        if self._sharded():
+            self.current = None
+            return
+        if self.current is not None and force:
+            u.reshard()
+        else:
+            u.release()
+        if self._sharded():
+            self.current = None
+
+    # -- reduction -------------------------------------------------------------------------
+    def reduce_plan(self) -> ReducePlan | None:
+        """The segments of this reduction (the union of every forward since the last one), or
+        None for a whole reduction (the cost switch, or a forward that named no selection).
+        Resets the union: each reduction covers the forwards before it."""
+        union, full = sorted(self.pending), self.pending_full or not self.pending
+        self.pending, self.pending_full = set(), False
+        g = self.unit.group
+        if full or g is None:
+            if g is not None:
+                self._count_reduce(g.layout.shard_numel, g)
+            return None
+        n = self.ctx.world_size
+        rows, owners = self.rows[: len(g.params)], None if self.owners is None else self.owners[: len(g.params)]
+        segs = [row_segments(g.layout, rows, union, r, self.ctx.device, owners) for r in range(n)]
+        width = _width(segs)
+        if width >= self.full_share * g.layout.shard_numel:
+            self._count_reduce(g.layout.shard_numel, g)
+            return None
+        self._count_reduce(width, g)
+        return ReducePlan(segs, width, frozenset(i for per_rank in segs for i, _ in per_rank))
+
+    def _count_reduce(self, width: int, g: Any) -> None:
+        size = self.ctx.world_size * torch.empty(0, dtype=g.reduce_dtype).element_size()
+        self.stats.reduced_bytes += width * size
+        self.stats.full_reduce_bytes += g.layout.shard_numel * size
