@@ -67,7 +67,8 @@ from zero_strategy.sharding.group import (
     bucket_numel,
     build_groups,
 )
-from zero_strategy.sharding.partition import UnitPolicy, find_units, unit_members
+from zero_strategy.sharding.members import unit_members
+from zero_strategy.sharding.partition import UnitPolicy, find_units
 from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, sharded_init_piece
 from zero_strategy.sharding.precision import select_precision, select_scaler
 from zero_strategy.sharding.setup_checks import (

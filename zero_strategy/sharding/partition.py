@@ -21,14 +21,14 @@ explicit policy an inner match inside an outer match is ignored (the outer unit 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from zero_strategy.sharding.experts import ExpertsModule, find_expert_modules
 
-__all__ = ["UnitPlan", "UnitPolicy", "find_units", "is_zero_unit_class", "unit_members", "zero_auto_partition"]
+__all__ = ["UnitPlan", "UnitPolicy", "find_units", "is_zero_unit_class", "zero_auto_partition"]
 
 _MARK = "_zero_auto_partition"
 
@@ -146,26 +146,3 @@ def find_units(root: nn.Module, policy: UnitPolicy = None) -> UnitPlan:
         e for e in find_expert_modules(root) if not any(f"{f}.".startswith(f"{e.fqn}.") for f in fqn_of.values())
     ]
     return UnitPlan(units, how, [c for c in conditional if c], experts)
-
-
-def unit_members(
-    root: nn.Module, units: Sequence[tuple[str, nn.Module]], named: Sequence[tuple[str, nn.Parameter]]
-) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
-    """The parameters of each ZeRO-3 unit: one per module of ``units`` (in that order), then the
-    root unit (label ``<root>``) for the parameters outside every unit; units without a
-    parameter are left out. A parameter belongs to the innermost unit whose module holds it (an
-    experts unit inside its block's); one reachable from two units that do not nest, or from a
-    unit and outside it (tied weights), belongs to the root unit."""
-    prefixes = [(f"{fqn}.", k) for k, (fqn, _) in enumerate(units)]
-    owners: dict[int, set[int | None]] = {}
-    for name, p in root.named_parameters(remove_duplicate=False):
-        inner = [k for pre, k in prefixes if name.startswith(pre)]  # an experts unit inside a block's
-        owner = max(inner, key=lambda k: len(prefixes[k][0]), default=None)
-        owners.setdefault(id(p), set()).add(owner)
-    members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(units) + 1)]
-    for name, p in named:
-        o = owners[id(p)]
-        k = next(iter(o)) if len(o) == 1 else None
-        members[len(units) if k is None else k].append((name, p))
-    labels = [fqn for fqn, _ in units] + ["<root>"]
-    return [(label, m) for label, m in zip(labels, members) if m]

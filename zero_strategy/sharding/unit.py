@@ -30,7 +30,7 @@ from torch import nn
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.group import HostMasters, ShardGroup
 from zero_strategy.sharding.layout import ShardLayout
-from zero_strategy.sharding.partition import unit_members
+from zero_strategy.sharding.members import unit_members
 from zero_strategy.sharding.pieces import (
     check_placeholder,
     is_placeholder,
