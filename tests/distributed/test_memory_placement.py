@@ -146,12 +146,29 @@ def _worker(rank: int, world: int) -> dict:
             opt.zero_grad()
             units.append(engine.memory_stats()["persistent_units"])
     out["pending"] = units
+
+    # 6. working memory is measured per device (an accelerator's peak), so ranks can differ:
+    # every rank decides alike (the largest rank's tiers), so both refuse (one rank went on before).
+    # Simulated here: rank 0's measured working memory is set above what the budget leaves.
+    torch.manual_seed(0)
+    net = P.Net(P.Cell(**_BASE))
+    mem = {"budget": 10**7, "persistent": 0.0, "cache": 0, "working": "1KB"}
+    net, _ = zs.initialize(net, torch.optim.AdamW(net.parameters()), config=zs.ZeroConfig(stage=3, memory=mem))
+    engine = get_engine(net)
+    if rank == 0:
+        engine.budget.working = 10**7
+    try:
+        engine.budget.check(engine.memory_stats(), engine.zero3.cache, when="test")
+        out["uneven"] = "no error"
+    except RuntimeError as exc:
+        out["uneven"] = str(exc)
     return out
 
 
 def test_placement_fills_the_persistent_tier_and_counters_reach_the_reports(launch) -> None:
     got = launch(_worker, 2, timeout=600)
     for rank, o in enumerate(got):
+        assert "does not fit" in o["uneven"], (rank, o["uneven"])  # both ranks, not only rank 0
         block, root = o["sizes"]
         assert root < block, o["sizes"]  # the root is chosen after the blocks for its uses, not its size
         # no persistent share: no persistent unit

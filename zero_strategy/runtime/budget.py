@@ -116,14 +116,21 @@ class Budget:
         """Raise if the model does not fit; shrink the cache (warned once) if it does only with
         a smaller one. ``stats``: ``memory_stats()`` now."""
         # persistent units' gathered parameters stay until the step: the persistent tier's too
-        kept = sum(u.full_bytes for u in self.storage.units if u.persistent and u.state is not ShardedState.SHARDED)
+        kept = self._kept()
         self.persistent = stats["tier_device"] - stats["params"] - stats["full_grads"] + kept
+        # every rank decides alike (the largest rank's tiers: uneven shards, per-device working
+        # memory), or one rank raises while the others go on, or their caches evict differently
+        agreed = torch.tensor([self.persistent, self.working], dtype=torch.int64, device=self.ctx.device)
+        C.all_reduce(self.ctx, agreed, op="max", what="the memory budget's tiers (the largest rank's)").wait()
+        self.persistent, self.working = (int(v) for v in agreed.tolist())
         budget, need = self.tiers.budget, self.persistent + self.working + self.min_gathered
         if need > budget:
             raise RuntimeError(self._does_not_fit(stats, need, when))
         room = budget - self.persistent - self.working
-        if cache.cap is not None and cache.cap > room:
-            if not self._warned:
+        if cache.cap is not None and cache.cap != min(room, self.tiers.cache):
+            # shrink to the room, or grow back toward the configured cache (a new persistent
+            # choice may have left more room, or raised the units that must be gathered at once)
+            if room < self.tiers.cache and not self._warned:
                 self._warned = True
                 warnings.warn(
                     f"zero_strategy.memory: persistent {format_bytes(self.persistent)} + cache "
@@ -132,7 +139,11 @@ class Budget:
                     UserWarning,
                     stacklevel=3,
                 )
-            cache.cap = self.cache = room
+            cache.cap = self.cache = min(room, self.tiers.cache)
+
+    def _kept(self) -> int:
+        """Bytes of the persistent units' gathered parameters (the persistent tier's)."""
+        return sum(u.full_bytes for u in self.storage.units if u.persistent and u.state is not ShardedState.SHARDED)
 
     def after_new_state(
         self,
@@ -151,7 +162,8 @@ class Budget:
         now = stats()
         if self.ctx.device.type == "cuda":
             peak = int(torch.cuda.max_memory_allocated(self.ctx.device))
-            held = now["tier_device"] - now["params"] + cache.peak + now["comm_scratch_peak"]
+            # model state (persistent units' gathered parameters included: they are not working memory)
+            held = now["tier_device"] - now["params"] + self._kept() + cache.peak + now["comm_scratch_peak"]
             self.working = max(self.working if self._measured else 0, peak - held)  # the share, then the most seen
             self._measured = True
         self.pending = not can_change

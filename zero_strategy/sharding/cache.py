@@ -46,11 +46,13 @@ NEVER = float("inf")
 
 
 def _record(kind: str, u: UnitStorage, nbytes: int = 0, *, trace: bool = True) -> None:
-    """Count a cache event for ``zs.comm_report`` and, inside ``zs.profile`` (with ``trace``: a
-    cache is set), mark it in the trace: an instant range ``zero: cache hit unit 'blocks.3'
+    """With ``trace`` (a cache is set): count a cache event for ``zs.comm_report`` and, inside
+    ``zs.profile``, mark it in the trace: an instant range ``zero: cache hit unit 'blocks.3'
     (4096 bytes not moved)``, ``zero: cache miss unit ...`` or ``zero: cache eviction unit ...``."""
+    if not trace:
+        return  # no cache tier: nothing to report (a gather is not a cache miss)
     C.count_cache(kind, nbytes)
-    if trace and P.enabled():
+    if P.enabled():
         P.close_range(P.open_range("zero: cache", kind, u.name, *([f"({nbytes} bytes not moved)"] if nbytes else [])))
 
 
