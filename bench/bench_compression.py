@@ -11,7 +11,8 @@ dense reduction, then top-k at each ``--ratios`` with a ``--warmup`` of dense st
 numbers). ``--optim adamw-frozen``: the dense run is torch's AdamW; the compressed runs use the
 frozen-variance Adam mode (``compression.optimizer: adam``, ``--warmup`` dense AdamW steps, then
 the variance frozen and the normalised momentum sent with top-k; the user's optimizer is SGD
-with AdamW's learning rate and weight decay; masking unless ``--no-masking``).
+with AdamW's learning rate and weight decay; masking unless ``--no-masking``;
+``--variance-refresh N``: 0/1 Adam's variance refresh, ``compression.variance_refresh``).
 ``--region-indices``: the compressed runs send int16 offsets inside regions of 32,768 columns
 (``compression.region_indices``); ``--wire bf16``: every run reduces in bf16
 (``communication_data_type``).
@@ -41,11 +42,13 @@ WINDOW = 25
 
 
 def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: float, optim: str, mode: str,
-            masking: bool, local_clip: bool = False, regions: bool = False, wire: str = "fp32") -> dict:  # fmt: skip
+            masking: bool, local_clip: bool = False, regions: bool = False, wire: str = "fp32",
+            refresh: int = 0) -> dict:  # fmt: skip
     import torch
     import torch.nn.functional as F
 
     import zero_strategy as zs
+    from zero_strategy.config.comm import CompressionConfig
     from zero_strategy.models import GPT, GPTConfig
     from zero_strategy.models.data import stdlib_corpus, text_batch
 
@@ -69,7 +72,7 @@ def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: 
         if optim == "sgd-dgc":
             block.update(momentum=0.9, momentum_masking=masking)
         if frozen:
-            block.update(optimizer="adam", warmup="dense", momentum_masking=masking)
+            block.update(optimizer="adam", warmup="dense", momentum_masking=masking, variance_refresh=refresh)
         if regions:
             block.update(region_indices=True)
         if local_clip and clip > 0:
@@ -77,6 +80,7 @@ def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: 
         config["zero_strategy"] = {"compression": block}
     if wire != "fp32":
         config["communication_data_type"] = wire
+    dense_at = CompressionConfig(**block).dense_at if ratio < 1.0 else (lambda step: True)
     model, opt = zs.initialize(model, opt, config=config)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     zs.reset_comm_stats()
@@ -85,7 +89,7 @@ def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: 
         x, y = text_batch(corpus, 8, cfg.seq_len, step, rank)
         loss = F.cross_entropy(model(x).view(-1, 256), y.reshape(-1))
         loss.backward()
-        dense_step = ratio >= 1.0 or (block["warmup"] == "dense" and step < warmup)
+        dense_step = dense_at(step)  # the dense warm-up's and the variance refresh's steps too
         if clip > 0 and (dense_step or not local_clip):
             opt.clip_grad_norm_(clip)
         opt.step()
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--region-indices", action="store_true", help="compressed runs: int16 region offsets")
     ap.add_argument("--wire", default="fp32", choices=("fp32", "bf16"), help="communication_data_type")
     ap.add_argument("--max-warmup", type=float, default=0.1, help="the largest --warmup, as a share of --steps")
+    ap.add_argument("--variance-refresh", type=int, default=0, help="adamw-frozen: compression.variance_refresh")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.warmup > args.max_warmup * args.steps:
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.local_clip,
                 args.region_indices,
                 args.wire,
+                args.variance_refresh,
             ),
             timeout=3600,
             env={"OMP_NUM_THREADS": "1"},

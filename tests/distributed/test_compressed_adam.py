@@ -2,7 +2,8 @@
 ``runtime/compressed_adam.py``), world size 2.
 
 - ratio 1.0 without masking: DDP with the oracle ``FrozenAdamW`` (dense AdamW for the warm-up,
-  then the variance frozen), stages 1 and 2, accumulation, fp32;
+  then the variance frozen), stages 1 and 2, accumulation, fp32; with ``variance_refresh`` the
+  oracle refreshes the variance on the same dense steps;
 - error feedback: sent + residual = residual before + the new normalised velocity, each rank's
   gradient shard is the sum of what every rank sent to it;
 - ``region_indices``: ratio 1.0 gives DDP's numbers, and a pair costs 6 bytes (int16 offset);
@@ -22,6 +23,8 @@ PARITY = [
     {"stage": 2, "topk_adam": 3},
     {"stage": 1, "topk_adam": 3, "accum": "no_sync", "unused": "some_ranks", "steps": 6},
     {"stage": 2, "topk_adam": 3, "accum": "plain", "dtype": "float32", "groups": True},
+    # variance_refresh 1: dense 0-1, compressed 2, refresh 3, compressed 4-5, refresh 6, compressed 7-9
+    {"stage": 2, "topk_adam": 2, "topk_refresh": 1, "accum": "no_sync"},
 ]
 # region_indices (with REGION = 100 columns): ratio 1.0 still sends every element, DDP's numbers
 REGIONS = [{"stage": 2, "steps": 6}, {"stage": 1, "topk_adam": 3, "accum": "no_sync", "steps": 6}]

@@ -239,3 +239,16 @@ def test_region_indices_choose_per_region_and_send_int16_offsets() -> None:
             assert compensated[row, chosen].abs().min() >= compensated[row, free].abs().max()
     assert region_counts(60, 100, 80) == [(60, 48)]  # one short region: its share
     assert region_counts(260, 100, 100) == [(100, 100), (100, 100), (60, 60)]  # ratio 1.0: everything
+
+
+def test_adam_variance_refresh_schedule() -> None:
+    """``variance_refresh: N``: after the dense warm-up, N compressed steps, one dense refresh step,
+    2N compressed steps, one refresh, 4N, ... (0/1 Adam's doubling intervals)."""
+    cfg = CompressionConfig(type="topk", optimizer="adam", warmup="dense", warmup_steps=3, variance_refresh=2)
+    dense = [s for s in range(40) if cfg.dense_at(s)]
+    assert dense == [0, 1, 2, 5, 10, 19, 36]
+    assert [cfg.refresh_at(s) for s in (0, 2, 5, 10, 11, 19)] == [False, False, True, True, False, True]
+    off = CompressionConfig(type="topk", optimizer="adam", warmup="dense", warmup_steps=3)
+    assert [s for s in range(40) if off.dense_at(s)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="variance_refresh"):
+        CompressionConfig(type="topk", ratio=0.01, variance_refresh=4)  # the SGD mode has no variance

@@ -60,6 +60,11 @@ class CompressionConfig:
       variance is frozen, each rank's velocity ``u = beta1 * u + (1 - beta1) * g / (sqrt(v) +
       eps)`` goes through error feedback, and the user's ``torch.optim.SGD`` (momentum 0; its
       ``weight_decay`` is AdamW's decoupled one) steps on the exchanged update.
+    - ``variance_refresh`` (0: off; Adam mode only): 0/1 Adam's variance refresh. After the
+      warm-up come ``N`` compressed steps, one dense step, ``2N`` compressed, one dense, ``4N``,
+      ... (the intervals double). A refresh step reduces the gradient uncompressed and is an
+      AdamW step: it updates the variance and the dense momentum (``exp_avg``), and the
+      compressed steps after it use the new variance.
     - ``region_indices`` (false): top-k per region of 32,768 columns, each index sent as an int16
       offset inside its region: 6 bytes per pair instead of 8 (4 instead of 6 on a 16-bit wire).
     """
@@ -76,6 +81,7 @@ class CompressionConfig:
     beta2: float = setting(0.999, float_rule(ge=0.0, le=0.99999))
     eps: float = setting(1e-8, float_rule(gt=0.0))
     region_indices: bool = setting(False, to_bool)
+    variance_refresh: int = setting(0, int_rule(0))
 
     def __post_init__(self) -> None:
         coerce_fields(self, "CompressionConfig")
@@ -84,6 +90,11 @@ class CompressionConfig:
                 "compression.optimizer: adam learns Adam's variance in dense steps, then freezes it: set warmup: "
                 "dense and warmup_steps >= 1 (e.g. 5% of the run), and momentum: 0 (the velocity decays with beta1; "
                 f"got warmup: {self.warmup}, warmup_steps: {self.warmup_steps}, momentum: {self.momentum})"
+            )
+        if self.variance_refresh and not self.adam:
+            raise ValueError(
+                "compression.variance_refresh refreshes Adam's frozen variance; set compression.optimizer: adam "
+                f"(and type: topk), or variance_refresh: 0 (got optimizer: {self.optimizer}, type: {self.type})"
             )
         if self.momentum > 0 and self.warmup == "dense" and self.warmup_steps > 0:
             raise ValueError(
@@ -107,8 +118,19 @@ class CompressionConfig:
         return self.beta1 if self.adam else self.momentum
 
     def dense_at(self, step: int) -> bool:
-        """Whether optimizer step ``step`` (0-based) reduces uncompressed (``warmup: dense``)."""
-        return self.warmup == "dense" and step < self.warmup_steps
+        """Whether optimizer step ``step`` (0-based) reduces uncompressed (``warmup: dense``'s
+        warm-up, and the Adam mode's variance refresh steps)."""
+        return (self.warmup == "dense" and step < self.warmup_steps) or self.refresh_at(step)
+
+    def refresh_at(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is a variance refresh step (``variance_refresh: N``):
+        after the warm-up, stretches of ``N, 2N, 4N, ...`` compressed steps, each followed by one."""
+        if not self.variance_refresh or not self.adam:
+            return False
+        start, length = self.warmup_steps, self.variance_refresh
+        while start + length < step:
+            start, length = start + length + 1, 2 * length
+        return step == start + length
 
     def ratio_at(self, step: int) -> float:
         """The share of elements sent at optimizer step ``step`` (0-based). With ``warmup:

@@ -73,8 +73,8 @@ The frozen-variance Adam mode (``optimizer: adam``; 1-bit Adam and 0/1 Adam's id
 in place of their sign): the ``warmup_steps`` first steps are dense and the engine runs AdamW's
 moments on each rank's shard (``runtime/compressed_adam.py``). From then on the variance ``v``
 is frozen, and every rank holds the whole model's preconditioner ``1 / (sqrt(v_hat) + eps)``
-(one all-gather of the owners' rows at the first compressed step, one more ``[world, row]``
-tensor per bucket). Each rank's velocity is ``u = beta1 * u + (1 - beta1) * g / (sqrt(v_hat) +
+(one all-gather of the owners' rows at the first compressed step, again after each
+``variance_refresh`` step; one more ``[world, row]`` tensor per bucket). Each rank's velocity is ``u = beta1 * u + (1 - beta1) * g / (sqrt(v_hat) +
 eps)`` (its share of Adam's momentum, already normalised), which goes through error feedback
 as under momentum correction; so top-k picks the largest *updates*, not the largest gradients,
 and sent + residual = residual + new velocity still holds. The owner adds what it receives to
@@ -289,7 +289,7 @@ class ErrorFeedback:
 
     def active(self) -> bool:
         """Whether this step's reductions are compressed (all but ``warmup: dense``'s warm-up
-        steps); the residuals of every bucket exist from the first compressed step on (the same
+        steps and the Adam mode's variance refresh steps); the residuals of every bucket exist from the first compressed step on (the same
         on every rank)."""
         if self.config.dense_at(self._steps()):
             return False

@@ -22,6 +22,12 @@ handles as it handles SGD. This mode is that idea with top-k in place of their s
   decays by ``beta1`` per step; the direction is ``(exp_avg * P + received) / (1 - beta1**t)``
   with ``P = 1 / (sqrt(v_hat) + eps)``. At ratio 1.0 without masking that is Adam whose
   variance stops at the freeze: ``m_t / (1 - beta1**t) * P`` with DDP's gradients.
+- ``variance_refresh: N`` (0/1 Adam's refresh): after the warm-up, ``N`` compressed steps, one
+  dense step, ``2N`` compressed, one dense, ... A refresh step reduces uncompressed and is the
+  warm-up's AdamW step (``exp_avg`` and ``exp_avg_sq`` take the gradient); it drops the gathered
+  preconditioners, so the next compressed step scales by the new variance. The velocities and
+  residuals stay: they hold momentum already scaled by the old variance, and go out with the
+  following compressed steps (they neither move the parameters nor decay on the refresh step).
 - An element whose variance is still zero at the freeze (no gradient in the whole warm-up)
   gets ``P = 0``: the compressed steps do not move it (weight decay still does), where
   ``1 / eps`` would throw it far.
@@ -119,3 +125,5 @@ def adam_direction(feedback: ErrorFeedback | None, optimizer: torch.optim.Optimi
                 correction2 = 1.0 - b2 ** float(state["variance_step"])
                 denom = (exp_avg_sq.sqrt() / math.sqrt(correction2)).add_(cfg.eps)
                 torch.div(exp_avg, denom, out=grad).div_(correction1)
+    if cfg.refresh_at(step):  # the variance moved: every rank gathers P again at the next compressed step
+        feedback.preconditioners.clear()

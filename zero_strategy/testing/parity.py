@@ -84,6 +84,7 @@ class Cell:
     # the cell's AdamW is then the engine's (the user's optimizer SGD with AdamW's weight decay), and
     # DDP steps the oracle FrozenAdamW (testing/frozen_adam.py)
     topk_adam: int = 0
+    topk_refresh: int = 0  # with topk_adam: compression.variance_refresh (the oracle refreshes on the same steps)
     topk_regions: bool = False  # compression.region_indices: top-k per region, int16 offsets
     # load balancing: given scores, one per rank (empty: even shards)
     scores: tuple[float, ...] = ()
@@ -241,7 +242,7 @@ def make_optimizer(c: Cell, model: Net, mode: str = "ddp") -> torch.optim.Optimi
         lr = 1e-2 if c.dtype == "float64" else 1e-3
         if mode == "zero":
             return torch.optim.SGD(groups, lr=lr, weight_decay=0.1)
-        return FrozenAdamW(groups, lr=lr, weight_decay=0.1, freeze=c.topk_adam)
+        return FrozenAdamW(groups, lr=lr, weight_decay=0.1, freeze=c.topk_adam, refresh=c.topk_refresh)
     if c.optim == "adamw":
         return torch.optim.AdamW(groups, lr=1e-2 if c.dtype == "float64" else 1e-3, weight_decay=0.1)
     if c.optim == "adam":
@@ -261,7 +262,7 @@ def _adam_mode(c: Cell) -> dict[str, Any]:
     ``region_indices`` (``topk_regions``)."""
     extra: dict[str, Any] = {"region_indices": True} if c.topk_regions else {}
     if c.topk_adam:
-        extra.update(optimizer="adam", warmup="dense", warmup_steps=c.topk_adam)
+        extra.update(optimizer="adam", warmup="dense", warmup_steps=c.topk_adam, variance_refresh=c.topk_refresh)
     return extra
 
 
