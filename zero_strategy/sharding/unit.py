@@ -30,7 +30,6 @@ from torch import nn
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.group import HostMasters, ShardGroup
 from zero_strategy.sharding.layout import ShardLayout
-from zero_strategy.sharding.partition import unit_members
 from zero_strategy.sharding.pieces import (
     check_placeholder,
     is_placeholder,
@@ -594,6 +593,8 @@ class ShardedParams(ParamStorage):
         self.checks = GatherChecks(self.names)  # filled below; the scheduler sets ``deferred``
         total = sum(p.numel() for _, p in named if p.requires_grad)
         offloaded = rows_offloaded = 0
+        from zero_strategy.sharding.partition import unit_members  # here: partition -> experts -> this module
+
         for label, pending in unit_members(root, units, named):
             trainable = [(n, p) for n, p in pending if p.requires_grad]
             frozen = [(n, p) for n, p in pending if not p.requires_grad]
