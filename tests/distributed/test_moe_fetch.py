@@ -251,6 +251,18 @@ def _generate_case(rank: int) -> None:
     moved = after["moe_gathered_bytes"] - before["moe_gathered_bytes"]
     whole = after["moe_full_bytes"] - before["moe_full_bytes"]
     assert 0 < moved < whole / 2, (moved, whole)  # one token per decode step: 2 of 16 experts per rank
+    # with the experts' cache, decoding keeps the experts earlier tokens selected (nothing changes the weights)
+    cached, _ = zs.initialize(
+        copy.deepcopy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
+        config=zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=1.0,
+                             moe_expert_cache="64KiB"),
+    )  # fmt: skip
+    cached.eval()
+    with torch.no_grad():
+        again = cached.generate(prompt, **kw)
+    assert again.tolist() == ref.tolist(), (again.tolist(), ref.tolist())
+    stats = cached.zero_engine.memory_stats()
+    assert stats["moe_cache_hits"] > 0 and 0 < stats["moe_gathered_bytes"] < moved, (stats, moved)
 
 
 def _checkpoint_case(rank: int, tmp: str) -> None:
