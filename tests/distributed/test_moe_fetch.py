@@ -4,7 +4,8 @@ for Hugging Face experts modules found without a per-model list, against the DDP
 One launch at world size 2 runs every training cell (``run_subtests``): a tiny Mixtral and a
 tiny Qwen3-MoE built from configs, top-1 and top-2, stages 2 and 3, accumulation (plain and
 ``no_sync``), clipping; every cell has steps where some expert is selected by no rank, and the
-stage-3 cells check that fewer expert bytes were gathered than whole gathers would move. Then
+stage-3 cells check that fewer expert bytes were gathered than whole gathers would move; the
+experts' cache cells (``moe_expert_cache``) add evaluation forwards between steps. Then
 ``generate`` on the ZeRO-3 model against the plain model, gathering only the union per step."""
 
 from __future__ import annotations
@@ -105,7 +106,17 @@ def _batch(step: int, micro: int, rank: int):
 
 
 def _train(
-    kind: str, experts: int, top_k: int, mode: str, stage: int, accum: str, clip: float | None, rank: int, switch: bool
+    kind: str,
+    experts: int,
+    top_k: int,
+    mode: str,
+    stage: int,
+    accum: str,
+    clip: float | None,
+    rank: int,
+    switch: bool,
+    cache: int = 0,
+    evals: bool = False,
 ):
     import contextlib
 
@@ -122,6 +133,8 @@ def _train(
     else:
         # share 1.0: selective unless padding makes it whole; the switch cell keeps the default
         share = {} if switch else {"moe_full_gather_share": 1.0}
+        if cache:  # the experts' cache: bytes per experts layer
+            share["moe_expert_cache"] = cache
         cfg = zs.ZeroConfig(stage=stage, stage3_param_persistence_threshold=0, **share)
         net, opt = zs.initialize(model, opt, config=cfg)
         no_sync = net.no_sync
@@ -139,6 +152,12 @@ def _train(
             losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
+        if evals:  # an evaluation forward between steps (the expert cache keeps its rows for the next step)
+            model.eval()
+            with torch.no_grad():
+                ids = _batch(step, 9, rank)
+                losses.append(net(input_ids=ids, labels=ids).loss.item())
+            model.train()
     stats = net.zero_engine.memory_stats() if mode == "zero" else {}
     with zs.gathered_parameters(model) if mode == "zero" else contextlib.nullcontext():
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -162,6 +181,32 @@ def _parity_cell(
         assert stats["moe_full_gathers"] < stats["moe_gathers"] / 4, stats  # whole: the union's rows all on one rank
         assert 0 < stats["moe_gathered_bytes"] < stats["moe_full_bytes"], stats
         assert 0 < stats["moe_reduced_bytes"] < stats["moe_full_reduce_bytes"], stats
+
+
+def _cache_cell(rank: int, kind: str, experts: int, per_expert: int, kept: int) -> None:
+    """The experts' cache (``moe_expert_cache``): the same numbers as DDP with accumulation under
+    ``no_sync`` and evaluation forwards between steps; rows kept from earlier passes of the step
+    are not gathered again (hits, fewer bytes than without the cache), the cap never exceeded."""
+    cap = kept * per_expert  # about a pass's union (6 tokens, top-2): kept for its backward, evictions after
+    args = (kind, experts, 2)
+    ref_losses, ref_state, _ = _train(*args, "ddp", 3, "no_sync", None, rank, False, evals=True)
+    _, _, plain = _train(*args, "zero", 3, "no_sync", None, rank, False, evals=True)
+    losses, state, stats = _train(*args, "zero", 3, "no_sync", None, rank, False, cache=cap, evals=True)
+    assert_close(losses, ref_losses, rtol=1e-5, what=f"rank {rank}: losses with the expert cache against DDP")
+    for k, ref in ref_state.items():
+        assert_close(state[k], ref, rtol=0.0, atol=1e-5 * float(ref.abs().max()), what=f"rank {rank}: {k}")
+    assert stats["moe_cache_hits"] > 0 and stats["moe_cache_misses"] > 0, stats
+    assert stats["moe_cache_evictions"] > 0 and stats["moe_bytes_not_moved"] > 0, stats
+    assert stats["moe_cache_passes"] > 0, stats  # a pass served from the cache alone: no gather
+    assert 0 < stats["moe_cache_peak"] <= cap, (stats["moe_cache_peak"], cap)
+    assert stats["moe_gathered_bytes"] < plain["moe_gathered_bytes"], (stats, plain)
+    assert plain["moe_cache_hits"] == 0 and plain["moe_cache_peak"] == 0, plain
+
+
+_CACHE_CELLS = [  # bytes per expert: Mixtral gate_up_proj [2I, H] + down_proj [H, I]; a list's two Linears
+    dict(kind="mixtral", experts=32, per_expert=(16 * 16 + 16 * 8) * 4, kept=10),
+    dict(kind="list", experts=8, per_expert=(16 * 8 + 8 + 8 * 16 + 16) * 4, kept=5),
+]
 
 
 def _cells() -> list[dict]:
@@ -206,6 +251,18 @@ def _generate_case(rank: int) -> None:
     moved = after["moe_gathered_bytes"] - before["moe_gathered_bytes"]
     whole = after["moe_full_bytes"] - before["moe_full_bytes"]
     assert 0 < moved < whole / 2, (moved, whole)  # one token per decode step: 2 of 16 experts per rank
+    # with the experts' cache, decoding keeps the experts earlier tokens selected (nothing changes the weights)
+    cached, _ = zs.initialize(
+        copy.deepcopy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
+        config=zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=1.0,
+                             moe_expert_cache="64KiB"),
+    )  # fmt: skip
+    cached.eval()
+    with torch.no_grad():
+        again = cached.generate(prompt, **kw)
+    assert again.tolist() == ref.tolist(), (again.tolist(), ref.tolist())
+    stats = cached.zero_engine.memory_stats()
+    assert stats["moe_cache_hits"] > 0 and 0 < stats["moe_gathered_bytes"] < moved, (stats, moved)
 
 
 def _checkpoint_case(rank: int, tmp: str) -> None:
@@ -266,6 +323,7 @@ def _checkpoint_case(rank: int, tmp: str) -> None:
 def _worker(rank: int, world: int, tmp: str) -> int:
     cells = _cells()
     run_subtests(lambda **kw: _parity_cell(rank, **kw), cells, label="moe parity")
+    run_subtests(lambda **kw: _cache_cell(rank, **kw), _CACHE_CELLS, label="moe expert cache")
     _generate_case(rank)
     _checkpoint_case(rank, tmp)
     return len(cells)

@@ -42,7 +42,7 @@ from zero_strategy.config.blocks import (
     _to_reduce_dtype,
 )
 from zero_strategy.config.comm import CompressionConfig, LoadBalanceConfig
-from zero_strategy.config.memory import MemoryConfig
+from zero_strategy.config.memory import MemoryConfig, to_size
 from zero_strategy.config.values import (
     FAILED,
     Rule,
@@ -92,6 +92,19 @@ def _ds_clip(value: Any, where: str) -> float | None:
 _ZO, _OWN, _TOP = "zero_optimization", "zero_strategy", ""  # DeepSpeed blocks ("": the top level)
 _OFFLOAD = _nested(OffloadConfig, "device", (str,))
 _COLLECTIVE_IMPLS = ("auto", "native", "p2p")
+
+
+def _layer_bytes(value: Any, where: str) -> int:
+    """Bytes (an integer, or a size such as '64MiB'); 0: none."""
+    n = to_size(value, where)
+    if isinstance(n, float) and n != 0:
+        raise ValueError(
+            f"{where}: bytes per MoE experts layer are needed, got {value!r} (a number up to 1 reads as a fraction, "
+            "of which there is no whole here); give an integer above 1 or a size such as '64MiB', or 0 for no cache"
+        )
+    return int(n)
+
+
 _GATHER_CHECKS = ("auto", "immediate", "deferred")
 
 
@@ -178,6 +191,9 @@ class ZeroConfig:
     # ZeRO-3 MoE experts units (sharding/experts.py): a selective gather that would move at least
     # this share of a whole gather's bytes gathers (and reduces) the whole unit instead
     moe_full_gather_share: float = setting(0.2, float_rule(gt=0.0, le=1.0), ds=_OWN)
+    # the experts' cache: bytes of selected experts' rows each experts unit keeps between the
+    # passes of a step (0: none); an integer or a size such as "64MiB"
+    moe_expert_cache: int = setting(0, lambda value, where: _layer_bytes(value, where), ds=_OWN)
     # ZeRO-3's per-gather checks once the unit order is known: "immediate" (a host read per
     # gather; every rank raises UnitDivergence), "deferred" (compared on the device, read with
     # the step's gradient flags: no host sync per gather), "auto": deferred on an accelerator

@@ -201,6 +201,7 @@ class ZeroEngine(WholeModelState):
                 or (config.gather_checks == "auto" and self.ctx.device.type != "cpu"),
                 cache=self.budget.cache if self.budget is not None else None,
                 moe_full_share=config.moe_full_gather_share,
+                moe_expert_cache=config.moe_expert_cache,
             )
             self.zero3 = UnitScheduler(self.params, self._plan, self.reducer, settings)
             self.params.refresh_persistent("initialize")  # never partitioned for their readers

@@ -57,6 +57,7 @@ class Zero3Settings:
     defer_checks: bool = False  # gather checks read once per step once the unit order is known
     cache: int | None = None  # the cache cap in bytes (memory budget); None or 0: free each unit after use
     moe_full_share: float = FULL_SHARE  # experts units: gather whole above this share of a whole gather
+    moe_expert_cache: int = 0  # experts units: bytes of kept expert rows per unit (sharding/expert_cache.py)
 
 
 class UnitScheduler:
@@ -113,7 +114,7 @@ class UnitScheduler:
             eu = by_label.get(found.fqn)
             if eu is None:
                 continue
-            x = ExpertRows(found, eu, self.moe, settings.moe_full_share)
+            x = ExpertRows(found, eu, self.moe, settings.moe_full_share, settings.moe_expert_cache)
             self.experts[id(found.module)] = x
             outer = max((f for f in unit_fqns if found.fqn.startswith(f"{f}.")), key=len, default=None)
             tag = by_label[outer].tag if outer is not None and outer in by_label else None

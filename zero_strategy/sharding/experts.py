@@ -30,25 +30,36 @@ a gradient hook of an idle expert.
 
 Cost switch. When the padded selective gather would move at least ``full_share`` of a whole
 gather's bytes, the whole unit is gathered (and reduced) in one collective instead.
+
+The experts' cache (``moe_expert_cache``, ``expert_cache.py``): rows gathered by a step's earlier
+passes are kept per layer under a cap in bytes until the parameters change, and a later pass
+gathers only its union minus the kept experts (nothing at all when every one is kept).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from zero_strategy.comm import collectives as C
+from zero_strategy.sharding.expert_cache import ExpertCache
+from zero_strategy.sharding.expert_detect import (
+    SELECT_HOOK,
+    SELECTION_ARGUMENTS,
+    ExpertsModule,
+    declare_experts,
+    find_expert_modules,
+    select_experts,
+)
 from zero_strategy.sharding.group import ReducePlan
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.states import ShardedState
 from zero_strategy.sharding.unit import TAG, UnitDivergence, UnitStorage
 
 __all__ = [
+    "SELECT_HOOK",
     "SELECTION_ARGUMENTS",
     "declare_experts",
     "select_experts",
@@ -60,106 +71,7 @@ __all__ = [
 ]
 
 # forward arguments that carry the router's selection (expert indices per token)
-SELECTION_ARGUMENTS = ("top_k_index", "router_indices", "selected_experts", "expert_indices", "topk_ids", "topk_idx")
-_CONFIG_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 FULL_SHARE = 0.2  # default cost switch, measured: bench/bench_moe.py part 1, bench/RESULTS.md
-
-
-@dataclass(frozen=True)
-class ExpertsModule:
-    """A detected experts module: where it is, its number of experts, and the forward argument
-    (name and position) that carries the selection."""
-
-    fqn: str
-    module: nn.Module
-    num_experts: int
-    argument: str
-    position: int | None  # positional index after ``self``; None: keyword only
-    members: bool = False  # a declared ModuleList of experts (:func:`declare_experts`), not stacked weights
-
-    def selection(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-        """The selected expert indices of one call (None: the call does not say)."""
-        if self.position is not None and len(args) > self.position:
-            value = args[self.position]
-        else:
-            value = kwargs.get(self.argument)
-        return value if isinstance(value, torch.Tensor) else None
-
-
-def _num_experts(m: nn.Module) -> int | None:
-    n = getattr(m, "num_experts", None)
-    if isinstance(n, int):
-        return n
-    config = getattr(m, "config", None)
-    for key in _CONFIG_COUNTS:
-        n = getattr(config, key, None)
-        if isinstance(n, int):
-            return n
-    return None
-
-
-def _selection_argument(m: nn.Module) -> tuple[str, int | None] | None:
-    try:
-        params = list(inspect.signature(m.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    for p in params:
-        if p.name in SELECTION_ARGUMENTS:
-            return p.name, positional.index(p) if p in positional else None
-    marked = getattr(type(m), "_apply_gate", None) is not None and hasattr(m, "_is_expert_parallel")
-    if marked and len(positional) >= 2:  # transformers' experts decorator: forward(hidden_states, selection, ...)
-        return positional[1].name, 1
-    return None
-
-
-_DECLARED = "_zero_experts_list"
-SELECT_HOOK = "_zero_select_experts"  # on a declared list: {handle id: the ZeRO-3 engine's call}
-
-
-def declare_experts(experts: nn.ModuleList) -> nn.ModuleList:
-    """Declare a ``ModuleList`` whose members are the experts of an MoE layer (expert ``e`` is
-    ``experts[e]``), before ``initialize``. At ZeRO-3 its forward must call
-    :func:`select_experts` with the router's selection before running any member; then only the
-    experts some rank selected are gathered. Returns ``experts``."""
-    if not isinstance(experts, nn.ModuleList) or len(experts) < 2:
-        raise TypeError(
-            f"declare_experts() takes an nn.ModuleList of two or more experts, got {type(experts).__name__}"
-        )
-    setattr(experts, _DECLARED, True)
-    return experts
-
-
-def select_experts(experts: nn.ModuleList, selection: torch.Tensor) -> None:
-    """Before running any member of a :func:`declare_experts` list: ``selection`` holds the expert
-    indices this rank's tokens chose (any shape; out-of-range values are ignored). At ZeRO-3 every
-    rank must call it once per forward of the layer (a collective: the ranks agree on the union
-    and gather it); elsewhere it does nothing."""
-    for hook in list(getattr(experts, SELECT_HOOK, {}).values()):  # none once the engine is closed
-        hook(selection)
-
-
-def find_expert_modules(root: nn.Module) -> list[ExpertsModule]:
-    """The outermost experts modules below ``root`` (see the module doc), in registration order."""
-    found: list[ExpertsModule] = []
-    inside: list[str] = []
-    for fqn, m in root.named_modules():
-        if m is root or any(fqn.startswith(f"{p}.") for p in inside):
-            continue
-        if getattr(m, _DECLARED, False) and any(True for _ in m.parameters()):
-            found.append(ExpertsModule(fqn, m, len(m), "", None, members=True))
-            inside.append(fqn)
-            continue
-        n = _num_experts(m)
-        params = list(m.parameters())
-        if n is None or n < 2 or not params or any(p.dim() < 2 or p.shape[0] != n for p in params):
-            continue
-        arg = _selection_argument(m)
-        if arg is None:
-            continue
-        found.append(ExpertsModule(fqn, m, n, arg[0], arg[1]))
-        inside.append(fqn)
-    return found
 
 
 def row_segments(
@@ -210,6 +122,12 @@ class MoeStats:
         self.experts_seen = 0  # experts of the modules, summed over the same forwards
         self.reduced_bytes = 0  # gradient bytes the expert reductions moved
         self.full_reduce_bytes = 0  # bytes whole reductions would have moved
+        # the experts' cache (expert_cache.py)
+        self.cache_hits = 0  # experts of a pass's union found kept: not gathered
+        self.cache_misses = 0  # experts of a pass's union gathered
+        self.cache_passes = 0  # passes whose whole union was kept: no gather at all
+        self.bytes_not_moved = 0  # gather bytes (with padding) the kept rows saved
+        self.caches: list[ExpertCache] = []  # every layer's: evictions, bytes kept now, peak
 
     def entries(self) -> dict[str, int]:
         return {
@@ -221,13 +139,22 @@ class MoeStats:
             "moe_experts_seen": self.experts_seen,
             "moe_reduced_bytes": self.reduced_bytes,
             "moe_full_reduce_bytes": self.full_reduce_bytes,
+            "moe_cache_hits": self.cache_hits,
+            "moe_cache_misses": self.cache_misses,
+            "moe_cache_evictions": sum(c.evictions for c in self.caches),
+            "moe_cache_passes": self.cache_passes,
+            "moe_bytes_not_moved": self.bytes_not_moved,
+            "moe_cache_bytes": sum(c.bytes for c in self.caches),  # kept now, every layer
+            "moe_cache_peak": max((c.peak for c in self.caches), default=0),  # the most one layer kept
         }
 
 
 class ExpertRows:
     """The selective fetch of one detected experts module's unit (see the module doc)."""
 
-    def __init__(self, found: ExpertsModule, unit: UnitStorage, stats: MoeStats, full_share: float) -> None:
+    def __init__(
+        self, found: ExpertsModule, unit: UnitStorage, stats: MoeStats, full_share: float, cache_cap: int = 0
+    ) -> None:
         self.found, self.unit, self.stats, self.full_share = found, unit, stats, full_share
         self.num_experts = found.num_experts
         if found.members:  # a ModuleList: each parameter belongs to one expert, named by its index
@@ -246,6 +173,17 @@ class ExpertRows:
         self._segments: dict[tuple[int, ...], list[list[tuple[int, torch.Tensor]]]] = {}  # by union
         if unit.group is not None:
             unit.group.experts = self
+        self.cache: ExpertCache | None = None  # the experts' cache (moe_expert_cache), or none
+        if cache_cap > 0 and unit.params:
+            slices: list[list[tuple[int, int, int]]] = [[] for _ in range(self.num_experts)]
+            for i, r in enumerate(self.rows):
+                owner = None if self.owners is None else self.owners[i]
+                for e in range(self.num_experts) if owner is None else (owner,):
+                    if 0 <= e < self.num_experts:
+                        lo = 0 if owner is not None else e * r
+                        slices[e].append((i, lo, lo + r))
+            self.cache = ExpertCache(cache_cap, slices, unit.full[0].element_size())
+            stats.caches.append(self.cache)
 
     @property
     def name(self) -> str:
@@ -307,22 +245,46 @@ class ExpertRows:
         full_bytes = self.ctx.world_size * u.layout.shard_numel * u.full[0].element_size()
         self.stats.gathers += 1
         self.stats.full_bytes += full_bytes
-        whole, segs, width = (True, [], 0) if union is None else self._whole(union)
+        cache = self.cache if union is not None else None
+        kept = cache.lookup(union or (), u.version) if cache is not None else ()
+        fetch = None if union is None else tuple(e for e in union if e not in kept)  # sorted, as union
+        whole, segs, width = (True, [], 0) if fetch is None else self._whole(fetch)
         if whole:
             self.stats.full_gathers += 1
             self.stats.gathered_bytes += full_bytes
             self.current = None
             u.unshard_async(step)
             u.wait_unshard(u.checks.names)
+            if cache is not None and union is not None:  # every row came: keep the union's
+                self.stats.cache_misses += len(union)
+                cache.keep([f.view(-1) for f in u.full], union, self.passes[::-1])
             return
         self.current_union = union or ()
-        self._gather_rows(segs, width, step)
-        self.stats.gathered_bytes += self.ctx.world_size * width * u.full[0].element_size()
+        self._gather_rows(segs, width, step, kept)
+        size = self.ctx.world_size * u.full[0].element_size()
+        self.stats.gathered_bytes += size * width
+        if cache is not None and union is not None:
+            self.stats.cache_hits += len(kept)
+            self.stats.cache_misses += len(fetch or ())
+            if kept:  # what the gather of the whole union would have moved, less what moved
+                whole_union, _, union_width = self._whole(union)
+                self.stats.bytes_not_moved += (full_bytes if whole_union else size * union_width) - size * width
+            cache.keep([f.view(-1) for f in u.full], fetch or (), self.passes[::-1])
         self.current = union
 
-    def _gather_rows(self, segs: list[list[tuple[int, torch.Tensor]]], width: int, step: str) -> None:
+    def _gather_rows(
+        self, segs: list[list[tuple[int, torch.Tensor]]], width: int, step: str, kept: Sequence[int] = ()
+    ) -> None:
+        """Gather ``segs``' rows (none: no collective, every expert of the union is ``kept``) and
+        write them, with the experts' cache's ``kept`` rows, into zeroed full parameters."""
         u, ctx = self.unit, self.ctx
         n, s = ctx.world_size, width + TAG
+        if not any(segs[r] for r in range(n)):  # every selected expert is in the experts' cache
+            u._to(ShardedState.UNSHARDING, "rows from the experts' cache")
+            u.meter.add(u.full_bytes)
+            self._fill(None, [], kept)
+            self.stats.cache_passes += 1
+            return
         buf = ctx.pool.get(n * s, u.dtype, ctx.device)
         slot = buf.view(n, s)[ctx.rank]
         pos = 0
@@ -348,6 +310,12 @@ class ExpertRows:
         u.meter.gathers += 1
         u.meter.gathered_bytes += n * width * u.full[0].element_size()
         u.gathers += 1
+        self._fill(buf.view(n, s), segs, kept)
+        ctx.pool.put(buf)
+
+    def _fill(self, rows: torch.Tensor | None, segs: list[list[tuple[int, torch.Tensor]]], kept: Sequence[int]) -> None:
+        """Allocate the full parameters, zeroed, and write the gathered ``rows`` and the kept rows."""
+        u = self.unit
         wanted = set(self.current_union)
         with torch.no_grad():
             flats = []
@@ -358,12 +326,13 @@ class ExpertRows:
                 f.untyped_storage().resize_(f.numel() * f.element_size())
                 f.zero_()
                 p.data = f
-            for r in range(n):
+            for r in range(len(segs) if rows is not None else 0):
                 pos = 0
                 for i, idx in segs[r]:
-                    flats[i].index_copy_(0, idx, rows[r, pos : pos + idx.numel()])
+                    flats[i].index_copy_(0, idx, rows[r, pos : pos + idx.numel()])  # type: ignore[index]
                     pos += idx.numel()
-        ctx.pool.put(buf)
+            if kept and self.cache is not None:
+                self.cache.fill(flats, kept)
         u._to(ShardedState.UNSHARDED, "a selective expert gather")
 
     def _sharded(self) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from zero_strategy.sharding.experts import ExpertsModule, find_expert_modules
+from zero_strategy.sharding.expert_detect import ExpertsModule, find_expert_modules
 
 __all__ = ["UnitPlan", "UnitPolicy", "find_units", "is_zero_unit_class", "zero_auto_partition"]
 

@@ -365,6 +365,7 @@ class UnitStorage:
         # a small unit stays gathered from its first use until the optimizer step changes it
         self.persistent = sum(lay.numels) <= persistence_threshold
         self.holds = 0  # open gathered_parameters() blocks that gathered this unit: release() leaves it
+        self.version = 0  # counts writes of the rows (a step, a load): copies of older values are stale
         self.gathers = 0  # all-gathers issued for this unit (the cache tells its hits by it)
         # Each parameter gets a full-shaped tensor with a storage of its own that is resized to
         # 0 bytes while sharded; ``p.data`` points at it only while the unit is gathered and is
@@ -528,6 +529,7 @@ class UnitStorage:
             if self.separate_masters and self.group is not None and i < self.n_trainable:
                 with torch.no_grad():  # from the full value: a 16-bit row would round the fp32 master
                     self.group.masters[i].copy_(mine)
+        self.version += 1
         self.reshard()
 
     def push_to_master(self, i: int) -> None:
@@ -667,6 +669,7 @@ class ShardedParams(ParamStorage):
                 C.broadcast_coalesced(self.ctx, flat, src=modifier_rank, what="gathered_parameters(modifier_rank=...)")
                 with torch.no_grad():
                     for u in units:
+                        u.version += 1
                         with u.resident(write=True):
                             for i, p in enumerate(u.params):
                                 u.piece(i).copy_(p.detach().reshape(-1)[slice(*u.layout.local_range(i))])
@@ -711,6 +714,7 @@ class ShardedParams(ParamStorage):
         # outside forward (Accelerate's test script reads a 0-dim ``model.a``) gets the new value.
         for u in self.units:
             u.pull_masters()
+            u.version += 1
             u.reshard()
         self.refresh_persistent(step)
 
