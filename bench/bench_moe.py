@@ -15,7 +15,12 @@ bytes gathered (forward and backward) and reduced, step time, and the union shar
 to the formula ``1 - (1 - k/E)^T`` for uniform routing.
 
 Part 3, decoding: greedy ``generate`` of 32 tokens on both ranks with 64 experts: tokens/s and
-expert bytes gathered per token, for the same three settings.
+expert bytes gathered per token, for the same settings.
+
+Parts 1 to 3 also run the expert owners' layout (``moe_expert_layout: owners``: each expert
+whole on one rank, each rank fetching only its own selection from the owners and sending the
+gradient back to them), with selective fetches whenever they move fewer bytes ("owners") and
+with the default switch.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_moe.py [--steps 3] [--quick]
 """
@@ -47,14 +52,16 @@ def _model(experts: int, hidden: int = 16, inter: int = 4):
     return transformers.MixtralForCausalLM(cfg)
 
 
-def _engine(experts: int, share: float, hidden: int = 16, inter: int = 4):
+def _engine(experts: int, share: float, hidden: int = 16, inter: int = 4, layout: str = "sharded"):
     import torch
 
     import zero_strategy as zs
 
     model = _model(experts, hidden, inter)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=share)
+    cfg = zs.ZeroConfig(
+        stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=share, moe_expert_layout=layout
+    )
     return zs.initialize(model, opt, config=cfg)
 
 
@@ -86,10 +93,43 @@ def _switch(rank: int, experts: int, reps: int) -> list[dict]:
     return rows
 
 
-def _steps(rank: int, world: int, experts: int, tokens: int, share: float, steps: int) -> dict:
+def _owner_switch(rank: int, world: int, experts: int, reps: int) -> list[dict]:
+    """Owners' fetches (each rank its own random experts) against whole gathers of one layer."""
     import torch
 
-    model, opt = _engine(experts, share)
+    from zero_strategy.sharding.expert_owners import OwnerPick
+
+    model, _ = _engine(experts, 1.0, hidden=128, inter=128, layout="owners")
+    x = next(iter(model.zero_engine.zero3.experts.values()))
+    whole = _timed(x, None, reps)
+    rows = []
+    for size in (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64):
+        if size > experts:
+            break
+        gens = [torch.Generator().manual_seed(10 * size + r) for r in range(world)]  # every rank knows every pick
+        picks = tuple(tuple(sorted(torch.randperm(experts, generator=g)[:size].tolist())) for g in gens)
+        pick = OwnerPick(tuple(sorted(set().union(*picks))), picks)
+        fetch = x._fetch(pick)
+        moved = fetch.moved if fetch is not None else world * x.unit.layout.shard_numel  # whole
+        rows.append({"experts": size, "union": len(pick.union), "width_share": moved / (world * x.unit.layout.shard_numel),
+                     "ratio": _timed(x, pick, reps) / whole})  # fmt: skip
+    return rows
+
+
+def _timed(x, union, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.gather(union, "bench")
+        x.release(force=True)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _steps(rank: int, world: int, experts: int, tokens: int, share: float, steps: int, layout: str) -> dict:
+    import torch
+
+    model, opt = _engine(experts, share, layout=layout)
     engine = model.zero_engine
     times, before = [], None
     for step in range(steps + 1):
@@ -114,11 +154,11 @@ def _steps(rank: int, world: int, experts: int, tokens: int, share: float, steps
     }
 
 
-def _decode(rank: int, experts: int, share: float, new_tokens: int) -> dict:
+def _decode(rank: int, experts: int, share: float, new_tokens: int, layout: str) -> dict:
     """``generate`` on every rank (greedy, one prompt each): tokens/s and expert bytes per token."""
     import torch
 
-    model, _ = _engine(experts, share)
+    model, _ = _engine(experts, share, layout=layout)
     model.eval()
     prompt = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(rank))
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -141,16 +181,32 @@ def _worker(rank: int, world: int, steps: int, quick: bool, decode_only: bool) -
     import torch
 
     torch.set_num_threads(1)
-    out: dict = {"switch": [] if decode_only else _switch(rank, 64, 3 if quick else 10), "steps": [], "decode": []}
-    for name, share in (("switch 0.2", 0.2), ("selected", 1.0), ("all experts", 1e-9)):
-        out["decode"].append({"mode": name, **_decode(rank, 64, share, 8 if quick else 32)})
+    reps = 3 if quick else 10
+    out: dict = {
+        "switch": [] if decode_only else _switch(rank, 64, reps),
+        "owner_switch": [] if decode_only else _owner_switch(rank, world, 64, reps),
+        "steps": [],
+        "decode": [],
+    }
+    for name, share, layout in MODES:
+        out["decode"].append({"mode": name, **_decode(rank, 64, share, 8 if quick else 32, layout)})
     grid = [(8, 16), (64, 256)] if quick else [(e, t) for e in (8, 64, 1024) for t in (16, 256, 4096)]
     grid = [] if decode_only else grid
     for experts, tokens in grid:
-        for name, share in (("switch 0.2", 0.2), ("selected", 1.0), ("all experts", 1e-9)):
-            r = _steps(rank, world, experts, tokens, share, steps)
+        for name, share, layout in MODES:
+            r = _steps(rank, world, experts, tokens, share, steps, layout)
             out["steps"].append({"E": experts, "T": tokens, "mode": name, **r})
     return out
+
+
+# (name, moe_full_gather_share, moe_expert_layout)
+MODES = (
+    ("switch 0.2", 0.2, "sharded"),
+    ("selected", 1.0, "sharded"),
+    ("owners", 1.0, "owners"),
+    ("owners, switch 0.2", 0.2, "owners"),
+    ("all experts", 1e-9, "sharded"),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|")
     for r in res["switch"]:
         print(f"| {r['experts']} | {r['width_share']:.2f} | {r['ratio']:.2f} |")
+    print("\n## Owners: one fetch of each rank's own experts / one whole gather (same layer, rank 0's numbers)\n")
+    print("| experts per rank | union | fetched bytes / whole bytes | time / whole gather's |")
+    print("|---|---|---|---|")
+    for r in res["owner_switch"]:
+        print(f"| {r['experts']} | {r['union']} | {r['width_share']:.2f} | {r['ratio']:.2f} |")
     print("\n## Decoding: E=64, top-2, greedy generate on both ranks (one prompt each, rank 0's numbers)\n")
     print("| mode | union share | expert KiB per token | tokens/s |")
     print("|---|---|---|---|")

@@ -5,8 +5,10 @@ One launch at world size 2 runs every training cell (``run_subtests``): a tiny M
 tiny Qwen3-MoE built from configs, top-1 and top-2, stages 2 and 3, accumulation (plain and
 ``no_sync``), clipping; every cell has steps where some expert is selected by no rank, and the
 stage-3 cells check that fewer expert bytes were gathered than whole gathers would move; the
-experts' cache cells (``moe_expert_cache``) add evaluation forwards between steps. Then
-``generate`` on the ZeRO-3 model against the plain model, gathering only the union per step."""
+experts' cache cells (``moe_expert_cache``) add evaluation forwards between steps; the owners
+cells (``moe_expert_layout: owners``) fetch each rank's own experts from their owners. Then
+``generate`` on the ZeRO-3 model against the plain model, gathering only the union per step, and
+checkpoints resumed at another world size and in the other layout."""
 
 from __future__ import annotations
 
@@ -117,6 +119,8 @@ def _train(
     switch: bool,
     cache: int = 0,
     evals: bool = False,
+    layout: str = "sharded",
+    impl: str = "auto",
 ):
     import contextlib
 
@@ -135,6 +139,10 @@ def _train(
         share = {} if switch else {"moe_full_gather_share": 1.0}
         if cache:  # the experts' cache: bytes per experts layer
             share["moe_expert_cache"] = cache
+        if layout != "sharded":  # each expert whole on one rank (sharding/expert_owners.py)
+            share["moe_expert_layout"] = layout
+        if impl != "auto":  # "native": torch.distributed's own collectives (gloo's all_to_all_single)
+            share["collective_impl"] = impl
         cfg = zs.ZeroConfig(stage=stage, stage3_param_persistence_threshold=0, **share)
         net, opt = zs.initialize(model, opt, config=cfg)
         no_sync = net.no_sync
@@ -181,6 +189,31 @@ def _parity_cell(
         assert stats["moe_full_gathers"] < stats["moe_gathers"] / 4, stats  # whole: the union's rows all on one rank
         assert 0 < stats["moe_gathered_bytes"] < stats["moe_full_bytes"], stats
         assert 0 < stats["moe_reduced_bytes"] < stats["moe_full_reduce_bytes"], stats
+
+
+def _owners_cell(
+    rank: int, kind: str, experts: int, top_k: int, accum: str, clip: float | None, impl: str = "auto"
+) -> None:
+    """The owners layout (each expert whole on one rank; ``experts`` odd: uneven owners): DDP's
+    numbers, and each rank fetched only its own selection, fewer bytes than the union's gathers."""
+    args = (kind, experts, top_k)
+    ref_losses, ref_state, _ = _train(*args, "ddp", 3, accum, clip, rank, False)
+    _, _, union = _train(*args, "zero", 3, accum, clip, rank, False)
+    losses, state, stats = _train(*args, "zero", 3, accum, clip, rank, False, layout="owners", impl=impl)
+    assert_close(losses, ref_losses, rtol=1e-5, what=f"rank {rank}: losses with expert owners against DDP")
+    for k, ref in ref_state.items():
+        assert_close(state[k], ref, rtol=0.0, atol=1e-5 * float(ref.abs().max()), what=f"rank {rank}: {k}")
+    assert stats["moe_full_gathers"] == 0 and stats["moe_gathers"] > 0, stats
+    assert 0 < stats["moe_gathered_bytes"] < union["moe_gathered_bytes"], (stats, union)
+    assert 0 < stats["moe_reduced_bytes"] < stats["moe_full_reduce_bytes"], stats
+
+
+_OWNER_CELLS = [
+    dict(kind="mixtral", experts=5, top_k=2, accum="none", clip=None),
+    dict(kind="mixtral", experts=7, top_k=1, accum="no_sync", clip=0.05),
+    dict(kind="qwen3_moe", experts=31, top_k=2, accum="plain", clip=None),
+    dict(kind="mixtral", experts=9, top_k=2, accum="no_sync", clip=None, impl="native"),
+]
 
 
 def _cache_cell(rank: int, kind: str, experts: int, per_expert: int, kept: int) -> None:
@@ -263,12 +296,25 @@ def _generate_case(rank: int) -> None:
     assert again.tolist() == ref.tolist(), (again.tolist(), ref.tolist())
     stats = cached.zero_engine.memory_stats()
     assert stats["moe_cache_hits"] > 0 and 0 < stats["moe_gathered_bytes"] < moved, (stats, moved)
+    # expert owners: each rank fetches the experts its tokens selected from their owners
+    owned, _ = zs.initialize(
+        copy.deepcopy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
+        config=zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=1.0,
+                             moe_expert_layout="owners"),
+    )  # fmt: skip
+    owned.eval()
+    with torch.no_grad():
+        again = owned.generate(prompt, **kw)
+    assert again.tolist() == ref.tolist(), (again.tolist(), ref.tolist())
+    stats = owned.zero_engine.memory_stats()
+    assert stats["moe_full_gathers"] == 0 and 0 < stats["moe_gathered_bytes"] <= moved, (stats, moved)
 
 
-def _checkpoint_case(rank: int, tmp: str) -> None:
-    """Save at world size 2 after two steps, resume at world size 1 (and the uninterrupted run
-    goes on at 2): the same losses and weights; ``full_state_dict`` and ``load_full_state_dict``
-    round-trip the experts."""
+def _checkpoint_case(rank: int, tmp: str, saved: str = "sharded", loaded: str = "sharded", experts: int = 32) -> None:
+    """Save at world size 2 after two steps with the ``saved`` expert layout, resume at world
+    size 1 and at world size 2 with the ``loaded`` layout (and the uninterrupted run goes on):
+    the same losses and weights; ``full_state_dict`` and ``load_full_state_dict`` round-trip the
+    experts."""
     import torch
     import torch.distributed as dist
 
@@ -276,10 +322,10 @@ def _checkpoint_case(rank: int, tmp: str) -> None:
 
     groups = {n: dist.new_group(list(range(n))) for n in (1, 2)}
 
-    def build(world: int):
-        model = _build("mixtral", 32, 2)
+    def build(world: int, layout: str = saved):
+        model = _build("mixtral", experts, 2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
-        cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0)
+        cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_expert_layout=layout)
         return zs.initialize(model, opt, config=cfg, process_group=groups[world])
 
     def run(model, opt, world: int, steps: range) -> list[float]:
@@ -296,23 +342,29 @@ def _checkpoint_case(rank: int, tmp: str) -> None:
             out.append(total.item() / world)
         return out
 
+    path = f"{tmp}/moe_{saved}_{loaded}"
     model, opt = build(2)
     run(model, opt, 2, range(2))
-    zs.save_checkpoint(f"{tmp}/moe", model, opt)
+    zs.save_checkpoint(path, model, opt)
     full = zs.full_state_dict(model, rank0_only=False)
     ref = run(model, opt, 2, range(2, 4))
     with zs.gathered_parameters(model):
         ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if rank == 0:  # the resumed run, alone
-        m1, o1 = build(1)
-        zs.load_checkpoint(f"{tmp}/moe", m1, o1)
-        got = run(m1, o1, 1, range(2, 4))
-        assert_close(got, ref, rtol=1e-5, what="losses after resuming at world size 1")
-        with zs.gathered_parameters(m1):
-            for k, v in m1.state_dict().items():
+
+    def resumed(m, o, world: int) -> None:
+        zs.load_checkpoint(path, m, o)
+        got = run(m, o, world, range(2, 4))
+        assert_close(got, ref, rtol=1e-5, what=f"losses after resuming at world size {world} ({saved} -> {loaded})")
+        with zs.gathered_parameters(m):
+            for k, v in m.state_dict().items():
                 assert_close(v, ref_state[k], rtol=0.0, atol=1e-5 * float(ref_state[k].abs().max()), what=k)
+
+    if rank == 0:  # the resumed run, alone
+        resumed(*build(1, loaded), 1)
     dist.barrier()
-    m2, _ = build(2)
+    if loaded != saved:  # another layout at the same world size
+        resumed(*build(2, loaded), 2)
+    m2, _ = build(2, loaded)
     zs.load_full_state_dict(m2, full)
     with zs.gathered_parameters(m2):
         for k, v in m2.state_dict().items():
@@ -324,8 +376,11 @@ def _worker(rank: int, world: int, tmp: str) -> int:
     cells = _cells()
     run_subtests(lambda **kw: _parity_cell(rank, **kw), cells, label="moe parity")
     run_subtests(lambda **kw: _cache_cell(rank, **kw), _CACHE_CELLS, label="moe expert cache")
+    run_subtests(lambda **kw: _owners_cell(rank, **kw), _OWNER_CELLS, label="moe expert owners")
     _generate_case(rank)
     _checkpoint_case(rank, tmp)
+    _checkpoint_case(rank, tmp, "owners", "sharded", experts=5)  # uneven owners: 3 + 2 experts
+    _checkpoint_case(rank, tmp, "sharded", "owners", experts=5)
     return len(cells)
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "all_to_all_v",
     "bounded_group",
     "broadcast_coalesced",
     "comm_report",
@@ -487,6 +488,58 @@ def all_to_all(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, what: 
     peer_list = [j for j in peers for _ in range(2)]  # a send and a receive each
     return Handle(
         ctx, "all_to_all", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0, peers=peer_list
+    )
+
+
+def all_to_all_v(
+    ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, send: Sequence[int], recv: Sequence[int], *, what: str
+) -> Handle:
+    """Exchange uneven chunks: ``inp`` holds, side by side in rank order, ``send[j]`` elements
+    for rank ``j``; ``out`` receives ``recv[j]`` elements from rank ``j`` in the same way. Every
+    rank's ``send[j]`` must equal rank ``j``'s ``recv[rank]`` (the MoE expert owners derive both
+    from the same agreed selections). Empty chunks are not sent."""
+    n = ctx.world_size
+    if len(send) != n or len(recv) != n or sum(send) != inp.numel() or sum(recv) != out.numel():
+        raise AssertionError(
+            f"rank {ctx.rank}: all_to_all_v of {what}: sizes {list(send)} -> {list(recv)} do not match "
+            f"{n} ranks, inp of {inp.numel()} and out of {out.numel()} elements"
+        )
+    t0 = time.perf_counter()
+    s_off = [sum(send[:j]) for j in range(n)]
+    r_off = [sum(recv[:j]) for j in range(n)]
+    if send[ctx.rank] != recv[ctx.rank]:
+        raise AssertionError(f"rank {ctx.rank}: all_to_all_v of {what}: sends itself {send[ctx.rank]} elements, "
+                             f"expects {recv[ctx.rank]}")  # fmt: skip
+    me = ctx.rank
+    out[r_off[me] : r_off[me] + recv[me]].copy_(inp[s_off[me] : s_off[me] + send[me]])
+    if not ctx.distributed:
+        return _done_handle(ctx, "all_to_all", what, inp.numel(), inp.element_size())
+    if ctx.impl == "native":
+
+        def native() -> list[dist.Work]:
+            return [dist.all_to_all_single(out, inp, list(recv), list(send), group=ctx.group, async_op=True)]
+
+        works = _issue(ctx, "all_to_all", what, native)
+        return Handle(ctx, "all_to_all", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0)
+    ops_peers: list[int] = []
+
+    def p2p() -> list[dist.Work]:
+        ops = []
+        for j in range(n):
+            if j == me:
+                continue
+            peer = ctx.global_ranks[j]
+            if send[j]:
+                ops.append(dist.P2POp(dist.isend, inp[s_off[j] : s_off[j] + send[j]], peer, ctx.group))
+                ops_peers.append(j)
+            if recv[j]:
+                ops.append(dist.P2POp(dist.irecv, out[r_off[j] : r_off[j] + recv[j]], peer, ctx.group))
+                ops_peers.append(j)
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    works = _issue(ctx, "all_to_all", what, p2p, [j for j in range(n) if j != me])
+    return Handle(
+        ctx, "all_to_all", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0, peers=ops_peers
     )
 
 

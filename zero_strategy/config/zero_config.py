@@ -106,6 +106,7 @@ def _layer_bytes(value: Any, where: str) -> int:
 
 
 _GATHER_CHECKS = ("auto", "immediate", "deferred")
+_EXPERT_LAYOUTS = ("sharded", "owners")  # sharding/expert_owners.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +195,9 @@ class ZeroConfig:
     # the experts' cache: bytes of selected experts' rows each experts unit keeps between the
     # passes of a step (0: none); an integer or a size such as "64MiB"
     moe_expert_cache: int = setting(0, lambda value, where: _layer_bytes(value, where), ds=_OWN)
+    # where a stacked experts unit's experts live: "sharded" (cut like any parameter; the union of
+    # the selections is gathered) or "owners" (each expert whole on one rank, fetched from it)
+    moe_expert_layout: str = setting("sharded", lambda value, where: to_choice(value, where, _EXPERT_LAYOUTS), ds=_OWN)
     # ZeRO-3's per-gather checks once the unit order is known: "immediate" (a host read per
     # gather; every rank raises UnitDivergence), "deferred" (compared on the device, read with
     # the step's gradient flags: no host sync per gather), "auto": deferred on an accelerator
@@ -382,6 +386,11 @@ def _conflicts(cfg: ZeroConfig, world_size: int | None, given: Callable[[str], b
         out.append(
             "compression.optimizer: adam keeps Adam's moments in the optimizer's state, which offload_optimizer: "
             "{device: nvme} swaps out of reach; offload the optimizer to 'cpu', or use compression.optimizer: sgd"
+        )
+    if rule(cfg.moe_expert_layout == "owners" and cfg.moe_expert_cache > 0, "moe_expert_layout", "moe_expert_cache"):
+        out.append(
+            f"{_OWN}.moe_expert_cache={cfg.moe_expert_cache} with moe_expert_layout='owners': the experts' cache keeps "
+            "rows of the sharded layout's union gathers; remove moe_expert_cache, or use moe_expert_layout 'sharded'"
         )
     if rule(cfg.memory.enabled and cfg.stage != 3, "memory", "stage"):
         out.append(

@@ -209,7 +209,8 @@ class GradReducer:
         # an MoE experts unit reduces the union of the selected experts' rows only
         rows = g.experts.reduce_plan() if g.experts is not None and fb is None else None
         width = lay.shard_numel if rows is None else rows.width
-        inp = self.ctx.pool.get(n * width, g.reduce_dtype if fb is None else g.master_dtype, g.device)
+        size = n * width if rows is None else rows.send_numel
+        inp = self.ctx.pool.get(size, g.reduce_dtype if fb is None else g.master_dtype, g.device)
         grads: list[torch.Tensor | None] = []
         for p in g.params:
             if p.grad is not None:
@@ -237,8 +238,11 @@ class GradReducer:
             self.ctx.pool.put(inp)  # added into the residual already
             self._in_flight.append(_InFlight(g, exchange.handle, sparse=exchange))
         else:
-            out = self.ctx.pool.get(width, g.reduce_dtype, g.device)
-            handle = C.reduce_scatter(self.ctx, out, inp, what=what)
+            if rows is None:
+                out = self.ctx.pool.get(width, g.reduce_dtype, g.device)
+                handle = C.reduce_scatter(self.ctx, out, inp, what=what)
+            else:  # the selected experts' rows: a reduce-scatter, or to their owners (expert_owners.py)
+                out, handle = rows.exchange(self.ctx, inp, what)
             self._in_flight.append(_InFlight(g, handle, inp, out, rows=rows))
         if self.max_in_flight == 0:
             self.wait_all()
@@ -253,7 +257,7 @@ class GradReducer:
             if f.inp is None or f.out is None:
                 raise AssertionError(f"rank {self.ctx.rank}: a reduction of {g.name} lost its buffers")
             self.ctx.pool.put(f.inp)
-            scratch = f.out
+            scratch = f.out if f.rows is None else f.rows.combine(self.ctx, f.out)
             if _narrow(g):  # divided by the world size already; the loss scale comes off in the master dtype
                 out = scratch.to(device=g.master_device, dtype=g.master_dtype)
                 rest = self._grad_factor() * self.ctx.world_size

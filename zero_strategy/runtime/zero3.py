@@ -35,6 +35,7 @@ from zero_strategy.comm import collectives as C
 from zero_strategy.comm import profiling as P
 from zero_strategy.reduction.grads import GradReducer
 from zero_strategy.sharding.cache import GatherCache
+from zero_strategy.sharding.expert_owners import OwnedExperts
 from zero_strategy.sharding.experts import FULL_SHARE, ExpertRows, MoeStats
 from zero_strategy.sharding.partition import UnitPlan
 from zero_strategy.sharding.states import ShardedState
@@ -114,7 +115,11 @@ class UnitScheduler:
             eu = by_label.get(found.fqn)
             if eu is None:
                 continue
-            x = ExpertRows(found, eu, self.moe, settings.moe_full_share, settings.moe_expert_cache)
+            x = (
+                OwnedExperts(found, eu, self.moe, settings.moe_full_share)
+                if eu.layout.cuts is not None  # moe_expert_layout: owners (sharding/expert_owners.py)
+                else ExpertRows(found, eu, self.moe, settings.moe_full_share, settings.moe_expert_cache)
+            )
             self.experts[id(found.module)] = x
             outer = max((f for f in unit_fqns if found.fqn.startswith(f"{f}.")), key=len, default=None)
             tag = by_label[outer].tag if outer is not None and outer in by_label else None

@@ -24,6 +24,7 @@ from typing import ClassVar, Protocol
 import torch
 from torch import nn
 
+from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.pieces import piece_of
 from zero_strategy.storage.offload import HOST, OffloadPolicy, OnDevice
@@ -98,6 +99,21 @@ class ReducePlan:
     segments: list[list[tuple[int, torch.Tensor]]]  # per rank: (parameter, flat positions)
     width: int
     covered: frozenset[int] = frozenset()  # the parameters some rank reduces rows of
+
+    @property
+    def send_numel(self) -> int:
+        """Elements of the packed buffer (:meth:`pack`)."""
+        return len(self.segments) * self.width
+
+    def exchange(self, ctx: C.CommContext, inp: torch.Tensor, what: str) -> tuple[torch.Tensor, C.Handle]:
+        """Start the reduction of the packed ``inp``: this rank's ``width`` elements arrive in the
+        returned buffer (after :meth:`combine`)."""
+        out = ctx.pool.get(self.width, inp.dtype, inp.device)
+        return out, C.reduce_scatter(ctx, out, inp, what=what)
+
+    def combine(self, ctx: C.CommContext, out: torch.Tensor) -> torch.Tensor:
+        """The reduced ``width`` elements, once the exchange completed (a reduce-scatter summed them)."""
+        return out
 
     def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
         """Every rank's segments of the full gradients into ``out`` (world_size rows of ``width``)."""

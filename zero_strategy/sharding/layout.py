@@ -12,6 +12,11 @@ score. ``chunks[i]`` is then the *largest* piece of parameter ``i``: every rank'
 to it, and the collectives stay equal-sized. Checkpoints record the real offsets
 (``checkpoint/state.py``), since a ``Shard(0)`` DTensor would assume ``torch.chunk``'s.
 
+With expert owners (``expert_owners.py``) the layout has ``cuts``: ``world_size + 1`` expert
+boundaries (0 to ``E``) for parameters whose first dimension is ``E`` experts, and rank ``r``'s
+piece of every parameter is experts ``cuts[r]:cuts[r + 1]``, whole. Like load balancing, it is
+uneven, so checkpoints record the real offsets and reshard between layouts.
+
 For communication, a rank's pieces of the parameters of one group sit side by side in a flat
 buffer of ``shard_numel`` elements (each piece at ``offsets[i]``, ``chunks[i]`` long). A
 gathered or to-be-reduced buffer holds ``world_size`` such rows, rank-major.
@@ -34,6 +39,7 @@ class ShardLayout:
     world_size: int
     rank: int
     fractions: tuple[float, ...] | None = None  # per rank, summing to 1 (load balancing); None: even
+    cuts: tuple[int, ...] | None = None  # expert boundaries per rank (expert owners); None: by numel
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -44,15 +50,30 @@ class ShardLayout:
                 f"rank {self.rank}: shard fractions {f} are not {self.world_size} positive shares of 1"
             )
 
+        c = self.cuts
+        if c is not None and (
+            len(c) != self.world_size + 1
+            or c[0] != 0
+            or any(b < a for a, b in zip(c, c[1:]))
+            or any(k % c[-1] for k in self.numels)
+        ):
+            raise AssertionError(
+                f"rank {self.rank}: expert cuts {c} are not {self.world_size + 1} rising boundaries from 0 to a "
+                f"number of experts that divides every parameter's numel {self.numels}"
+            )
+
     @property
     def even(self) -> bool:
-        return self.fractions is None
+        return self.fractions is None and self.cuts is None
 
     @cached_property
     def bounds(self) -> tuple[tuple[int, ...], ...]:
         """Per parameter, the ``world_size + 1`` cut points of its flat elements: rank ``r`` owns
         ``bounds[i][r]:bounds[i][r + 1]``."""
         n = self.world_size
+        if self.cuts is not None:
+            e = self.cuts[-1]
+            return tuple(tuple(c * (k // e) for c in self.cuts) for k in self.numels)
         if self.fractions is None:
             out = []
             for k in self.numels:
@@ -68,7 +89,7 @@ class ShardLayout:
     @cached_property
     def chunks(self) -> tuple[int, ...]:
         n = self.world_size
-        if self.fractions is None:
+        if self.even:
             return tuple(-(-k // n) for k in self.numels)
         return tuple(max(b[r + 1] - b[r] for r in range(n)) for b in self.bounds)
 
@@ -105,7 +126,7 @@ class ShardLayout:
             if flat is None:
                 dst.zero_()
                 continue
-            if self.fractions is not None:  # uneven: each rank's range, then padding
+            if not self.even:  # uneven: each rank's range, then padding
                 b = self.bounds[i]
                 for r in range(self.world_size):
                     k = b[r + 1] - b[r]
@@ -130,7 +151,7 @@ class ShardLayout:
         for i, flat in enumerate(flats):
             off, c, n = self.offsets[i], self.chunks[i], self.numels[i]
             src = rows[:, off : off + c]
-            if self.fractions is not None:
+            if not self.even:
                 b = self.bounds[i]
                 for r in range(self.world_size):
                     flat[b[r] : b[r + 1]].copy_(src[r, : b[r + 1] - b[r]])

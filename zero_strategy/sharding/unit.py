@@ -307,6 +307,7 @@ class UnitStorage:
         row_swap: RowSwap | None = None,
         checks: GatherChecks | None = None,
         fractions: tuple[float, ...] | None = None,
+        cuts: tuple[int, ...] | None = None,  # expert owners' boundaries (expert_owners.py)
     ) -> None:
         self.label, self.tag, self.ctx, self.meter = label, tag, ctx, meter
         self.checks = checks or GatherChecks({})
@@ -321,7 +322,7 @@ class UnitStorage:
                 "unit needs one dtype); cast the model to one dtype before initialize()"
             )
         self.dtype = dtypes.pop()
-        self.layout = ShardLayout(tuple(p.numel() for p in self.params), ctx.world_size, ctx.rank, fractions)
+        self.layout = ShardLayout(tuple(p.numel() for p in self.params), ctx.world_size, ctx.rank, fractions, cuts)
         lay = self.layout
         t_numel = sum(lay.chunks[: self.n_trainable])
         master_dtype = precision.master_dtype_for(self.params[0]) if trainable else self.dtype
@@ -343,7 +344,7 @@ class UnitStorage:
         self.group: ShardGroup | None = None
         self.separate_masters = False
         if trainable:
-            t_layout = ShardLayout(tuple(p.numel() for _, p in trainable), ctx.world_size, ctx.rank, fractions)
+            t_layout = ShardLayout(tuple(p.numel() for _, p in trainable), ctx.world_size, ctx.rank, fractions, cuts)
             if separate and host_masters is not None:  # the fp32 pieces on the host, the row on the device
                 with torch.no_grad():
                     masters = [
@@ -581,12 +582,14 @@ class ShardedParams(ParamStorage):
         offload_params: OffloadPolicy | None = None,
         row_swap: RowSwap | None = None,
         fractions: tuple[float, ...] | None = None,
+        unit_cuts: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         """One unit per module of ``units`` (in that order) plus the root unit (label
         ``<root>``, last) for the parameters outside every unit. A parameter reachable from two
         units, or from a unit and outside it (tied weights), belongs to the root unit, which
         stays gathered for the whole forward and backward. The offload policies say where each
-        unit's rows and masters live (``offload.py``)."""
+        unit's rows and masters live (``offload.py``); ``unit_cuts`` gives experts units (by
+        label) their owners' boundaries (``expert_owners.py``)."""
         offload_optimizer = offload_optimizer or OnDevice()
         self.ctx = ctx
         self.meter = GatherMeter()
@@ -617,7 +620,7 @@ class ShardedParams(ParamStorage):
             u = UnitStorage(label, len(self.units) + 1, trainable, frozen, ctx, precision, self.meter,
                             persistence_threshold, group_index=len(self.groups), row_policy=rows,
                             host_masters=host, row_swap=row_swap, checks=self.checks,
-                            fractions=fractions)  # fmt: skip
+                            fractions=fractions, cuts=(unit_cuts or {}).get(label))  # fmt: skip
             self.units.append(u)
             if u.group is not None:
                 self.groups.append(u.group)

@@ -1,0 +1,57 @@
+"""The expert owners' layout (``moe_expert_layout: owners``, ``sharding/expert_owners.py``):
+where the experts live, and the settings it refuses. The exchange itself is tested against DDP
+at world size 2 in ``tests/distributed/test_moe_fetch.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_strategy as zs
+from zero_strategy.sharding.expert_owners import owner_cuts
+from zero_strategy.sharding.layout import ShardLayout
+
+
+def test_owner_cuts_even_and_by_fractions() -> None:
+    assert owner_cuts(8, 2, None, where="x") == (0, 4, 8)
+    assert owner_cuts(5, 2, None, where="x") == (0, 3, 5)
+    assert owner_cuts(7, 3, None, where="x") == (0, 3, 5, 7)
+    assert owner_cuts(3, 3, None, where="x") == (0, 1, 2, 3)
+    # load balancing's fractions: largest remainders, at least one expert each
+    assert owner_cuts(10, 2, (0.75, 0.25), where="x") == (0, 8, 10)  # 7.5 / 2.5: the tie goes to rank 0
+    assert owner_cuts(4, 3, (0.9, 0.05, 0.05), where="x") == (0, 2, 3, 4)
+    for e, fr in ((64, (0.3, 0.3, 0.4)), (9, (0.5, 0.5)), (5, (0.1, 0.2, 0.3, 0.4))):
+        cuts = owner_cuts(e, len(fr), fr, where="x")
+        assert cuts[0] == 0 and cuts[-1] == e and all(b > a for a, b in zip(cuts, cuts[1:])), cuts
+
+
+def test_owner_cuts_refuse_fewer_experts_than_ranks() -> None:
+    with pytest.raises(ValueError, match="model.experts' has 2 experts for 4 ranks.*moe_expert_layout 'sharded'"):
+        owner_cuts(2, 4, None, where="experts module 'model.experts'")
+
+
+def test_layout_with_expert_cuts_keeps_experts_whole() -> None:
+    # gate_up_proj [5, 4, 3] and down_proj [5, 3, 2]: rank 0 owns experts 0-2, rank 1 experts 3-4
+    for rank in (0, 1):
+        lay = ShardLayout((60, 30), 2, rank, cuts=(0, 3, 5))
+        assert lay.bounds == ((0, 36, 60), (0, 18, 30))
+        assert lay.local_range(0) == ((0, 36) if rank == 0 else (36, 60))
+        assert lay.chunks == (36, 18) and not lay.even
+    lay = ShardLayout((60, 30), 2, 0, cuts=(0, 3, 5))
+    full = [torch.arange(60.0), torch.arange(30.0)]
+    buf = torch.empty(2 * lay.shard_numel)
+    lay.pack_full(full, buf)
+    back = [torch.zeros(60), torch.zeros(30)]
+    lay.unpack_full(buf, back)
+    assert all(torch.equal(a, b) for a, b in zip(full, back))
+    with pytest.raises(AssertionError, match="expert cuts"):
+        ShardLayout((60, 31), 2, 0, cuts=(0, 3, 5))  # 31 is not 5 experts' rows
+
+
+def test_config_refuses_owners_with_the_experts_cache() -> None:
+    with pytest.raises(ValueError, match="moe_expert_cache=4096 with moe_expert_layout='owners'"):
+        zs.ZeroConfig(stage=3, moe_expert_layout="owners", moe_expert_cache=4096)
+    with pytest.raises(ValueError, match="moe_expert_layout"):
+        zs.ZeroConfig(stage=3, moe_expert_layout="rows")
+    cfg = zs.ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "zero_strategy": {"moe_expert_layout": "owners"}})
+    assert cfg.moe_expert_layout == "owners"

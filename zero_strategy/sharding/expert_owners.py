@@ -1,0 +1,344 @@
+"""Expert owners: each expert of a stacked experts module lives whole on one rank.
+
+The default layout of an experts unit (``experts.py``) gathers, for every rank, the *union* of
+the experts that some rank selected, and reduce-scatters that union's gradient rows. With
+``moe_expert_layout: owners`` (under ``zero_strategy`` in the config) each expert instead has
+an owner:
+
+- **Layout.** Rank ``r`` owns experts ``cuts[r]:cuts[r + 1]``, contiguous and whole, as many
+  per rank as the world size allows evenly (the first ``E % world_size`` ranks one more), or in
+  proportion to the load-balancing fractions. The unit's :class:`~zero_strategy.sharding.layout.ShardLayout`
+  carries the ``cuts``: an uneven but ordinary layout, so checkpoints record the real offsets,
+  and resharding to another world size, stage or layout, exports and ``load_full_state_dict``
+  work as for any parameter. The owner holds the expert's optimizer state and steps it.
+- **Agreement.** One all-gather of the ``E``-element selection masks per experts layer per
+  pass (instead of the all-reduce of the union): every rank learns what every rank selected.
+- **Fetch.** Rank ``r`` receives from each owner only the experts that *its own* tokens
+  selected, in one all-to-all with uneven chunks: nothing for the experts that only other
+  ranks selected, and nothing for those it owns. Each chunk ends with the unit's tag, so a
+  diverged fetch raises ``UnitDivergence`` like any gather. The backward fetches the same
+  experts again.
+- **Gradients back to the owners.** A rank's gradient is zero outside its selections, so it
+  sends the rows of the experts it selected since the last reduction to their owners (one
+  all-to-all); the owner sums the contributions in rank order, as a reduce-scatter would, and
+  steps them. Rows that no rank selected stay zeros, as in DDP's gradient.
+- **Cost switch** (``moe_full_gather_share``, as for the default layout): when the rank that
+  fetches (or sends) the most would move at least that share of a whole gather's bytes, the
+  unit is gathered (or reduced) whole in one collective.
+
+The experts' cache (``moe_expert_cache``) works with the default layout only; a declared
+``ModuleList`` of experts keeps the default layout (each member's parameters cut evenly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zero_strategy.comm import collectives as C
+from zero_strategy.sharding.experts import ExpertRows, ExpertsModule, MoeStats, row_segments
+from zero_strategy.sharding.group import ReducePlan
+from zero_strategy.sharding.states import ShardedState
+from zero_strategy.sharding.unit import TAG, UnitDivergence, UnitStorage
+
+__all__ = ["EXPERT_LAYOUTS", "OwnedExperts", "OwnerPick", "OwnerPlan", "owner_cuts", "unit_cuts"]
+
+EXPERT_LAYOUTS = ("sharded", "owners")
+
+Segments = list[tuple[int, torch.Tensor]]
+
+
+def owner_cuts(num_experts: int, world_size: int, fractions: Sequence[float] | None, *, where: str) -> tuple[int, ...]:
+    """The ``world_size + 1`` expert boundaries of the owners: even counts (the first
+    ``E % world_size`` ranks one more), or with load balancing's ``fractions`` the largest
+    remainders of ``E * fraction``, each rank at least one expert."""
+    e, n = num_experts, world_size
+    if e < n:
+        raise ValueError(
+            f"moe_expert_layout 'owners': {where} has {e} experts for {n} ranks, so some rank would own none; "
+            "use moe_expert_layout 'sharded' (the default) for it, or fewer ranks"
+        )
+    if fractions is None:
+        counts = [e // n + (r < e % n) for r in range(n)]
+    else:
+        raw = [f * e for f in fractions]
+        counts = [max(1, int(x)) for x in raw]
+        while sum(counts) > e:  # take from the rank furthest above its share
+            r = max((r for r in range(n) if counts[r] > 1), key=lambda r: (counts[r] - raw[r], -r))
+            counts[r] -= 1
+        while sum(counts) < e:  # give to the rank furthest below its share
+            r = max(range(n), key=lambda r: (raw[r] - counts[r], -r))
+            counts[r] += 1
+    cuts = [0]
+    for c in counts:
+        cuts.append(cuts[-1] + c)
+    return tuple(cuts)
+
+
+def unit_cuts(
+    experts: Sequence[ExpertsModule], layout: str, world_size: int, fractions: Sequence[float] | None
+) -> dict[str, tuple[int, ...]]:
+    """The owners' boundaries of each stacked experts unit, by label, for ``moe_expert_layout``
+    ``layout`` (nothing for "sharded"; a declared ``ModuleList`` keeps the sharded layout)."""
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"moe_expert_layout={layout!r} is not one of {EXPERT_LAYOUTS}")
+    if layout == "sharded":
+        return {}
+    return {
+        f.fqn: owner_cuts(f.num_experts, world_size, fractions, where=f"experts module '{f.fqn}'")
+        for f in experts
+        if not f.members
+    }
+
+
+@dataclass(frozen=True)
+class OwnerPick:
+    """What one pass selected: the union over the ranks and each rank's own experts (sorted)."""
+
+    union: tuple[int, ...]
+    ranks: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class _Fetch:
+    send: list[Segments]  # per destination: the rows of my experts it selected (my positions)
+    recv: list[Segments]  # per source: the rows of its experts I selected (full positions)
+    send_sizes: list[int]
+    recv_sizes: list[int]
+    moved: int  # elements this rank receives (its own rows included)
+
+
+def _numel(segs: Segments) -> int:
+    return sum(idx.numel() for _, idx in segs)
+
+
+@dataclass(frozen=True)
+class OwnerPlan(ReducePlan):
+    """One reduction of an owned experts unit: gradient rows go to their owners (all-to-all),
+    which sum them in rank order into their shard. ``segments[rank]`` are this rank's rows of
+    the reduced experts (``width`` elements), as for :class:`ReducePlan`."""
+
+    send: tuple[Segments, ...] = ()  # per destination: (parameter, full positions) of my gradient
+    recv_sizes: tuple[int, ...] = ()  # per source
+    places: tuple[torch.Tensor, ...] = ()  # per source: where its rows go in this rank's ``width`` buffer
+
+    @property
+    def send_numel(self) -> int:
+        return sum(_numel(s) for s in self.send)
+
+    def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
+        pos = 0
+        for segs in self.send:
+            for i, idx in segs:
+                g, k = grads[i], idx.numel()
+                if g is None:  # this rank did not run it since the last reduction
+                    out[pos : pos + k].zero_()
+                else:
+                    out[pos : pos + k].copy_(g.index_select(0, idx))
+                pos += k
+
+    def exchange(self, ctx: C.CommContext, inp: torch.Tensor, what: str) -> tuple[torch.Tensor, C.Handle]:
+        out = ctx.pool.get(sum(self.recv_sizes), inp.dtype, inp.device)
+        sizes = [_numel(s) for s in self.send]
+        return out, C.all_to_all_v(ctx, out, inp, sizes, list(self.recv_sizes), what=f"{what} to their owners")
+
+    def combine(self, ctx: C.CommContext, out: torch.Tensor) -> torch.Tensor:
+        """Sum every source's rows (in rank order) into this rank's ``width`` elements."""
+        mine = ctx.pool.get(self.width, out.dtype, out.device)
+        mine.zero_()
+        pos = 0
+        for k, place in zip(self.recv_sizes, self.places):
+            if k:
+                mine.index_add_(0, place, out[pos : pos + k])
+            pos += k
+        ctx.pool.put(out)
+        return mine
+
+
+class OwnedExperts(ExpertRows):
+    """The owners' fetch of one stacked experts module's unit (see the module doc)."""
+
+    def __init__(self, found: ExpertsModule, unit: UnitStorage, stats: MoeStats, full_share: float) -> None:
+        super().__init__(found, unit, stats, full_share, 0)
+        cuts = unit.layout.cuts
+        if cuts is None or found.members:
+            raise AssertionError(f"{unit.name}: expert owners need a stacked experts unit with expert cuts")
+        self.cuts = cuts
+        self.owner = [r for r in range(len(cuts) - 1) for _ in range(cuts[r + 1] - cuts[r])]
+        self.pending_ranks: list[set[int]] = [set() for _ in range(self.ctx.world_size)]
+        self._fetches: dict[OwnerPick, _Fetch | None] = {}
+
+    # -- agreement -------------------------------------------------------------------------
+    def agree(self, selection: torch.Tensor | None, step: str) -> OwnerPick | None:  # type: ignore[override]
+        """Every rank's selection: one all-gather of the ``E``-element masks (an element past
+        the experts means "all"). None: gather whole. Collective."""
+        e, n = self.num_experts, self.ctx.world_size
+        masks = torch.zeros(n * (e + 1), dtype=torch.int32, device=self.ctx.device)
+        mine = masks.view(n, e + 1)[self.ctx.rank]
+        if selection is None:
+            mine[e] = 1
+        else:
+            idx = selection.detach().reshape(-1).to(device=self.ctx.device, dtype=torch.long)
+            mine[idx[(idx >= 0) & (idx < e)]] = 1
+        C.all_gather(self.ctx, masks, mine, what=f"expert selections of {self.name} ({step})").wait()
+        values = masks.view(n, e + 1).tolist()
+        self.stats.experts_seen += e
+        if any(v[e] for v in values):
+            self.stats.union_experts += e
+            return None
+        ranks = tuple(tuple(k for k in range(e) if v[k]) for v in values)
+        union = tuple(sorted(set().union(*ranks)))
+        self.stats.union_experts += len(union)
+        return OwnerPick(union, ranks)
+
+    def remember(self, union: OwnerPick | None) -> None:  # type: ignore[override]
+        self.passes.append(union)  # type: ignore[arg-type]
+        if union is None:
+            self.pending_full = True
+            return
+        for r, chosen in enumerate(union.ranks):
+            self.pending_ranks[r].update(chosen)
+
+    # -- the fetch -------------------------------------------------------------------------
+    def _per_expert(self, count: int) -> int:
+        return sum(self.rows[:count])
+
+    def _fetch(self, pick: OwnerPick) -> _Fetch | None:
+        """The exchange of ``pick`` (None: gathering whole is cheaper). The same on every rank."""
+        if pick in self._fetches:
+            return self._fetches[pick]
+        if len(self._fetches) > 4:
+            self._fetches.clear()
+        lay, n, me, dev = self.unit.layout, self.ctx.world_size, self.ctx.rank, self.ctx.device
+        per = self._per_expert(len(self.rows))
+        biggest = max(len(chosen) for chosen in pick.ranks) * per
+        plan: _Fetch | None = None
+        if biggest < self.full_share * n * lay.shard_numel:
+            send = [row_segments(lay, self.rows, self._owned_by(pick.ranks[d], me), me, dev) for d in range(n)]
+            recv = [row_segments(lay, self.rows, self._owned_by(pick.ranks[me], s), s, dev) for s in range(n)]
+            plan = _Fetch(
+                send, recv, [_numel(s) + TAG for s in send], [_numel(s) + TAG for s in recv], len(pick.ranks[me]) * per
+            )
+        self._fetches[pick] = plan
+        return plan
+
+    def _owned_by(self, experts: Sequence[int], rank: int) -> list[int]:
+        return [e for e in experts if self.owner[e] == rank]
+
+    def gather(self, union: OwnerPick | None, step: str) -> None:  # type: ignore[override]
+        """Fetch this rank's selected experts of ``union`` from their owners (None: the whole
+        unit). Collective."""
+        u = self.unit
+        if u.state is ShardedState.UNSHARDED and (self.current is None or self.current == union):  # type: ignore[comparison-overlap]
+            return
+        if not self._sharded():
+            self.release(force=True)
+            if not self._sharded():
+                return  # held whole (gathered_parameters): a superset
+        size = u.full[0].element_size()
+        full_bytes = self.ctx.world_size * u.layout.shard_numel * size
+        self.stats.gathers += 1
+        self.stats.full_bytes += full_bytes
+        fetch = None if union is None else self._fetch(union)
+        if fetch is None:
+            self.stats.full_gathers += 1
+            self.stats.gathered_bytes += full_bytes
+            self.current = None
+            u.unshard_async(step)
+            u.wait_unshard(u.checks.names)
+            return
+        self._exchange(fetch, step)
+        self.stats.gathered_bytes += fetch.moved * size
+        self.current = union  # type: ignore[assignment]
+
+    def _exchange(self, fetch: _Fetch, step: str) -> None:
+        u, ctx = self.unit, self.ctx
+        n = ctx.world_size
+        inp = ctx.pool.get(sum(fetch.send_sizes), u.dtype, ctx.device)
+        out = ctx.pool.get(sum(fetch.recv_sizes), u.dtype, ctx.device)
+        pos = 0
+        with u.resident():
+            for segs in fetch.send:
+                for i, idx in segs:
+                    b = u.layout.local_range(i)[0]
+                    piece = u.piece(i)  # on the host with offloaded parameters
+                    inp[pos : pos + idx.numel()].copy_(piece.index_select(0, (idx - b).to(piece.device)))
+                    pos += idx.numel()
+                inp[pos] = u.tag % 128
+                inp[pos + 1] = u.tag // 128
+                pos += TAG
+        u._to(ShardedState.UNSHARDING, "an expert fetch from the owners")
+        C.all_to_all_v(
+            ctx, out, inp, fetch.send_sizes, fetch.recv_sizes, what=f"experts of {u.name} from their owners ({step})"
+        ).wait()
+        ends = torch.tensor([sum(fetch.recv_sizes[: s + 1]) for s in range(n)], device=out.device)
+        tags = (out[ends - 2] + 128 * out[ends - 1]).round().long()
+        try:
+            u.checks.gathered(u, tags, step)
+        except UnitDivergence:
+            ctx.pool.put(inp)
+            ctx.pool.put(out)
+            u._to(ShardedState.SHARDED, "a diverged expert fetch")
+            raise
+        u.meter.add(u.full_bytes)  # the full-shaped parameters exist from here on
+        u.meter.gathers += 1
+        u.meter.gathered_bytes += fetch.moved * u.full[0].element_size()
+        u.gathers += 1
+        with torch.no_grad():
+            flats = []
+            for p, f in zip(u.params, u.full):
+                f.untyped_storage().resize_(f.numel() * f.element_size())
+                f.zero_()  # rows this rank did not select: never read by its forward
+                p.data = f
+                flats.append(f.view(-1))
+            pos = 0
+            for segs, k in zip(fetch.recv, fetch.recv_sizes):
+                at = pos
+                for i, idx in segs:
+                    flats[i].index_copy_(0, idx, out[at : at + idx.numel()])
+                    at += idx.numel()
+                pos += k
+        u._to(ShardedState.UNSHARDED, "an expert fetch from the owners")
+        ctx.pool.put(inp)
+        ctx.pool.put(out)
+
+    # -- reduction -------------------------------------------------------------------------
+    def reduce_plan(self) -> ReducePlan | None:
+        """Each rank's gradient rows of the experts it selected since the last reduction go to
+        their owners; None: a whole reduction (the cost switch, or a pass that named no
+        selection). Resets the selections."""
+        chosen = [sorted(s) for s in self.pending_ranks]
+        full = self.pending_full or not any(chosen)
+        self.pending_ranks = [set() for _ in chosen]
+        self.pending, self.pending_full = set(), False
+        g = self.unit.group
+        if g is None:
+            return None
+        n, me, dev, lay = self.ctx.world_size, self.ctx.rank, self.ctx.device, g.layout
+        rows = self.rows[: len(g.params)]
+        per = sum(rows)
+        if full or max(len(c) for c in chosen) * per >= self.full_share * n * lay.shard_numel:
+            self._count_reduce(lay.shard_numel, g)
+            return None
+        mine = sorted({e for c in chosen for e in c if self.owner[e] == me})
+        segments: list[Segments] = [[] for _ in range(n)]
+        segments[me] = row_segments(lay, rows, mine, me, dev)
+        starts, at = {}, 0  # where each parameter's rows begin in this rank's buffer
+        for i, idx in segments[me]:
+            starts[i] = (at, idx)
+            at += idx.numel()
+        places = []
+        for s in range(n):
+            parts = []
+            for i, idx in row_segments(lay, rows, self._owned_by(chosen[s], me), me, dev):
+                base, all_idx = starts[i]
+                parts.append(base + torch.searchsorted(all_idx, idx))
+            places.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=dev))
+        send = tuple(row_segments(lay, rows, self._owned_by(chosen[me], d), d, dev) for d in range(n))
+        recv_sizes = tuple(int(p.numel()) for p in places)
+        size = torch.empty(0, dtype=g.reduce_dtype).element_size()
+        self.stats.reduced_bytes += sum(_numel(s) for s in send) * size
+        self.stats.full_reduce_bytes += n * lay.shard_numel * size
+        return OwnerPlan(segments, at, frozenset(range(len(g.params))), send, recv_sizes, tuple(places))
