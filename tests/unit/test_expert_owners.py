@@ -55,3 +55,33 @@ def test_config_refuses_owners_with_the_experts_cache() -> None:
         zs.ZeroConfig(stage=3, moe_expert_layout="rows")
     cfg = zs.ZeroConfig.from_dict({"zero_optimization": {"stage": 3}, "zero_strategy": {"moe_expert_layout": "owners"}})
     assert cfg.moe_expert_layout == "owners"
+
+
+def _tiny_mixtral(experts: int = 8):
+    import transformers
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=experts, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def test_the_experts_caches_come_out_of_the_budgets_cache_tier() -> None:
+    """With a memory budget, ``moe_expert_cache`` x experts layers is taken from the cache tier:
+    the cache of whole units gets the rest, and a cache tier too small for both is refused.
+    (World size 1: the accounting, not the exchange.)"""
+    per_layer, tier = 8192, 1_000_000
+    memory = {"budget": 4_000_000, "persistent": 0.5, "cache": tier, "working": 0}
+    model = _tiny_mixtral()
+    cfg = zs.ZeroConfig(stage=3, memory=memory, moe_expert_cache=per_layer)
+    net, _ = zs.initialize(model, lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
+    stats = net.zero_engine.memory_stats()
+    assert stats["budget_expert_caches"] == 2 * per_layer, stats  # two decoder layers, one experts module each
+    assert stats["cache_cap"] == tier - 2 * per_layer, stats
+    ids = torch.tensor([[1, 2, 3]])
+    net(input_ids=ids, labels=ids).loss.backward()  # runs within the smaller unit cache
+    with pytest.raises(ValueError, match=r"moe_expert_cache: 600.00 KiB .* per experts layer x 2 layers.*at most 491776 bytes, or raise memory.cache"):
+        big = zs.ZeroConfig(stage=3, memory=memory, moe_expert_cache=600 * 1024)
+        zs.initialize(_tiny_mixtral(), lambda p: torch.optim.SGD(p, lr=0.1), config=big)

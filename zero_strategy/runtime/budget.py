@@ -94,6 +94,7 @@ class Budget:
                 f"cache to 0 (free each unit after use) or to at least {self.min_gathered} bytes"
             )
         self.working = self.tiers.working  # measured after the first step on an accelerator
+        self.expert_caches = 0  # bytes the MoE experts' caches may keep: part of the cache tier
         self.persistent = 0
         self.persistent_room = 0  # what the persistent tier leaves for persistent units (agreed by all ranks)
         self._warned = False
@@ -104,6 +105,25 @@ class Budget:
             log.info("zero_strategy: memory %s (per rank)", self.tiers.describe())
         if ctx.device.type == "cuda":  # the working tier is measured from here on
             torch.cuda.reset_peak_memory_stats(ctx.device)
+
+    def reserve_expert_caches(self, per_layer: int, layers: int) -> None:
+        """The experts' caches (``moe_expert_cache`` bytes per experts layer, ``sharding/
+        expert_cache.py``) keep gathered expert rows: they take their bytes from the cache tier,
+        and the cache of whole units gets what is left."""
+        reserved = per_layer * layers
+        if not reserved:
+            return
+        left = self.tiers.cache - reserved
+        if left < self.min_gathered:
+            raise ValueError(
+                f"zero_strategy.moe_expert_cache: {format_bytes(per_layer)} per experts layer x {layers} layers = "
+                f"{format_bytes(reserved)} come out of zero_strategy.memory's cache tier "
+                f"({format_bytes(self.tiers.cache)}), which must keep at least the units gathered at once "
+                f"({format_bytes(self.min_gathered)}); lower moe_expert_cache to at most "
+                f"{max(self.tiers.cache - self.min_gathered, 0) // layers} bytes, or raise memory.cache"
+            )
+        self.expert_caches = reserved
+        self.cache = left
 
     def _set_min_gathered(self) -> None:
         """What must be gathered at once in the cache: the root unit (all step long) and the
@@ -123,14 +143,15 @@ class Budget:
         agreed = torch.tensor([self.persistent, self.working], dtype=torch.int64, device=self.ctx.device)
         C.all_reduce(self.ctx, agreed, op="max", what="the memory budget's tiers (the largest rank's)").wait()
         self.persistent, self.working = (int(v) for v in agreed.tolist())
-        budget, need = self.tiers.budget, self.persistent + self.working + self.min_gathered
+        budget, need = self.tiers.budget, self.persistent + self.working + self.min_gathered + self.expert_caches
         if need > budget:
             raise RuntimeError(self._does_not_fit(stats, need, when))
-        room = budget - self.persistent - self.working
-        if cache.cap is not None and cache.cap != min(room, self.tiers.cache):
+        room = budget - self.persistent - self.working - self.expert_caches
+        tier = self.tiers.cache - self.expert_caches  # the experts' caches take theirs first
+        if cache.cap is not None and cache.cap != min(room, tier):
             # shrink to the room, or grow back toward the configured cache (a new persistent
             # choice may have left more room, or raised the units that must be gathered at once)
-            if room < self.tiers.cache and not self._warned:
+            if room < tier and not self._warned:
                 self._warned = True
                 warnings.warn(
                     f"zero_strategy.memory: persistent {format_bytes(self.persistent)} + cache "
@@ -139,7 +160,7 @@ class Budget:
                     UserWarning,
                     stacklevel=3,
                 )
-            cache.cap = self.cache = min(room, self.tiers.cache)
+            cache.cap = self.cache = min(room, tier)
 
     def _kept(self) -> int:
         """Bytes of the persistent units' gathered parameters (the persistent tier's)."""
@@ -202,7 +223,7 @@ class Budget:
 
     def _does_not_fit(self, stats: dict[str, int], need: int, when: str) -> str:
         budget, world = self.tiers.budget, self.ctx.world_size
-        fixed = self.working + self.min_gathered
+        fixed = self.working + self.min_gathered + self.expert_caches
         hints = [f"memory.budget of at least {format_bytes(need)}"]
         if budget > fixed and self.persistent:
             ranks = math.ceil(self.persistent * world / (budget - fixed))
@@ -217,7 +238,9 @@ class Budget:
             f"rank {self.ctx.rank}: the model does not fit zero_strategy.memory's budget of {format_bytes(budget)} "
             f"({when}): persistent {format_bytes(self.persistent)} (parameter rows, gradient shards, masters, "
             f"optimizer state{' once the first step made it' if 'initialize' in when else ''}) + gathered at least {format_bytes(self.min_gathered)} (the root unit and the largest "
-            f"unit) + working {format_bytes(self.working)} = {format_bytes(need)}. Nearest settings that fit: "
+            f"unit) + working {format_bytes(self.working)}"
+            + (f" + the experts' caches {format_bytes(self.expert_caches)}" if self.expert_caches else "")
+            + f" = {format_bytes(need)}. Nearest settings that fit: "
             + "; or ".join(hints)
         )
 
@@ -230,6 +253,7 @@ class Budget:
             "budget_working": self.tiers.working,
             "persistent": self.persistent,
             "cache_cap": self.cache,
+            "budget_expert_caches": self.expert_caches,  # moe_expert_cache x experts layers, from the cache tier
             "working": self.working,
             "persistent_room": self.persistent_room,
             # units whose optimizer side (masters, gradient shards, state) and whose rows are on the host

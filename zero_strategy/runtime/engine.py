@@ -207,6 +207,8 @@ class ZeroEngine(WholeModelState):
             self.zero3 = UnitScheduler(self.params, self._plan, self.reducer, settings)
             self.params.refresh_persistent("initialize")  # never partitioned for their readers
             if self.budget is not None:  # does the model fit? (raises with each tier's bytes)
+                caches = sum(x.cache is not None for x in self.zero3.experts.values())
+                self.budget.reserve_expert_caches(config.moe_expert_cache, caches)  # from the cache tier
                 self.budget.check(self.memory_stats(), self.zero3.cache, when="at initialize")
             self.reducer.deferred_check = self.params.checks  # read with the gradient flags
         else:
