@@ -185,6 +185,7 @@ def _build_engine(engine: str, cfg, fused: bool, rank: int):
         import deepspeed  # an import failure is an error in the table, as any other
 
         from zero_strategy import ZeroConfig
+        from zero_strategy.bench.peers import deepspeed_config
 
         deepspeed.init_distributed(dist_backend="gloo")
         stage = int(engine[2])
@@ -193,11 +194,10 @@ def _build_engine(engine: str, cfg, fused: bool, rank: int):
         module = LossModule(GPT(cfg))
         # with offload DeepSpeed's own path: the config's AdamW becomes its compiled DeepSpeedCPUAdam
         opt = None if offload else _make_optimizer(module.parameters(), fused)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": MICRO_BATCH,
-            "gradient_accumulation_steps": 1,
-            # the same bucket sizes and persistence threshold as ours (our defaults)
-            "zero_optimization": {
+        # the same bucket sizes and persistence threshold as ours (our defaults)
+        ds_config = deepspeed_config(
+            MICRO_BATCH,
+            {
                 "stage": stage,
                 "reduce_bucket_size": ZeroConfig().reduce_bucket_size,
                 "allgather_bucket_size": ZeroConfig().allgather_bucket_size,
@@ -212,13 +212,7 @@ def _build_engine(engine: str, cfg, fused: bool, rank: int):
                 **((OFFLOAD_BOTH if stage == 3 else OFFLOAD_CPU) if offload else {}),
             },
             **({"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}} if offload else {}),
-            "zero_allow_untested_optimizer": True,
-            "fp16": {"enabled": False},
-            "bf16": {"enabled": False},
-            "gradient_clipping": 0.0,
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
+        )
         model, ds_opt, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds_config)
 
         def step(x, y):

@@ -7,8 +7,10 @@ tiny Qwen3-MoE built from configs, top-1 and top-2, stages 2 and 3, accumulation
 stage-3 cells check that fewer expert bytes were gathered than whole gathers would move; the
 experts' cache cells (``moe_expert_cache``) add evaluation forwards between steps; the owners
 cells (``moe_expert_layout: owners``) fetch each rank's own experts from their owners. Then
-``generate`` on the ZeRO-3 model against the plain model, gathering only the union per step, and
-checkpoints resumed at another world size and in the other layout."""
+``generate`` on the ZeRO-3 model against the plain model, gathering only the union per step,
+checkpoints resumed at another world size and in the other layout, and the experts' cache
+across ``load_checkpoint`` and ``load_full_state_dict`` (kept rows of other weights are
+dropped)."""
 
 from __future__ import annotations
 
@@ -372,6 +374,62 @@ def _checkpoint_case(rank: int, tmp: str, saved: str = "sharded", loaded: str = 
     assert any("experts.gate_up_proj" in k for k in full), sorted(full)
 
 
+def _cache_checkpoint_case(rank: int, tmp: str) -> None:
+    """The experts' cache across loads: rows kept at other weights are dropped by
+    ``load_checkpoint`` and by ``load_full_state_dict``, so an evaluation forward after the load
+    gives the loss of the checkpointed weights (the same engine right after the save, and the
+    plain model with those weights); the cache keeps serving passes after a load."""
+    import torch
+
+    import zero_strategy as zs
+
+    plain = _build("mixtral", 32, 2)
+    model = _build("mixtral", 32, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.3)  # large steps: kept rows of other weights show
+    cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_expert_cache="64KiB")  # all 32 kept
+    model, opt = zs.initialize(model, opt, config=cfg)
+    ids = _batch(0, 9, rank)
+
+    def train(step: int) -> None:
+        model.train()
+        batch = _batch(step, 0, rank)
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad():
+            return model(input_ids=ids, labels=ids).loss.item()
+
+    def kept() -> int:
+        return model.zero_engine.memory_stats()["moe_cache_bytes"]
+
+    train(0)
+    saved = evaluate()  # the rows of this forward's union are kept at the saved weights
+    zs.save_checkpoint(f"{tmp}/cache", model, opt)
+    full = zs.full_state_dict(model, rank0_only=False)
+    plain.load_state_dict(full)
+    with torch.no_grad():
+        ref = plain.eval()(input_ids=ids, labels=ids).loss.item()
+    assert_close(saved, ref, rtol=1e-5, what=f"rank {rank}: loss after the save against the plain model")
+    for load in ("load_checkpoint", "load_full_state_dict"):
+        train(1 if load == "load_checkpoint" else 2)  # other weights, and their rows kept by the evaluation
+        moved = evaluate()
+        assert abs(moved - saved) > 0.01 * abs(saved), (load, moved, saved)  # the step changed this loss
+        assert kept() > 0, load
+        if load == "load_checkpoint":
+            zs.load_checkpoint(f"{tmp}/cache", model, opt)
+        else:
+            zs.load_full_state_dict(model, full)
+        hits = model.zero_engine.memory_stats()["moe_cache_hits"]
+        for again in range(2):  # the second pass is served from rows kept after the load
+            got = evaluate()
+            assert_close(got, saved, rtol=1e-6, what=f"rank {rank}: loss after {load} (pass {again})")
+            assert_close(got, ref, rtol=1e-5, what=f"rank {rank}: loss after {load} against the plain model")
+        assert model.zero_engine.memory_stats()["moe_cache_hits"] > hits, load
+
+
 def _worker(rank: int, world: int, tmp: str) -> int:
     cells = _cells()
     run_subtests(lambda **kw: _parity_cell(rank, **kw), cells, label="moe parity")
@@ -381,6 +439,7 @@ def _worker(rank: int, world: int, tmp: str) -> int:
     _checkpoint_case(rank, tmp)
     _checkpoint_case(rank, tmp, "owners", "sharded", experts=5)  # uneven owners: 3 + 2 experts
     _checkpoint_case(rank, tmp, "sharded", "owners", experts=5)
+    _cache_checkpoint_case(rank, tmp)
     return len(cells)
 
 

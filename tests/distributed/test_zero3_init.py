@@ -275,3 +275,33 @@ def test_sharded_init_builds_a_model_larger_than_the_memory_cap(launch) -> None:
         assert r["plain"].startswith("failed"), r
         assert r["sharded"] == "built" and r["params"] * 4 == r["full_bytes"], r
         assert r["rss_delta"] <= 0.6 * r["full_bytes"], r
+
+
+def test_zero3_initialize_finds_the_unit_members_once(monkeypatch) -> None:
+    """The units' parameters (``unit_members``) are found once at ZeRO-3 initialize: the
+    placement (``ratio: auto``) and the unit storage use the same list. World of one, in process."""
+    import sys
+
+    import torch
+
+    import zero_strategy as zs
+    import zero_strategy.runtime.engine
+    import zero_strategy.sharding.unit  # imported: the modules that look it up are patched below
+    from zero_strategy.models import GPT
+    from zero_strategy.sharding import members
+
+    real, calls = members.unit_members, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    patched = [m for m in list(sys.modules.values()) if getattr(m, "unit_members", None) is real]
+    for module in patched:  # every module that looks it up (the engine, the unit storage)
+        monkeypatch.setattr(module, "unit_members", counted)
+    assert members in patched and len(patched) >= 2
+    torch.manual_seed(0)
+    model = GPT(_cfg())
+    zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=zs.ZeroConfig(stage=3))
+    assert len(calls) == 1, f"unit_members ran {len(calls)} times at initialize"
+    assert len(model.zero_engine.params.units) == len(real(model, calls[0], list(model.named_parameters())))

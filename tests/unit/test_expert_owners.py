@@ -82,6 +82,9 @@ def test_the_experts_caches_come_out_of_the_budgets_cache_tier() -> None:
     assert stats["cache_cap"] == tier - 2 * per_layer, stats
     ids = torch.tensor([[1, 2, 3]])
     net(input_ids=ids, labels=ids).loss.backward()  # runs within the smaller unit cache
-    with pytest.raises(ValueError, match=r"moe_expert_cache: 600.00 KiB .* per experts layer x 2 layers.*at most 491776 bytes, or raise memory.cache"):
+    with pytest.raises(
+        ValueError,
+        match=r"moe_expert_cache: 600.00 KiB .* per experts layer x 2 layers.*at most 491776 bytes, or raise memory.cache",
+    ):
         big = zs.ZeroConfig(stage=3, memory=memory, moe_expert_cache=600 * 1024)
         zs.initialize(_tiny_mixtral(), lambda p: torch.optim.SGD(p, lr=0.1), config=big)

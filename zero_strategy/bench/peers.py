@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DEEPSPEED_ROWS", "build_deepspeed", "deepspeed_state"]
+__all__ = ["DEEPSPEED_ROWS", "build_deepspeed", "deepspeed_config", "deepspeed_state"]
 
 DEEPSPEED_ROWS = {"deepspeed1": 1, "deepspeed2": 2, "deepspeed3": 3}
 _WALK_DEPTH = 3
@@ -95,6 +95,24 @@ class _Step:
         pass
 
 
+def deepspeed_config(micro_batch: int, zero_optimization: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The bench's DeepSpeed config: ``micro_batch`` samples a rank, no accumulation, fp32 (no
+    fp16/bf16), no clipping, no periodic prints or timers, with ``zero_optimization`` as given;
+    ``extra`` adds top-level keys (``optimizer`` for DeepSpeed's own optimizer)."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero_optimization,
+        **extra,
+        "zero_allow_untested_optimizer": True,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
 def build_deepspeed(
     row: str, gpt: nn.Module, lr: float, micro_batch: int
 ) -> tuple[Any, _Step, Callable[[torch.Tensor], None], Callable[[], dict[str, int]]]:
@@ -103,16 +121,6 @@ def build_deepspeed(
 
     stage = DEEPSPEED_ROWS[row]
     opt = torch.optim.AdamW(gpt.parameters(), lr=lr)
-    config = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-        "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+    config = deepspeed_config(micro_batch, {"stage": stage})
     engine, _, _, _ = deepspeed.initialize(model=gpt, optimizer=opt, config=config)
     return engine, _Step(engine), engine.backward, lambda: deepspeed_state(engine)

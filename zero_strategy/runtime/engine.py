@@ -238,14 +238,13 @@ class ZeroEngine(WholeModelState):
             self._plan = find_units(module, policy)
             # with a budget, persistent units are chosen by the budget (budget.py) once the state exists
             threshold = -1 if config.memory.enabled else config.stage3_param_persistence_threshold
-            members = unit_members(
-                module, self._plan.storage_units(), named
-            )  # ratio auto: the smallest offload that fits
+            # found once: ratio auto (the smallest offload that fits) and the unit storage
+            members = unit_members(module, self._plan.storage_units(), named)
             self.offload_optimizer, self.offload_params = resolve_ratios(
                 config, members, self.precision, self.ctx, fractions, self.offload_optimizer, self.offload_params
             )
             storage = ShardedParams(
-                module, self._plan.storage_units(), named, self.ctx, self.precision, threshold,
+                members, named, self.ctx, self.precision, threshold,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
                 row_swap=self.disk.row_swap, fractions=fractions,
                 unit_cuts=unit_cuts(self._plan.experts, config.moe_expert_layout, self.ctx.world_size, fractions),

@@ -30,7 +30,6 @@ from torch import nn
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.group import HostMasters, ShardGroup
 from zero_strategy.sharding.layout import ShardLayout
-from zero_strategy.sharding.members import unit_members
 from zero_strategy.sharding.pieces import (
     check_placeholder,
     is_placeholder,
@@ -572,8 +571,7 @@ class ShardedParams(ParamStorage):
 
     def __init__(
         self,
-        root: nn.Module,
-        units: Sequence[tuple[str, nn.Module]],
+        members: Sequence[tuple[str, Sequence[tuple[str, nn.Parameter]]]],
         named: Sequence[tuple[str, nn.Parameter]],
         ctx: C.CommContext,
         precision: Precision,
@@ -584,8 +582,9 @@ class ShardedParams(ParamStorage):
         fractions: tuple[float, ...] | None = None,
         unit_cuts: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
-        """One unit per module of ``units`` (in that order) plus the root unit (label
-        ``<root>``, last) for the parameters outside every unit. A parameter reachable from two
+        """One unit per entry of ``members`` (``unit_members``: the units' modules in order,
+        then the root unit, label ``<root>``, for the parameters outside every unit; the engine
+        finds them once, for the placement and for this storage). A parameter reachable from two
         units, or from a unit and outside it (tied weights), belongs to the root unit, which
         stays gathered for the whole forward and backward. The offload policies say where each
         unit's rows and masters live (``offload.py``); ``unit_cuts`` gives experts units (by
@@ -599,7 +598,7 @@ class ShardedParams(ParamStorage):
         self.checks = GatherChecks(self.names)  # filled below; the scheduler sets ``deferred``
         total = sum(p.numel() for _, p in named if p.requires_grad)
         offloaded = rows_offloaded = 0
-        for label, pending in unit_members(root, units, named):
+        for label, pending in members:
             trainable = [(n, p) for n, p in pending if p.requires_grad]
             frozen = [(n, p) for n, p in pending if not p.requires_grad]
             host = None
