@@ -446,3 +446,19 @@ def _worker(rank: int, world: int, tmp: str) -> int:
 def test_moe_selected_experts_match_ddp(launch, tmp_path) -> None:
     counts = launch(_worker, 2, args=(str(tmp_path),), timeout=120)
     assert counts == [len(_cells())] * 2
+
+
+_THREE_RANK_CELLS = [  # 7 experts on 3 ranks: owners of 3, 2 and 2; the world-size factor 1/3 is inexact
+    dict(kind="mixtral", experts=7, top_k=2, accum="no_sync", clip=0.05),
+    dict(kind="qwen3_moe", experts=16, top_k=1, accum="plain", clip=None),
+]
+
+
+def _three_rank_worker(rank: int, world: int) -> int:
+    run_subtests(lambda **kw: _owners_cell(rank, **kw), _THREE_RANK_CELLS, label="moe expert owners, 3 ranks")
+    return len(_THREE_RANK_CELLS)
+
+
+def test_expert_owners_at_three_ranks(launch) -> None:
+    """Every rank both owns experts others fetch and fetches from two owners."""
+    assert launch(_three_rank_worker, 3, timeout=120) == [len(_THREE_RANK_CELLS)] * 3
