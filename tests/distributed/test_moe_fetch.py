@@ -206,6 +206,7 @@ def _owners_cell(
     for k, ref in ref_state.items():
         assert_close(state[k], ref, rtol=0.0, atol=1e-5 * float(ref.abs().max()), what=f"rank {rank}: {k}")
     assert stats["moe_full_gathers"] == 0 and stats["moe_gathers"] > 0, stats
+    assert 0 < stats["moe_peak_gather_bytes"] < stats["moe_full_bytes"] / stats["moe_gathers"], stats
     assert 0 < stats["moe_gathered_bytes"] < union["moe_gathered_bytes"], (stats, union)
     assert 0 < stats["moe_reduced_bytes"] < stats["moe_full_reduce_bytes"], stats
 

@@ -244,13 +244,13 @@ class OwnedExperts(ExpertRows):
         fetch = None if union is None else self._fetch(union)
         if fetch is None:
             self.stats.full_gathers += 1
-            self.stats.gathered_bytes += full_bytes
+            self.stats.moved(full_bytes)
             self.current = None
             u.unshard_async(step)
             u.wait_unshard(u.checks.names)
             return
         self._exchange(fetch, step)
-        self.stats.gathered_bytes += fetch.moved * size
+        self.stats.moved(fetch.moved * size)
         self.current = union  # type: ignore[assignment]
 
     def _exchange(self, fetch: _Fetch, step: str) -> None:

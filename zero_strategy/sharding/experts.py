@@ -117,6 +117,7 @@ class MoeStats:
         self.gathers = 0  # expert gathers (selective or whole)
         self.full_gathers = 0  # of them, whole ones chosen by the cost switch
         self.gathered_bytes = 0  # bytes the expert gathers moved (received, with padding)
+        self.peak_gather_bytes = 0  # the most one expert gather moved
         self.full_bytes = 0  # bytes whole gathers of the same units would have moved
         self.union_experts = 0  # experts in the agreed unions, summed over the forwards
         self.experts_seen = 0  # experts of the modules, summed over the same forwards
@@ -129,11 +130,17 @@ class MoeStats:
         self.bytes_not_moved = 0  # gather bytes (with padding) the kept rows saved
         self.caches: list[ExpertCache] = []  # every layer's: evictions, bytes kept now, peak
 
+    def moved(self, nbytes: int) -> None:
+        """One expert gather received ``nbytes``."""
+        self.gathered_bytes += nbytes
+        self.peak_gather_bytes = max(self.peak_gather_bytes, nbytes)
+
     def entries(self) -> dict[str, int]:
         return {
             "moe_gathers": self.gathers,
             "moe_full_gathers": self.full_gathers,
             "moe_gathered_bytes": self.gathered_bytes,
+            "moe_peak_gather_bytes": self.peak_gather_bytes,
             "moe_full_bytes": self.full_bytes,
             "moe_union_experts": self.union_experts,
             "moe_experts_seen": self.experts_seen,
@@ -251,7 +258,7 @@ class ExpertRows:
         whole, segs, width = (True, [], 0) if fetch is None else self._whole(fetch)
         if whole:
             self.stats.full_gathers += 1
-            self.stats.gathered_bytes += full_bytes
+            self.stats.moved(full_bytes)
             self.current = None
             u.unshard_async(step)
             u.wait_unshard(u.checks.names)
@@ -262,7 +269,7 @@ class ExpertRows:
         self.current_union = union or ()
         self._gather_rows(segs, width, step, kept)
         size = self.ctx.world_size * u.full[0].element_size()
-        self.stats.gathered_bytes += size * width
+        self.stats.moved(size * width)
         if cache is not None and union is not None:
             self.stats.cache_hits += len(kept)
             self.stats.cache_misses += len(fetch or ())
