@@ -3,6 +3,7 @@ no download) with PyTorch Lightning and ZeRO-3 on the bundled text, then generat
 
     python examples/train_moe.py                        # 2 CPU processes, ZeRO-3
     python examples/train_moe.py --experts 64 --steps 100
+    python examples/train_moe.py --expert-layout owners # each expert whole on one rank
 
 At ZeRO-3 the experts of each layer are gathered by the router's selection: only the experts
 some rank's tokens chose travel (docs/moe.md). At the end every rank prints how many expert
@@ -84,6 +85,10 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument(
+        "--expert-layout", choices=("sharded", "owners"), default="sharded",
+        help="moe_expert_layout: experts cut across the ranks, or each whole on one rank (docs/moe.md)",
+    )  # fmt: skip
     args = p.parse_args()
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
@@ -94,7 +99,7 @@ def main() -> None:
     # was measured with larger experts, docs/moe.md)
     config = {
         "zero_optimization": {"stage3_param_persistence_threshold": 0},
-        "zero_strategy": {"moe_full_gather_share": 0.5},
+        "zero_strategy": {"moe_full_gather_share": 0.5, "moe_expert_layout": args.expert_layout},
     }
     strategy = lightning_zero.ZeroStrategy(stage=3, config=config)
     trainer = pl.Trainer(

@@ -92,6 +92,12 @@ def _build(kind: str, experts: int, top_k: int):
     if kind == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=8, num_local_experts=experts, **common)
         cls = transformers.MixtralForCausalLM
+    elif kind == "gpt_oss":  # transposed stacked weights plus biases, the selection as router_indices
+        cfg = transformers.GptOssConfig(
+            intermediate_size=8, num_local_experts=experts, head_dim=8, sliding_window=8,
+            layer_types=["full_attention", "sliding_attention"], **common,
+        )  # fmt: skip
+        cls = transformers.GptOssForCausalLM
     else:
         cfg = transformers.Qwen3MoeConfig(
             intermediate_size=16, moe_intermediate_size=8, num_experts=experts, decoder_sparse_step=1,
@@ -216,6 +222,7 @@ _OWNER_CELLS = [
     dict(kind="mixtral", experts=7, top_k=1, accum="no_sync", clip=0.05),
     dict(kind="qwen3_moe", experts=31, top_k=2, accum="plain", clip=None),
     dict(kind="mixtral", experts=9, top_k=2, accum="no_sync", clip=None, impl="native"),
+    dict(kind="gpt_oss", experts=7, top_k=2, accum="no_sync", clip=0.05),
 ]
 
 
