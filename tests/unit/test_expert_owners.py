@@ -88,3 +88,12 @@ def test_the_experts_caches_come_out_of_the_budgets_cache_tier() -> None:
     ):
         big = zs.ZeroConfig(stage=3, memory=memory, moe_expert_cache=600 * 1024)
         zs.initialize(_tiny_mixtral(), lambda p: torch.optim.SGD(p, lr=0.1), config=big)
+
+
+def test_moe_knobs_below_stage_3_are_reported_not_applied() -> None:
+    from zero_strategy.config import not_applied_settings
+
+    said = not_applied_settings(zs.ZeroConfig(stage=2, moe_expert_layout="owners", moe_full_gather_share=0.5))
+    assert [m.split("=")[0] for m in said] == ["moe_full_gather_share", "moe_expert_layout"], said
+    assert all("not applied at stage 2" in m and "use stage 3" in m for m in said), said
+    assert not_applied_settings(zs.ZeroConfig(stage=3, moe_expert_layout="owners")) == []

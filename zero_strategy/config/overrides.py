@@ -32,6 +32,13 @@ def not_applied_settings(cfg: ZeroConfig) -> list[str]:
         if not cfg.explicitly_set(name) or (neutral is not None and getattr(cfg, name) == neutral):
             continue
         out.append(f"{name}={getattr(cfg, name)!r} is read but not applied by zero_strategy; in DeepSpeed it {what}")
+    if cfg.stage != 3:  # the MoE experts' knobs act on ZeRO-3's gathers (sharding/experts.py)
+        for name in _ZERO3_MOE:
+            if cfg.explicitly_set(name):
+                out.append(
+                    f"{name}={getattr(cfg, name)!r} is not applied at stage {cfg.stage}: stages 1 and 2 keep every "
+                    "expert whole on every rank, so nothing is gathered by selection; use stage 3, or remove it"
+                )
     if cfg.memory.enabled:  # the budget's cache cap governs ZeRO-3's gathered parameters (memory.py)
         for name in _GOVERNED_BY_BUDGET:
             if cfg.explicitly_set(name):
@@ -47,6 +54,9 @@ def not_applied_settings(cfg: ZeroConfig) -> list[str]:
             )
     return out
 
+
+# zero_strategy's MoE knobs, which only ZeRO-3 applies
+_ZERO3_MOE = ("moe_full_gather_share", "moe_expert_cache", "moe_expert_layout")
 
 # DeepSpeed's element-count knobs that a memory budget replaces
 _GOVERNED_BY_BUDGET = ("stage3_max_live_parameters", "stage3_max_reuse_distance")
