@@ -322,7 +322,8 @@ def _generate_case(rank: int) -> None:
 
 def _checkpoint_case(rank: int, tmp: str, saved: str = "sharded", loaded: str = "sharded", experts: int = 32) -> None:
     """Save at world size 2 after two steps with the ``saved`` expert layout, resume at world
-    size 1 and at world size 2 with the ``loaded`` layout (and the uninterrupted run goes on):
+    size 1 and at world size 2 with the ``loaded`` layout and at ZeRO-2 (and the uninterrupted
+    run goes on):
     the same losses and weights; ``full_state_dict`` and ``load_full_state_dict`` round-trip the
     experts."""
     import torch
@@ -332,10 +333,11 @@ def _checkpoint_case(rank: int, tmp: str, saved: str = "sharded", loaded: str = 
 
     groups = {n: dist.new_group(list(range(n))) for n in (1, 2)}
 
-    def build(world: int, layout: str = saved):
+    def build(world: int, layout: str = saved, stage: int = 3):
         model = _build("mixtral", experts, 2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
-        cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_expert_layout=layout)
+        share = {"moe_expert_layout": layout} if stage == 3 else {}
+        cfg = zs.ZeroConfig(stage=stage, stage3_param_persistence_threshold=0, **share)
         return zs.initialize(model, opt, config=cfg, process_group=groups[world])
 
     def run(model, opt, world: int, steps: range) -> list[float]:
@@ -372,8 +374,9 @@ def _checkpoint_case(rank: int, tmp: str, saved: str = "sharded", loaded: str = 
     if rank == 0:  # the resumed run, alone
         resumed(*build(1, loaded), 1)
     dist.barrier()
-    if loaded != saved:  # another layout at the same world size
+    if loaded != saved:  # another layout at the same world size, and ZeRO-2 (every expert whole)
         resumed(*build(2, loaded), 2)
+        resumed(*build(2, stage=2), 2)
     m2, _ = build(2, loaded)
     zs.load_full_state_dict(m2, full)
     with zs.gathered_parameters(m2):
