@@ -97,3 +97,50 @@ def test_moe_knobs_below_stage_3_are_reported_not_applied() -> None:
     assert [m.split("=")[0] for m in said] == ["moe_full_gather_share", "moe_expert_layout"], said
     assert all("not applied at stage 2" in m and "use stage 3" in m for m in said), said
     assert not_applied_settings(zs.ZeroConfig(stage=3, moe_expert_layout="owners")) == []
+
+
+def test_the_auto_offload_estimate_counts_the_owners_padding() -> None:
+    """``ratio: auto`` sizes each unit's rows: with owners of 3 + 2 experts every rank's row is
+    padded to 3 experts, not the even 2.5."""
+    from datetime import timedelta
+
+    from torch import nn
+
+    from zero_strategy.comm.collectives import CommContext
+    from zero_strategy.config.blocks import PrecisionConfig
+    from zero_strategy.runtime.placement import unit_bytes
+    from zero_strategy.sharding.precision import select_precision
+
+    ctx = CommContext(None, 1, 2, timedelta(seconds=60), "native", torch.device("cpu"), global_ranks=(0, 1))
+    members = [("m.experts", [("m.experts.w", nn.Parameter(torch.zeros(5, 4)))])]
+    precision = select_precision(PrecisionConfig())
+    even = unit_bytes(members, precision, ctx, None)[0]
+    owned = unit_bytes(members, precision, ctx, None, {"m.experts": (0, 3, 5)})[0]
+    assert even.on_device > 0 and owned.on_device * 10 == even.on_device * 12, (even, owned)  # rows of 12, not 10
+
+
+def test_owners_refuse_uneven_cuts_of_a_model_built_under_sharded_init(monkeypatch) -> None:
+    from zero_strategy.sharding import expert_owners
+    from zero_strategy.sharding.expert_detect import find_expert_modules
+
+    model = _tiny_mixtral(experts=5)
+    found = find_expert_modules(model)
+    assert len(found) == 2 and expert_owners.unit_cuts(found, "owners", 2, None)["model.layers.0.mlp.experts"] == (
+        0,
+        3,
+        5,
+    )
+    monkeypatch.setattr(expert_owners, "sharded_init_piece", lambda p: torch.zeros(1))  # as if built sharded
+    with pytest.raises(ValueError, match="built under sharded_init.*5 experts on 2 ranks.*without sharded_init"):
+        expert_owners.unit_cuts(found, "owners", 2, None)
+    even = _tiny_mixtral(experts=4)  # 2 + 2: the owners' cuts are sharded_init's even pieces
+    assert expert_owners.unit_cuts(find_expert_modules(even), "owners", 2, None)
+
+
+def test_a_cache_tier_the_experts_caches_fill_exactly_frees_units_after_use() -> None:
+    per_layer = 16384  # two layers: 32 KiB, more than the units gathered at once (about 16 KiB)
+    memory = {"budget": 4_000_000, "persistent": 0.5, "cache": 2 * per_layer, "working": 0}
+    cfg = zs.ZeroConfig(stage=3, memory=memory, moe_expert_cache=per_layer)
+    net, _ = zs.initialize(_tiny_mixtral(), lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
+    stats = net.zero_engine.memory_stats()
+    assert stats["budget_expert_caches"] == 2 * per_layer and stats["cache_cap"] == 0, stats

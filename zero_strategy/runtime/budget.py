@@ -114,7 +114,7 @@ class Budget:
         if not reserved:
             return
         left = self.tiers.cache - reserved
-        if left < self.min_gathered:
+        if left < 0 or 0 < left < self.min_gathered:  # 0: the units are freed after use
             raise ValueError(
                 f"zero_strategy.moe_expert_cache: {format_bytes(per_layer)} per experts layer x {layers} layers = "
                 f"{format_bytes(reserved)} come out of zero_strategy.memory's cache tier "

@@ -240,14 +240,14 @@ class ZeroEngine(WholeModelState):
             threshold = -1 if config.memory.enabled else config.stage3_param_persistence_threshold
             # found once: ratio auto (the smallest offload that fits) and the unit storage
             members = unit_members(module, self._plan.storage_units(), named)
+            cuts = unit_cuts(self._plan.experts, config.moe_expert_layout, self.ctx.world_size, fractions)
             self.offload_optimizer, self.offload_params = resolve_ratios(
-                config, members, self.precision, self.ctx, fractions, self.offload_optimizer, self.offload_params
+                config, members, self.precision, self.ctx, fractions, self.offload_optimizer, self.offload_params, cuts
             )
             storage = ShardedParams(
                 members, named, self.ctx, self.precision, threshold,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-                row_swap=self.disk.row_swap, fractions=fractions,
-                unit_cuts=unit_cuts(self._plan.experts, config.moe_expert_layout, self.ctx.world_size, fractions),
+                row_swap=self.disk.row_swap, fractions=fractions, unit_cuts=cuts,
             )  # fmt: skip
             self.params, self.groups = storage, storage.groups
             forget_pieces(built_sharded)  # their pieces live in the unit rows now

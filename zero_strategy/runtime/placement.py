@@ -23,7 +23,7 @@ the real bytes (``Budget.check``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -57,14 +57,17 @@ class UnitBytes:
 
 def unit_bytes(
     members: Sequence[tuple[str, Sequence[tuple[str, nn.Parameter]]]], precision: Precision, ctx: C.CommContext,
-    fractions: tuple[float, ...] | None,
+    fractions: tuple[float, ...] | None, cuts: Mapping[str, tuple[int, ...]] | None = None,
 ) -> list[UnitBytes]:  # fmt: skip
-    """The footprint of each unit (``partition.unit_members``) on this rank."""
+    """The footprint of each unit (``partition.unit_members``) on this rank; ``cuts``: the expert
+    owners' boundaries by unit label (``expert_owners.py``), whose rows are padded to the largest
+    owner's."""
     out = []
-    for _, params in members:
+    for label, params in members:
         trainable = [p for _, p in params if p.requires_grad]
         ordered = trainable + [p for _, p in params if not p.requires_grad]
-        lay = ShardLayout(tuple(p.numel() for p in ordered), ctx.world_size, ctx.rank, fractions)
+        numels = tuple(p.numel() for p in ordered)
+        lay = ShardLayout(numels, ctx.world_size, ctx.rank, fractions, (cuts or {}).get(label))
         t = sum(lay.chunks[: len(trainable)])
         f = lay.shard_numel - t
         size = ordered[0].new_empty((), dtype=precision.param_dtype_for(ordered[0])).element_size()
@@ -139,11 +142,13 @@ def auto_offload(
 def resolve_ratios(
     config: ZeroConfig, members: Sequence[tuple[str, Sequence[tuple[str, nn.Parameter]]]], precision: Precision,
     ctx: C.CommContext, fractions: tuple[float, ...] | None, optimizer: OffloadPolicy, param: OffloadPolicy,
+    cuts: Mapping[str, tuple[int, ...]] | None = None,
 ) -> tuple[OffloadPolicy, OffloadPolicy]:  # fmt: skip
-    """The offload policies, with any ``ratio: auto`` resolved (``members``: ``unit_members``)."""
+    """The offload policies, with any ``ratio: auto`` resolved (``members``: ``unit_members``;
+    ``cuts``: the expert owners' boundaries by unit label)."""
     opt_auto, param_auto = config.offload_optimizer.ratio == "auto", config.offload_param.ratio == "auto"
     if not (opt_auto or param_auto):
         return optimizer, param
     room = config.memory.resolve(device_total(ctx.device)).persistent
-    units = unit_bytes(members, precision, ctx, fractions)
+    units = unit_bytes(members, precision, ctx, fractions, cuts)
     return auto_offload(units, optimizer, param, opt_auto, param_auto, room, ctx)

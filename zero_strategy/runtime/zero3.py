@@ -443,7 +443,7 @@ class UnitScheduler:
 
     def abort_backward(self) -> None:
         for x in self.experts.values():
-            x.passes.clear()
+            x.forget()
         self._close_ranges("backward")
         self._in_backward = False
         self._active = None

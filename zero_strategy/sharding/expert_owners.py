@@ -15,16 +15,19 @@ an owner:
   pass (instead of the all-reduce of the union): every rank learns what every rank selected.
 - **Fetch.** Rank ``r`` receives from each owner only the experts that *its own* tokens
   selected, in one all-to-all with uneven chunks: nothing for the experts that only other
-  ranks selected, and nothing for those it owns. Each chunk ends with the unit's tag, so a
-  diverged fetch raises ``UnitDivergence`` like any gather. The backward fetches the same
-  experts again.
+  ranks selected, and nothing for those it owns. Each chunk ends with the unit's tag, checked
+  like any gather's (ranks that ran different layers disagree on the chunk sizes first, and
+  the exchange fails as a named collective). The backward fetches the same experts again. The
+  rows a rank did not select are zeros in its parameters: its selection must cover what its
+  forward runs, as the Hugging Face experts modules do.
 - **Gradients back to the owners.** A rank's gradient is zero outside its selections, so it
   sends the rows of the experts it selected since the last reduction to their owners (one
   all-to-all); the owner sums the contributions in rank order, as a reduce-scatter would, and
   steps them. Rows that no rank selected stay zeros, as in DDP's gradient.
-- **Cost switch** (``moe_full_gather_share``, as for the default layout): when the rank that
-  fetches (or sends) the most would move at least that share of a whole gather's bytes, the
-  unit is gathered (or reduced) whole in one collective.
+- **Cost switch** (``moe_full_gather_share``, as for the default layout): when the busiest rank
+  would send or receive at least that share of what a whole gather moves per rank (an owner of
+  popular experts sends them to many ranks), the unit is gathered (or reduced) whole in one
+  collective.
 
 The experts' cache (``moe_expert_cache``) works with the default layout only; a declared
 ``ModuleList`` of experts keeps the default layout (each member's parameters cut evenly).
@@ -40,6 +43,8 @@ import torch
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.experts import ExpertRows, ExpertsModule, MoeStats, row_segments
 from zero_strategy.sharding.group import ReducePlan
+from zero_strategy.sharding.layout import ShardLayout
+from zero_strategy.sharding.pieces import sharded_init_piece
 from zero_strategy.sharding.states import ShardedState
 from zero_strategy.sharding.unit import TAG, UnitDivergence, UnitStorage
 
@@ -86,11 +91,21 @@ def unit_cuts(
         raise ValueError(f"moe_expert_layout={layout!r} is not one of {EXPERT_LAYOUTS}")
     if layout == "sharded":
         return {}
-    return {
-        f.fqn: owner_cuts(f.num_experts, world_size, fractions, where=f"experts module '{f.fqn}'")
-        for f in experts
-        if not f.members
-    }
+    out = {}
+    for f in experts:
+        if f.members:
+            continue
+        cuts = owner_cuts(f.num_experts, world_size, fractions, where=f"experts module '{f.fqn}'")
+        numels = tuple(p.numel() for p in f.module.parameters())
+        built = [p for p in f.module.parameters() if sharded_init_piece(p) is not None]
+        if built and ShardLayout(numels, world_size, 0, cuts=cuts).bounds != ShardLayout(numels, world_size, 0).bounds:
+            raise ValueError(
+                f"moe_expert_layout 'owners': experts module '{f.fqn}' was built under sharded_init, which cut even "
+                f"pieces, but its {f.num_experts} experts on {world_size} ranks give owners uneven ones; build the "
+                "model without sharded_init, or use moe_expert_layout 'sharded'"
+            )
+        out[f.fqn] = cuts
+    return out
 
 
 @dataclass(frozen=True)
@@ -193,6 +208,10 @@ class OwnedExperts(ExpertRows):
         self.stats.union_experts += len(union)
         return OwnerPick(union, ranks)
 
+    def forget(self) -> None:
+        super().forget()
+        self.pending_ranks = [set() for _ in self.pending_ranks]
+
     def remember(self, union: OwnerPick | None) -> None:  # type: ignore[override]
         self.passes.append(union)  # type: ignore[arg-type]
         if union is None:
@@ -213,9 +232,8 @@ class OwnedExperts(ExpertRows):
             self._fetches.clear()
         lay, n, me, dev = self.unit.layout, self.ctx.world_size, self.ctx.rank, self.ctx.device
         per = self._per_expert(len(self.rows))
-        biggest = max(len(chosen) for chosen in pick.ranks) * per
         plan: _Fetch | None = None
-        if biggest < self.full_share * n * lay.shard_numel:
+        if not self._switch_whole(pick.ranks, per, lay.shard_numel):
             send = [row_segments(lay, self.rows, self._owned_by(pick.ranks[d], me), me, dev) for d in range(n)]
             recv = [row_segments(lay, self.rows, self._owned_by(pick.ranks[me], s), s, dev) for s in range(n)]
             plan = _Fetch(
@@ -226,6 +244,21 @@ class OwnedExperts(ExpertRows):
 
     def _owned_by(self, experts: Sequence[int], rank: int) -> list[int]:
         return [e for e in experts if self.owner[e] == rank]
+
+    def _switch_whole(self, chosen: Sequence[Sequence[int]], per: int, shard_numel: int) -> bool:
+        """The cost switch: gather (or reduce) the whole unit when the busiest rank would send or
+        receive at least ``full_share`` of what a whole gather moves per rank (every rank
+        computes it from the same selections)."""
+        n = self.ctx.world_size
+        if n == 1:
+            return True  # nothing moves either way: the whole unit is one copy
+        recv = [sum(self.owner[e] != r for e in chosen[r]) for r in range(n)]
+        send = [0] * n
+        for r, experts in enumerate(chosen):
+            for e in experts:
+                if self.owner[e] != r:
+                    send[self.owner[e]] += 1
+        return max(max(recv), max(send)) * per >= self.full_share * (n - 1) * shard_numel
 
     def gather(self, union: OwnerPick | None, step: str) -> None:  # type: ignore[override]
         """Fetch this rank's selected experts of ``union`` from their owners (None: the whole
@@ -319,7 +352,7 @@ class OwnedExperts(ExpertRows):
         n, me, dev, lay = self.ctx.world_size, self.ctx.rank, self.ctx.device, g.layout
         rows = self.rows[: len(g.params)]
         per = sum(rows)
-        if full or max(len(c) for c in chosen) * per >= self.full_share * n * lay.shard_numel:
+        if full or self._switch_whole(chosen, per, lay.shard_numel):
             self._count_reduce(lay.shard_numel, g)
             return None
         mine = sorted({e for c in chosen for e in c if self.owner[e] == me})

@@ -218,6 +218,11 @@ class ExpertRows:
         self.stats.union_experts += len(union)
         return union
 
+    def forget(self) -> None:
+        """A backward was abandoned: no pass waits for its backward, nothing is pending."""
+        self.passes.clear()
+        self.pending, self.pending_full = set(), False
+
     def remember(self, union: tuple[int, ...] | None) -> None:
         """A forward with gradients used ``union``: its backward gathers it, the reduction covers it."""
         self.passes.append(union if union is not None else tuple(range(self.num_experts)))

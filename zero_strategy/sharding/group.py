@@ -140,7 +140,8 @@ class ReducePlan:
         pos = 0
         for i, idx in self.segments[rank]:
             b = layout.local_range(i)[0]
-            layout.local_view(shard, i).index_add_(0, idx - b, mine[pos : pos + idx.numel()])
+            piece = layout.local_view(shard, i)  # on the host with an offloaded optimizer
+            piece.index_add_(0, (idx - b).to(piece.device), mine[pos : pos + idx.numel()].to(piece.device))
             pos += idx.numel()
 
 
