@@ -72,24 +72,15 @@ def _switch(rank: int, experts: int, reps: int) -> list[dict]:
     model, _ = _engine(experts, 1.0, hidden=128, inter=128)  # 196 KiB per expert: bytes, not overheads
     x = next(iter(model.zero_engine.zero3.experts.values()))
     g = torch.Generator().manual_seed(0)
-
-    def timed(union) -> float:
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            x.gather(union, "bench")
-            x.release(force=True)
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    whole = timed(None)
+    whole = _timed(x, None, reps)
     rows = []
     for size in (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64):
         if size > experts:
             break
         union = tuple(sorted(torch.randperm(experts, generator=g)[:size].tolist()))
         _, _, width = x._whole(union)
-        rows.append({"experts": size, "width_share": width / x.unit.layout.shard_numel, "ratio": timed(union) / whole})
+        share = width / x.unit.layout.shard_numel
+        rows.append({"experts": size, "width_share": share, "ratio": _timed(x, union, reps) / whole})
     return rows
 
 
@@ -117,6 +108,7 @@ def _owner_switch(rank: int, world: int, experts: int, reps: int) -> list[dict]:
 
 
 def _timed(x, union, reps: int) -> float:
+    """The best of ``reps`` gathers of ``union`` (None: whole), each freed again."""
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()

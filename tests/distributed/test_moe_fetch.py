@@ -305,29 +305,22 @@ def _generate_case(rank: int) -> None:
     moved = after["moe_gathered_bytes"] - before["moe_gathered_bytes"]
     whole = after["moe_full_bytes"] - before["moe_full_bytes"]
     assert 0 < moved < whole / 2, (moved, whole)  # one token per decode step: 2 of 16 experts per rank
+
+    def generated(**setting) -> dict:
+        """``generate`` on a ZeRO-3 copy with ``setting``: the plain model's ids; its counters."""
+        cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=1.0, **setting)
+        other, _ = zs.initialize(copy.deepcopy(plain), lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)
+        other.eval()
+        with torch.no_grad():
+            again = other.generate(prompt, **kw)
+        assert again.tolist() == ref.tolist(), (setting, again.tolist(), ref.tolist())
+        return other.zero_engine.memory_stats()
+
     # with the experts' cache, decoding keeps the experts earlier tokens selected (nothing changes the weights)
-    cached, _ = zs.initialize(
-        copy.deepcopy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
-        config=zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=1.0,
-                             moe_expert_cache="64KiB"),
-    )  # fmt: skip
-    cached.eval()
-    with torch.no_grad():
-        again = cached.generate(prompt, **kw)
-    assert again.tolist() == ref.tolist(), (again.tolist(), ref.tolist())
-    stats = cached.zero_engine.memory_stats()
+    stats = generated(moe_expert_cache="64KiB")
     assert stats["moe_cache_hits"] > 0 and 0 < stats["moe_gathered_bytes"] < moved, (stats, moved)
     # expert owners: each rank fetches the experts its tokens selected from their owners
-    owned, _ = zs.initialize(
-        copy.deepcopy(plain), lambda p: torch.optim.SGD(p, lr=0.1),
-        config=zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=0, moe_full_gather_share=1.0,
-                             moe_expert_layout="owners"),
-    )  # fmt: skip
-    owned.eval()
-    with torch.no_grad():
-        again = owned.generate(prompt, **kw)
-    assert again.tolist() == ref.tolist(), (again.tolist(), ref.tolist())
-    stats = owned.zero_engine.memory_stats()
+    stats = generated(moe_expert_layout="owners")
     assert stats["moe_full_gathers"] == 0 and 0 < stats["moe_gathered_bytes"] <= moved, (stats, moved)
 
 
