@@ -129,6 +129,8 @@ def _train(
     evals: bool = False,
     layout: str = "sharded",
     impl: str = "auto",
+    frozen: bool = False,
+    extra: dict | None = None,
 ):
     import contextlib
 
@@ -138,6 +140,9 @@ def _train(
     import zero_strategy as zs
 
     model = _build(kind, experts, top_k)
+    for name, p in model.named_parameters():
+        if frozen and "experts.down_proj" in name:  # an experts unit with a frozen parameter
+            p.requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)  # eps: no amplified rounding of tiny grads
     if mode == "ddp":
         net = DDP(model, find_unused_parameters=kind == "list")  # idle ModuleList experts: no gradient
@@ -151,7 +156,7 @@ def _train(
             share["moe_expert_layout"] = layout
         if impl != "auto":  # "native": torch.distributed's own collectives (gloo's all_to_all_single)
             share["collective_impl"] = impl
-        cfg = zs.ZeroConfig(stage=stage, stage3_param_persistence_threshold=0, **share)
+        cfg = zs.ZeroConfig(stage=stage, stage3_param_persistence_threshold=0, **share, **(extra or {}))
         net, opt = zs.initialize(model, opt, config=cfg)
         no_sync = net.no_sync
     n_micro = 1 if accum == "none" else 2
@@ -208,21 +213,26 @@ def _owners_cell(
     clip: float | None,
     impl: str = "auto",
     switch: bool = False,
+    frozen: bool = False,
+    extra: dict | None = None,
 ) -> None:
     """The owners layout (each expert whole on one rank; ``experts`` odd: uneven owners): DDP's
     numbers, and each rank fetched only its own selection, fewer bytes than the union's gathers."""
     args = (kind, experts, top_k)
-    ref_losses, ref_state, _ = _train(*args, "ddp", 3, accum, clip, rank, False)
-    _, _, union = _train(*args, "zero", 3, accum, clip, rank, False)
-    losses, state, stats = _train(*args, "zero", 3, accum, clip, rank, switch, layout="owners", impl=impl)
+    more = dict(frozen=frozen, extra=extra)
+    ref_losses, ref_state, _ = _train(*args, "ddp", 3, accum, clip, rank, False, frozen=frozen)
+    _, _, union = _train(*args, "zero", 3, accum, clip, rank, False, **more)
+    losses, state, stats = _train(*args, "zero", 3, accum, clip, rank, switch, layout="owners", impl=impl, **more)
     assert_close(losses, ref_losses, rtol=1e-5, what=f"rank {rank}: losses with expert owners against DDP")
     for k, ref in ref_state.items():
         assert_close(state[k], ref, rtol=0.0, atol=1e-5 * float(ref.abs().max()), what=f"rank {rank}: {k}")
     if switch:  # the default share: the busiest rank moves too much, so whole gathers and reductions
         assert stats["moe_full_gathers"] > 0 and stats["moe_reduced_bytes"] == stats["moe_full_reduce_bytes"], stats
         return
-    assert stats["moe_full_gathers"] == 0 and stats["moe_gathers"] > 0, stats
-    assert 0 < stats["moe_peak_gather_bytes"] < stats["moe_full_bytes"] / stats["moe_gathers"], stats
+    # share 1.0: whole only when the busiest rank would move a whole gather's bytes (few experts: it happens)
+    assert 0 <= stats["moe_full_gathers"] < stats["moe_gathers"] / 2, stats
+    if not stats["moe_full_gathers"]:
+        assert 0 < stats["moe_peak_gather_bytes"] < stats["moe_full_bytes"] / stats["moe_gathers"], stats
     assert 0 < stats["moe_gathered_bytes"] < union["moe_gathered_bytes"], (stats, union)
     assert 0 < stats["moe_reduced_bytes"] < stats["moe_full_reduce_bytes"], stats
 
@@ -234,6 +244,16 @@ _OWNER_CELLS = [
     dict(kind="mixtral", experts=9, top_k=2, accum="no_sync", clip=None, impl="native"),
     dict(kind="gpt_oss", experts=7, top_k=2, accum="no_sync", clip=0.05),
     dict(kind="mixtral", experts=4, top_k=2, accum="plain", clip=0.05, switch=True),
+    # a frozen parameter in the experts unit, the optimizer's side on the host
+    dict(
+        kind="mixtral",
+        experts=5,
+        top_k=2,
+        accum="no_sync",
+        clip=0.05,
+        frozen=True,
+        extra={"offload_optimizer": {"device": "cpu"}},
+    ),
 ]
 
 
