@@ -202,8 +202,10 @@ def test_offload_config():
     assert OffloadConfig(device=None).device == "none"
     with pytest.raises(ValueError, match=r"OffloadConfig.device: 'gpu' is not one of 'none', 'cpu', 'nvme'"):
         OffloadConfig(device="gpu")
-    with pytest.raises(ValueError, match=r"OffloadConfig.ratio: must be <= 1.0, got 1.5"):
+    with pytest.raises(ValueError, match=r"OffloadConfig.ratio: must be <= 1.0, got 1.5; or 'auto' \(with zero_"):
         OffloadConfig(ratio=1.5)
+    with pytest.raises(ValueError, match=r"OffloadConfig.ratio: .*'half'.*; or 'auto'"):
+        OffloadConfig(ratio="half")
     with pytest.raises(TypeError, match=r"OffloadConfig.pin_memory: expected true or false"):
         OffloadConfig(pin_memory=2)
 

@@ -146,7 +146,10 @@ def _to_offload_device(value: Any, where: str) -> str:
 def _to_ratio(value: Any, where: str) -> float | str:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
-    return to_float(value, where, ge=0.0, le=1.0)
+    try:
+        return to_float(value, where, ge=0.0, le=1.0)
+    except ValueError as e:  # the one choice that is not a number
+        raise ValueError(f"{e}; or 'auto' (with zero_strategy.memory: the smallest offload that fits)") from None
 
 
 def _to_path(value: Any, where: str) -> str | None:
