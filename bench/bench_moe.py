@@ -202,6 +202,16 @@ MODES = (
 )
 
 
+def _table(title: str, header: list[str], rows: list[list]) -> None:
+    """One markdown table under its heading (the part 1, 2 and 3 tables of bench/RESULTS.md)."""
+    print(f"## {title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(v) for v in row) + " |")
+    print()
+
+
 def main(argv: list[str] | None = None) -> int:
     from zero_strategy.testing import launch
 
@@ -211,30 +221,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-only", action="store_true", help="part 3 only")
     args = ap.parse_args(argv)
     res = launch(_worker, 2, args=(args.steps, args.quick, args.decode_only), timeout=1800)[0]
-    print("## Cost switch: one selective gather / one whole gather (E=64, 196 KiB experts, 2 ranks, best of reps)\n")
-    print("| union experts | selective bytes / whole bytes | time / whole gather's |")
-    print("|---|---|---|")
-    for r in res["switch"]:
-        print(f"| {r['experts']} | {r['width_share']:.2f} | {r['ratio']:.2f} |")
-    print("\n## Owners: one fetch of each rank's own experts / one whole gather (same layer, rank 0's numbers)\n")
-    print("| experts per rank | union | fetched bytes / whole bytes | time / whole gather's |")
-    print("|---|---|---|---|")
-    for r in res["owner_switch"]:
-        print(f"| {r['experts']} | {r['union']} | {r['width_share']:.2f} | {r['ratio']:.2f} |")
-    print("\n## Decoding: E=64, top-2, greedy generate on both ranks (one prompt each, rank 0's numbers)\n")
-    print("| mode | union share | expert KiB per token | tokens/s |")
-    print("|---|---|---|---|")
-    for r in res["decode"]:
-        print(f"| {r['mode']} | {r['union']:.3f} | {r['bytes_per_token'] / 1024:.1f} | {r['tokens_per_s']:.1f} |")
-    print("\n## Steps (per rank and step, forward + backward; 2 ranks, top-2)\n")
-    print("| E | tokens | mode | union share | formula | gathered KiB | peak gather KiB | reduced KiB | step ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in res["steps"]:
-        formula = 1 - (1 - K / r["E"]) ** r["T"]
-        print(
-            f"| {r['E']} | {r['T']} | {r['mode']} | {r['union']:.3f} | {formula:.3f} | {r['gathered'] / 1024:.1f} "
-            f"| {r['peak_gather'] / 1024:.1f} | {r['reduced'] / 1024:.1f} | {1000 * r['step_s']:.1f} |"
-        )
+    _table(
+        "Cost switch: one selective gather / one whole gather (E=64, 196 KiB experts, 2 ranks, best of reps)",
+        ["union experts", "selective bytes / whole bytes", "time / whole gather's"],
+        [[r["experts"], f"{r['width_share']:.2f}", f"{r['ratio']:.2f}"] for r in res["switch"]],
+    )
+    _table(
+        "Owners: one fetch of each rank's own experts / one whole gather (same layer, rank 0's numbers)",
+        ["experts per rank", "union", "fetched bytes / whole bytes", "time / whole gather's"],
+        [[r["experts"], r["union"], f"{r['width_share']:.2f}", f"{r['ratio']:.2f}"] for r in res["owner_switch"]],
+    )
+    _table(
+        "Decoding: E=64, top-2, greedy generate on both ranks (one prompt each, rank 0's numbers)",
+        ["mode", "union share", "expert KiB per token", "tokens/s"],
+        [
+            [r["mode"], f"{r['union']:.3f}", f"{r['bytes_per_token'] / 1024:.1f}", f"{r['tokens_per_s']:.1f}"]
+            for r in res["decode"]
+        ],
+    )
+    _table(
+        "Steps (per rank and step, forward + backward; 2 ranks, top-2)",
+        ["E", "tokens", "mode", "union share", "formula", "gathered KiB", "peak gather KiB", "reduced KiB", "step ms"],
+        [
+            [
+                r["E"],
+                r["T"],
+                r["mode"],
+                f"{r['union']:.3f}",
+                f"{1 - (1 - K / r['E']) ** r['T']:.3f}",
+                f"{r['gathered'] / 1024:.1f}",
+                f"{r['peak_gather'] / 1024:.1f}",
+                f"{r['reduced'] / 1024:.1f}",
+                f"{1000 * r['step_s']:.1f}",
+            ]  # fmt: skip
+            for r in res["steps"]
+        ],
+    )
     return 0
 
 

@@ -463,32 +463,8 @@ def all_to_all(ctx: CommContext, out: torch.Tensor, inp: torch.Tensor, *, what: 
             f"rank {ctx.rank}: all_to_all of {what}: inp has {inp.numel()} and out {out.numel()} elements; "
             f"both must be {n} equal rows"
         )
-    s = inp.numel() // n
-    t0 = time.perf_counter()
-    rows, recv = inp.view(n, s), out.view(n, s)
-    recv[ctx.rank].copy_(rows[ctx.rank])
-    if not ctx.distributed:
-        return _done_handle(ctx, "all_to_all", what, inp.numel(), inp.element_size())
-    if ctx.impl == "native":
-        works = _issue(
-            ctx, "all_to_all", what, lambda: [dist.all_to_all_single(out, inp, group=ctx.group, async_op=True)]
-        )
-        return Handle(ctx, "all_to_all", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0)
-    peers = [j for j in range(n) if j != ctx.rank]
-
-    def p2p() -> list[dist.Work]:
-        ops = []
-        for j in peers:
-            peer = ctx.global_ranks[j]
-            ops.append(dist.P2POp(dist.isend, rows[j], peer, ctx.group))
-            ops.append(dist.P2POp(dist.irecv, recv[j], peer, ctx.group))
-        return dist.batch_isend_irecv(ops)
-
-    works = _issue(ctx, "all_to_all", what, p2p, peers)
-    peer_list = [j for j in peers for _ in range(2)]  # a send and a receive each
-    return Handle(
-        ctx, "all_to_all", what, works, inp.numel(), inp.element_size(), time.perf_counter() - t0, peers=peer_list
-    )
+    rows = [inp.numel() // n] * n
+    return all_to_all_v(ctx, out, inp, rows, rows, what=what)
 
 
 def all_to_all_v(
@@ -498,7 +474,7 @@ def all_to_all_v(
     for rank ``j``; ``out`` receives ``recv[j]`` elements from rank ``j`` in the same way. Every
     rank's ``send[j]`` must equal rank ``j``'s ``recv[rank]`` (the MoE expert owners derive both
     from the same agreed selections). Empty chunks are not sent."""
-    n = ctx.world_size
+    n, me = ctx.world_size, ctx.rank
     if len(send) != n or len(recv) != n or sum(send) != inp.numel() or sum(recv) != out.numel():
         raise AssertionError(
             f"rank {ctx.rank}: all_to_all_v of {what}: sizes {list(send)} -> {list(recv)} do not match "
@@ -507,10 +483,8 @@ def all_to_all_v(
     t0 = time.perf_counter()
     s_off = [sum(send[:j]) for j in range(n)]
     r_off = [sum(recv[:j]) for j in range(n)]
-    if send[ctx.rank] != recv[ctx.rank]:
-        raise AssertionError(f"rank {ctx.rank}: all_to_all_v of {what}: sends itself {send[ctx.rank]} elements, "
-                             f"expects {recv[ctx.rank]}")  # fmt: skip
-    me = ctx.rank
+    if send[me] != recv[me]:
+        raise AssertionError(f"rank {me}: all_to_all_v of {what}: sends itself {send[me]} elements, expects {recv[me]}")
     out[r_off[me] : r_off[me] + recv[me]].copy_(inp[s_off[me] : s_off[me] + send[me]])
     if not ctx.distributed:
         return _done_handle(ctx, "all_to_all", what, inp.numel(), inp.element_size())

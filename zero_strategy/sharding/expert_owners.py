@@ -46,7 +46,7 @@ from zero_strategy.sharding.group import ReducePlan
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.pieces import sharded_init_piece
 from zero_strategy.sharding.states import ShardedState
-from zero_strategy.sharding.unit import TAG, UnitDivergence, UnitStorage
+from zero_strategy.sharding.unit import TAG, UnitStorage
 
 __all__ = ["EXPERT_LAYOUTS", "OwnedExperts", "OwnerPick", "OwnerPlan", "owner_cuts", "unit_cuts"]
 
@@ -192,21 +192,15 @@ class OwnedExperts(ExpertRows):
         e, n = self.num_experts, self.ctx.world_size
         masks = torch.zeros(n * (e + 1), dtype=torch.int32, device=self.ctx.device)
         mine = masks.view(n, e + 1)[self.ctx.rank]
-        if selection is None:
-            mine[e] = 1
-        else:
-            idx = selection.detach().reshape(-1).to(device=self.ctx.device, dtype=torch.long)
-            mine[idx[(idx >= 0) & (idx < e)]] = 1
+        self._mark(selection, mine)
         C.all_gather(self.ctx, masks, mine, what=f"expert selections of {self.name} ({step})").wait()
         values = masks.view(n, e + 1).tolist()
-        self.stats.experts_seen += e
         if any(v[e] for v in values):
-            self.stats.union_experts += e
+            self._counted(None)
             return None
         ranks = tuple(tuple(k for k in range(e) if v[k]) for v in values)
-        union = tuple(sorted(set().union(*ranks)))
-        self.stats.union_experts += len(union)
-        return OwnerPick(union, ranks)
+        union = self._counted(tuple(sorted(set().union(*ranks))))
+        return OwnerPick(union or (), ranks)
 
     def forget(self) -> None:
         super().forget()
@@ -263,27 +257,15 @@ class OwnedExperts(ExpertRows):
     def gather(self, union: OwnerPick | None, step: str) -> None:  # type: ignore[override]
         """Fetch this rank's selected experts of ``union`` from their owners (None: the whole
         unit). Collective."""
-        u = self.unit
-        if u.state is ShardedState.UNSHARDED and (self.current is None or self.current == union):  # type: ignore[comparison-overlap]
+        full_bytes = self._gathering(union)
+        if full_bytes is None:
             return
-        if not self._sharded():
-            self.release(force=True)
-            if not self._sharded():
-                return  # held whole (gathered_parameters): a superset
-        size = u.full[0].element_size()
-        full_bytes = self.ctx.world_size * u.layout.shard_numel * size
-        self.stats.gathers += 1
-        self.stats.full_bytes += full_bytes
         fetch = None if union is None else self._fetch(union)
         if fetch is None:
-            self.stats.full_gathers += 1
-            self.stats.moved(full_bytes)
-            self.current = None
-            u.unshard_async(step)
-            u.wait_unshard(u.checks.names)
+            self._gather_whole(full_bytes, step)
             return
         self._exchange(fetch, step)
-        self.stats.moved(fetch.moved * size)
+        self.stats.moved(fetch.moved * self.unit.full[0].element_size())
         self.current = union  # type: ignore[assignment]
 
     def _exchange(self, fetch: _Fetch, step: str) -> None:
@@ -294,46 +276,19 @@ class OwnedExperts(ExpertRows):
         pos = 0
         with u.resident():
             for segs in fetch.send:
-                for i, idx in segs:
-                    b = u.layout.local_range(i)[0]
-                    piece = u.piece(i)  # on the host with offloaded parameters
-                    inp[pos : pos + idx.numel()].copy_(piece.index_select(0, (idx - b).to(piece.device)))
-                    pos += idx.numel()
-                inp[pos] = u.tag % 128
-                inp[pos + 1] = u.tag // 128
+                pos = self._pack(segs, inp, pos)
+                self._tag(inp, pos)
                 pos += TAG
         u._to(ShardedState.UNSHARDING, "an expert fetch from the owners")
         C.all_to_all_v(
             ctx, out, inp, fetch.send_sizes, fetch.recv_sizes, what=f"experts of {u.name} from their owners ({step})"
         ).wait()
-        ends = torch.tensor([sum(fetch.recv_sizes[: s + 1]) for s in range(n)], device=out.device)
-        tags = (out[ends - 2] + 128 * out[ends - 1]).round().long()
-        try:
-            u.checks.gathered(u, tags, step)
-        except UnitDivergence:
-            ctx.pool.put(inp)
-            ctx.pool.put(out)
-            u._to(ShardedState.SHARDED, "a diverged expert fetch")
-            raise
-        u.meter.add(u.full_bytes)  # the full-shaped parameters exist from here on
-        u.meter.gathers += 1
-        u.meter.gathered_bytes += fetch.moved * u.full[0].element_size()
-        u.gathers += 1
-        with torch.no_grad():
-            flats = []
-            for p, f in zip(u.params, u.full):
-                f.untyped_storage().resize_(f.numel() * f.element_size())
-                f.zero_()  # rows this rank did not select: never read by its forward
-                p.data = f
-                flats.append(f.view(-1))
-            pos = 0
-            for segs, k in zip(fetch.recv, fetch.recv_sizes):
-                at = pos
-                for i, idx in segs:
-                    flats[i].index_copy_(0, idx, out[at : at + idx.numel()])
-                    at += idx.numel()
-                pos += k
-        u._to(ShardedState.UNSHARDED, "an expert fetch from the owners")
+        starts = [sum(fetch.recv_sizes[:s]) for s in range(n)]
+        ends = torch.tensor([a + k for a, k in zip(starts, fetch.recv_sizes)], device=out.device)
+        self._check_tags(out[ends - 2] + 128 * out[ends - 1], step, inp, out)
+        self._gathered(fetch.moved)
+        # every source's chunk, its tag left out; rows this rank did not select stay zeros
+        self._fill([out[a : a + k - TAG] for a, k in zip(starts, fetch.recv_sizes)], fetch.recv)
         ctx.pool.put(inp)
         ctx.pool.put(out)
 

@@ -203,19 +203,25 @@ class ExpertRows:
         None: every expert. Collective."""
         e = self.num_experts
         mask = torch.zeros(e + 1, dtype=torch.int32, device=self.ctx.device)
+        self._mark(selection, mask)
+        C.all_reduce(self.ctx, mask, op="max", what=f"expert selection of {self.name} ({step})").wait()
+        values = mask.tolist()
+        return self._counted(None if values[e] else tuple(k for k in range(e) if values[k]))
+
+    def _mark(self, selection: torch.Tensor | None, mask: torch.Tensor) -> None:
+        """Set ``mask``'s elements (``E + 1``) of the experts in ``selection``; None sets the last,
+        "all": a rank that cannot say."""
+        e = self.num_experts
         if selection is None:
             mask[e] = 1
         else:
-            idx = selection.detach().reshape(-1).to(device=self.ctx.device, dtype=torch.long)
+            idx = selection.detach().reshape(-1).to(device=mask.device, dtype=torch.long)
             mask[idx[(idx >= 0) & (idx < e)]] = 1
-        C.all_reduce(self.ctx, mask, op="max", what=f"expert selection of {self.name} ({step})").wait()
-        values = mask.tolist()
-        self.stats.experts_seen += e
-        if values[e]:
-            self.stats.union_experts += e
-            return None
-        union = tuple(k for k in range(e) if values[k])
-        self.stats.union_experts += len(union)
+
+    def _counted(self, union: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """``union`` (None: every expert), counted in the union share."""
+        self.stats.experts_seen += self.num_experts
+        self.stats.union_experts += self.num_experts if union is None else len(union)
         return union
 
     def forget(self) -> None:
@@ -245,28 +251,42 @@ class ExpertRows:
         width = _width(segs)
         return width >= self.full_share * lay.shard_numel, segs, width
 
-    def gather(self, union: tuple[int, ...] | None, step: str) -> None:
-        """Gather ``union``'s rows (None: the whole unit). Collective."""
+    def _gathering(self, union: object) -> int | None:
+        """Before a gather of ``union``: its whole gather's bytes, counted; None when nothing is
+        to gather (gathered already, whole or this union, or held whole by
+        ``gathered_parameters``: a superset)."""
         u = self.unit
         if u.state is ShardedState.UNSHARDED and (self.current is None or self.current == union):
-            return  # gathered already (whole, or this union)
+            return None
         if not self._sharded():
             self.release(force=True)
             if not self._sharded():
-                return  # held whole (gathered_parameters): a superset
+                return None
         full_bytes = self.ctx.world_size * u.layout.shard_numel * u.full[0].element_size()
         self.stats.gathers += 1
         self.stats.full_bytes += full_bytes
+        return full_bytes
+
+    def _gather_whole(self, full_bytes: int, step: str) -> None:
+        """The whole unit in one collective (the cost switch, or no selection)."""
+        self.stats.full_gathers += 1
+        self.stats.moved(full_bytes)
+        self.current = None
+        self.unit.unshard_async(step)
+        self.unit.wait_unshard(self.unit.checks.names)
+
+    def gather(self, union: tuple[int, ...] | None, step: str) -> None:
+        """Gather ``union``'s rows (None: the whole unit). Collective."""
+        u = self.unit
+        full_bytes = self._gathering(union)
+        if full_bytes is None:
+            return
         cache = self.cache if union is not None else None
         kept = cache.lookup(union or (), u.version) if cache is not None else ()
         fetch = None if union is None else tuple(e for e in union if e not in kept)  # sorted, as union
         whole, segs, width = (True, [], 0) if fetch is None else self._whole(fetch)
         if whole:
-            self.stats.full_gathers += 1
-            self.stats.moved(full_bytes)
-            self.current = None
-            u.unshard_async(step)
-            u.wait_unshard(u.checks.names)
+            self._gather_whole(full_bytes, step)
             if cache is not None and union is not None:  # every row came: keep the union's
                 self.stats.cache_misses += len(union)
                 cache.keep([f.view(-1) for f in u.full], union, self.passes[::-1])
@@ -294,39 +314,67 @@ class ExpertRows:
         if not any(segs[r] for r in range(n)):  # every selected expert is in the experts' cache
             u._to(ShardedState.UNSHARDING, "rows from the experts' cache")
             u.meter.add(u.full_bytes)
-            self._fill(None, [], kept)
+            self._fill([], [], kept)
             self.stats.cache_passes += 1
             return
         buf = ctx.pool.get(n * s, u.dtype, ctx.device)
         slot = buf.view(n, s)[ctx.rank]
-        pos = 0
         with u.resident():
-            for i, idx in segs[ctx.rank]:
-                b = u.layout.local_range(i)[0]
-                piece = u.piece(i)  # on the host with offloaded parameters
-                slot[pos : pos + idx.numel()].copy_(piece.index_select(0, (idx - b).to(piece.device)))
-                pos += idx.numel()
+            pos = self._pack(segs[ctx.rank], slot, 0)
         slot[pos : s - TAG].zero_()
-        slot[-TAG] = u.tag % 128
-        slot[-1] = u.tag // 128
+        self._tag(slot, s - TAG)
         u._to(ShardedState.UNSHARDING, "a selective expert gather")
         C.all_gather(ctx, buf, slot, what=f"selected experts of {u.name} ({step})").wait()
         rows = buf.view(n, s)
-        try:
-            u.checks.gathered(u, (rows[:, -TAG] + 128 * rows[:, -1]).round().long(), step)
-        except UnitDivergence:
-            ctx.pool.put(buf)
-            u._to(ShardedState.SHARDED, "a diverged gather")
-            raise
-        u.meter.add(u.full_bytes)  # the full-shaped parameters exist from here on
-        u.meter.gathers += 1
-        u.meter.gathered_bytes += n * width * u.full[0].element_size()
-        u.gathers += 1
-        self._fill(buf.view(n, s), segs, kept)
+        self._check_tags(rows[:, -TAG] + 128 * rows[:, -1], step, buf)
+        self._gathered(n * width)
+        self._fill(list(rows), segs, kept)
         ctx.pool.put(buf)
 
-    def _fill(self, rows: torch.Tensor | None, segs: list[list[tuple[int, torch.Tensor]]], kept: Sequence[int]) -> None:
-        """Allocate the full parameters, zeroed, and write the gathered ``rows`` and the kept rows."""
+    def _pack(self, segs: Sequence[tuple[int, torch.Tensor]], out: torch.Tensor, pos: int) -> int:
+        """This rank's rows at the flat positions ``segs`` into ``out`` from ``pos``; the position
+        after them. Inside ``unit.resident()`` (offloaded pieces are on the host)."""
+        u = self.unit
+        for i, idx in segs:
+            b = u.layout.local_range(i)[0]
+            piece = u.piece(i)
+            out[pos : pos + idx.numel()].copy_(piece.index_select(0, (idx - b).to(piece.device)))
+            pos += idx.numel()
+        return pos
+
+    def _tag(self, out: torch.Tensor, pos: int) -> None:
+        """The unit's tag in ``TAG`` elements at ``pos`` (two, so that 16-bit floats carry it exactly)."""
+        out[pos] = self.unit.tag % 128
+        out[pos + 1] = self.unit.tag // 128
+
+    def _check_tags(self, tags: torch.Tensor, step: str, *buffers: torch.Tensor) -> None:
+        """Every rank's tag (``GatherChecks``); on a divergence the ``buffers`` go back to the
+        pool and the unit stays sharded."""
+        u = self.unit
+        try:
+            u.checks.gathered(u, tags.round().long(), step)
+        except UnitDivergence:
+            for b in buffers:
+                self.ctx.pool.put(b)
+            u._to(ShardedState.SHARDED, "a diverged expert gather")
+            raise
+
+    def _gathered(self, numel: int) -> None:
+        """The meter's count of a gather that received ``numel`` elements."""
+        u = self.unit
+        u.meter.add(u.full_bytes)  # the full-shaped parameters exist from here on
+        u.meter.gathers += 1
+        u.meter.gathered_bytes += numel * u.full[0].element_size()
+        u.gathers += 1
+
+    def _fill(
+        self,
+        chunks: Sequence[torch.Tensor],
+        segs: Sequence[Sequence[tuple[int, torch.Tensor]]],
+        kept: Sequence[int] = (),
+    ) -> None:
+        """Allocate the full parameters, zeroed, and write each source rank's gathered ``chunks``
+        (the rows of its ``segs``, side by side) and the kept rows."""
         u = self.unit
         wanted = set(self.current_union)
         with torch.no_grad():
@@ -338,10 +386,10 @@ class ExpertRows:
                 f.untyped_storage().resize_(f.numel() * f.element_size())
                 f.zero_()
                 p.data = f
-            for r in range(len(segs) if rows is not None else 0):
+            for chunk, per_rank in zip(chunks, segs):
                 pos = 0
-                for i, idx in segs[r]:
-                    flats[i].index_copy_(0, idx, rows[r, pos : pos + idx.numel()])  # type: ignore[index]
+                for i, idx in per_rank:
+                    flats[i].index_copy_(0, idx, chunk[pos : pos + idx.numel()])
                     pos += idx.numel()
             if kept and self.cache is not None:
                 self.cache.fill(flats, kept)
