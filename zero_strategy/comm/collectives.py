@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -553,16 +553,82 @@ def all_gather_objects(ctx: CommContext, obj: Any, *, what: str) -> list[Any]:
     return [json.loads(bytes(host[r, : int(n)].tolist()).decode()) for r, n in enumerate(sizes.tolist())]
 
 
-def broadcast_coalesced(ctx: CommContext, tensors: Sequence[torch.Tensor], *, src: int = 0, what: str) -> None:
-    """Copy rank ``src``'s values of ``tensors`` to every rank, one flat message per dtype."""
+BROADCAST_BUCKET_BYTES = 16 << 20  # the most one broadcast_coalesced message (and its copy) holds
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def broadcast_coalesced(
+    ctx: CommContext,
+    tensors: Sequence[torch.Tensor],
+    *,
+    src: int = 0,
+    what: str,
+    bucket_bytes: int = BROADCAST_BUCKET_BYTES,
+    keep_equal: bool = False,
+    on_bucket: Callable[[], None] | None = None,
+) -> None:
+    """Copy rank ``src``'s values of ``tensors`` to every rank, in flat messages of one dtype and
+    at most ``bucket_bytes`` (a tensor is cut along its first dimension to fit; one row larger
+    than a bucket is a message of its own), so the copy it makes is one bucket, never the whole
+    set. ``src``'s tensors are only read. With ``keep_equal`` a receiving rank writes only the
+    pieces that differ bit for bit from its own, so tensors that already hold ``src``'s values
+    (weights every rank mapped from the same file) are never written, and stay file pages.
+    ``on_bucket`` is called after each message, while its copy is alive (a memory probe)."""
     if not ctx.distributed or not tensors:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t.detach())
     src_global = ctx.global_ranks[src]
-    for ts in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in ts]).to(ctx.device)
+    for dtype, ts in by_dtype.items():
+        limit = max(1, bucket_bytes // ts[0].element_size())
+        scratch = torch.empty(min(limit, sum(t.numel() for t in ts)), dtype=dtype, device=ctx.device)
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for seg in _segments(ts, limit):
+            if bucket and size + seg.numel() > limit:
+                _broadcast_bucket(ctx, bucket, size, scratch, src, src_global, what, keep_equal)
+                if on_bucket is not None:
+                    on_bucket()
+                bucket, size = [], 0
+            bucket.append(seg)
+            size += seg.numel()
+        _broadcast_bucket(ctx, bucket, size, scratch, src, src_global, what, keep_equal)
+        if on_bucket is not None:
+            on_bucket()
+
+
+def _segments(ts: Sequence[torch.Tensor], limit: int) -> Iterator[torch.Tensor]:
+    """The tensors, each cut along its first dimension into views of at most ``limit`` elements
+    (a single larger row stays whole)."""
+    for t in ts:
+        if t.dim() == 0 or t.numel() <= limit:
+            yield t
+            continue
+        per = max(1, limit // (t.numel() // t.shape[0]))
+        for i in range(0, t.shape[0], per):
+            yield t[i : i + per]
+
+
+def _broadcast_bucket(
+    ctx: CommContext,
+    segs: Sequence[torch.Tensor],
+    numel: int,
+    scratch: torch.Tensor,
+    src: int,
+    src_global: int,
+    what: str,
+    keep_equal: bool,
+) -> None:
+    flat = scratch[:numel] if numel <= scratch.numel() else torch.empty(numel, dtype=scratch.dtype, device=ctx.device)
+    sending = ctx.rank == src
+    with torch.no_grad():
+        if sending:
+            offset = 0
+            for seg in segs:
+                flat[offset : offset + seg.numel()].view(seg.shape).copy_(seg)
+                offset += seg.numel()
         t0 = time.perf_counter()
 
         def start(flat: torch.Tensor = flat) -> list[dist.Work]:
@@ -570,11 +636,24 @@ def broadcast_coalesced(ctx: CommContext, tensors: Sequence[torch.Tensor], *, sr
 
         work = _issue(ctx, "broadcast", what, start)
         Handle(ctx, "broadcast", what, work, flat.numel(), flat.element_size(), time.perf_counter() - t0).wait()
+        if sending:
+            return
         offset = 0
-        with torch.no_grad():
-            for t in ts:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        for seg in segs:
+            got = flat[offset : offset + seg.numel()].view(seg.shape)
+            offset += seg.numel()
+            if not (keep_equal and _same_bits(got, seg)):
+                seg.copy_(got)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits (NaN payloads and signed zeros included)."""
+    if a.device != b.device:
+        return False
+    as_int = _SAME_SIZE_INT.get(a.element_size())
+    if as_int is None or a.dtype == torch.bool:
+        return bool(torch.equal(a, b))
+    return bool(torch.equal(a.view(as_int), b.view(as_int)))
 
 
 def agree_on_failure(ctx: CommContext, error: BaseException | None, *, what: str, call: str) -> None:

@@ -85,6 +85,7 @@ from zero_strategy.sharding.states import (
     check_transition,
 )
 from zero_strategy.sharding.unit import ParamStorage, ReplicatedParams, ShardedParams, refresh_masters
+from zero_strategy.storage.host_memory import HostPeak
 from zero_strategy.storage.offload import OffloadPolicy, optimizer_offload, param_offload
 
 __all__ = ["GradState", "TrainingState", "ZeroEngine", "live_engines"]
@@ -171,6 +172,7 @@ class ZeroEngine(WholeModelState):
                 stacklevel=3,
             )
 
+        self.init_peak = HostPeak()  # the host memory initialize takes (memory_stats' initialize_host_peak)
         named = list(module.named_parameters(remove_duplicate=True))
         self._names = {id(p): n for n, p in named}
         owned = {pid: type(e.module).__name__ for e in list(_LIVE) for pid in e._names}
@@ -216,6 +218,7 @@ class ZeroEngine(WholeModelState):
         self.schedule: GradSchedule = self._schedule_for(())
         self._install_hooks()
         _LIVE.add(self)
+        self.init_peak.mark()
 
     def _build(self, named: list[tuple[str, nn.Parameter]], policy: UnitPolicy) -> None:
         """The parameter storage and the shard groups: at ZeRO-3 each unit's rows hold this
@@ -229,8 +232,18 @@ class ZeroEngine(WholeModelState):
         if config.stage != 3:  # ZeRO-1/2 keep full parameters: gather what sharded_init cut
             for p in built_sharded:
                 materialize_full(p)
-        full_params = [p.detach() for _, p in named if sharded_init_piece(p) is None]
-        C.broadcast_coalesced(self.ctx, full_params + list(module.buffers()), what="initial module state")
+
+        # rank 0's values everywhere (DDP's start), one bucket at a time: a rank that holds them
+        # already writes nothing (mapped weights stay file pages); at ZeRO-3 unit by unit, each
+        # just before its rows are written (ShardedParams), so no copy of the model exists
+        def sync(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor] = ()) -> None:
+            full = [p for p in params if sharded_init_piece(p) is None]  # sharded_init: pieces of one init
+            C.broadcast_coalesced(
+                self.ctx, full + list(buffers), what="initial module state", keep_equal=True, on_bucket=peak.mark
+            )
+
+        peak = self.init_peak
+        sync([] if config.stage == 3 else [p for _, p in named], list(module.buffers()))
         if self.precision.low_params:
             refuse_norm_layers_with_running_stats(module, config)
         fractions = shard_fractions(config.load_balance, self.ctx)  # None: even shards
@@ -247,7 +260,7 @@ class ZeroEngine(WholeModelState):
             storage = ShardedParams(
                 members, named, self.ctx, self.precision, threshold,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-                row_swap=self.disk.row_swap, fractions=fractions, unit_cuts=cuts,
+                row_swap=self.disk.row_swap, fractions=fractions, unit_cuts=cuts, sync=sync, peak=peak,
             )  # fmt: skip
             self.params, self.groups = storage, storage.groups
             forget_pieces(built_sharded)  # their pieces live in the unit rows now
@@ -275,6 +288,7 @@ class ZeroEngine(WholeModelState):
         self.params = ReplicatedParams(
             self.ctx, self.groups, [p for _, p in named], max_in_flight=2 if config.overlap_comm else 0
         )
+        peak.mark()  # the masters of 16-bit parameters and offloaded groups exist now
 
     def _schedule_for(self, optimizers: Sequence[torch.optim.Optimizer]) -> GradSchedule:
         if self.config.stage == 3:

@@ -20,6 +20,7 @@ from zero_strategy.sharding.group import ShardGroup
 from zero_strategy.sharding.memory import model_state_bytes
 from zero_strategy.sharding.setup_checks import persistent_buffers
 from zero_strategy.sharding.unit import ParamStorage, ShardedParams
+from zero_strategy.storage.host_memory import HostPeak
 
 __all__ = ["WholeModelState"]
 
@@ -36,6 +37,7 @@ class WholeModelState:
     reducer: GradReducer
     zero3: UnitScheduler | None
     budget: Budget | None
+    init_peak: HostPeak
 
     def load_full_state_dict(self, get: Callable[[str], torch.Tensor], keys: list[str], *, strict: bool) -> None:
         """Copy full tensors into this rank's parameters, rows and masters, one at a time (a
@@ -94,6 +96,7 @@ class WholeModelState:
         out["swap_buffers"] = self.disk.buffer_bytes()
         out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps
         out["comm_scratch_peak"] = self.ctx.pool.peak
+        out["initialize_host_peak"] = self.init_peak.peak  # anonymous host bytes initialize took at most
         if sharded is not None and self.zero3 is not None:
             meter = sharded.meter
             out |= {"gathered": meter.live, "gathered_peak": meter.peak, "gathers": meter.gathers,

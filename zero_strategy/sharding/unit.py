@@ -21,7 +21,7 @@ on the device and the outcome is read once per step, with the gradient flags.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,7 +39,8 @@ from zero_strategy.sharding.pieces import (
 )
 from zero_strategy.sharding.states import SHARDED_TRANSITIONS, ShardedState, check_transition
 from zero_strategy.storage.disk_rows import DiskRows, RowSwap
-from zero_strategy.storage.offload import HOST, OffloadPolicy, OnDevice, OnDisk, host_empty
+from zero_strategy.storage.host_memory import HostPeak
+from zero_strategy.storage.offload import HOST, OffloadPolicy, OnDevice, OnDisk
 
 if TYPE_CHECKING:
     from zero_strategy.sharding.precision import Precision
@@ -307,6 +308,7 @@ class UnitStorage:
         checks: GatherChecks | None = None,
         fractions: tuple[float, ...] | None = None,
         cuts: tuple[int, ...] | None = None,  # expert owners' boundaries (expert_owners.py)
+        peak: HostPeak | None = None,  # counts the host memory the originals free (host_memory.py)
     ) -> None:
         self.label, self.tag, self.ctx, self.meter = label, tag, ctx, meter
         self.checks = checks or GatherChecks({})
@@ -314,13 +316,7 @@ class UnitStorage:
         self.params = [p for _, p in named]
         self.fqns = [n for n, _ in named]
         self.n_trainable = len(trainable)
-        dtypes = {precision.param_dtype_for(p) for p in self.params}
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"initialize(): ZeRO-3 unit '{label}' mixes parameter dtypes {sorted(map(str, dtypes))} (one gather per "
-                "unit needs one dtype); cast the model to one dtype before initialize()"
-            )
-        self.dtype = dtypes.pop()
+        self.dtype = unit_dtype(label, self.params, precision)
         self.layout = ShardLayout(tuple(p.numel() for p in self.params), ctx.world_size, ctx.rank, fractions, cuts)
         lay = self.layout
         t_numel = sum(lay.chunks[: self.n_trainable])
@@ -330,26 +326,38 @@ class UnitStorage:
         separate = host_masters is not None and row_policy.tier != "host"
         row_dtype = self.dtype if separate else master_dtype  # separate host masters: the row only feeds gathers
 
-        def make_row(numel: int, dtype: torch.dtype) -> torch.Tensor:
-            if isinstance(row_policy, OnDevice):
-                return torch.zeros(numel, dtype=dtype, device=ctx.device)
-            return host_empty(numel, dtype, row_policy, ctx.device)
+        def make_row(numel: int, dtype: torch.dtype) -> torch.Tensor:  # untouched: written piece by piece below
+            where = ctx.device if isinstance(row_policy, OnDevice) else HOST
+            return torch.empty(numel, dtype=dtype, device=where, pin_memory=row_policy.pinned(ctx.device))
 
-        with torch.no_grad(), torch.inference_mode(False):  # padding stays zero
+        # Parameter by parameter, in the rows' order: its piece (and its separate master) is
+        # written, its padding zeroed, then the original loses its data before the next one is
+        # read, so the rows' pages are touched as the originals are freed (the host memory this
+        # takes stays about one parameter, not a unit). A parameter mapped from a file (weights
+        # from safetensors) is read only for this rank's piece.
+        host_pieces: list[torch.Tensor] = []
+        with torch.no_grad(), torch.inference_mode(False):
             self.row = make_row(t_numel, row_dtype)
             self.frozen_row = make_row(lay.shard_numel - t_numel, self.dtype)
             for i, p in enumerate(self.params):
-                self.piece(i).copy_(piece_of(p, *lay.local_range(i)))
+                mine = piece_of(p, *lay.local_range(i))
+                piece = self.piece(i)
+                piece.copy_(mine)
+                row, off = self._rows(lay.offsets[i])
+                row[off + piece.numel() : off + lay.chunks[i]].zero_()  # padding stays zero
+                if separate and host_masters is not None and i < self.n_trainable:
+                    host_pieces.append(host_masters.copy_of(mine, master_dtype))
+                del mine
+                held = p.data.untyped_storage().nbytes() if p.device.type == "cpu" else 0
+                p.data = placeholder(p.shape, self.dtype, ctx.device)
+                if peak is not None:
+                    peak.released(held)
         self.group: ShardGroup | None = None
         self.separate_masters = False
         if trainable:
             t_layout = ShardLayout(tuple(p.numel() for _, p in trainable), ctx.world_size, ctx.rank, fractions, cuts)
             if separate and host_masters is not None:  # the fp32 pieces on the host, the row on the device
-                with torch.no_grad():
-                    masters = [
-                        nn.Parameter(host_masters.copy_of(piece_of(p, *lay.local_range(i)), master_dtype))
-                        for i, (_, p) in enumerate(trainable)
-                    ]
+                masters = [nn.Parameter(m) for m in host_pieces]
                 self.separate_masters = True
             else:
                 masters = [nn.Parameter(t_layout.local_view(self.row, i)) for i in range(len(trainable))]
@@ -372,8 +380,7 @@ class UnitStorage:
         # a memory-less placeholder otherwise (reads give NaN, writes raise), so touching a
         # sharded parameter never reads freed memory. Views autograd saved in forward keep the
         # storage object and see the data again when the unit is gathered for backward.
-        # The placeholders are installed by :meth:`take_over`, once every unit was built: a
-        # unit that fails to build leaves the model's parameters untouched.
+        # The placeholders were installed above, as each parameter's piece was written.
         self.full = [torch.empty(p.shape, dtype=self.dtype, device=ctx.device) for p in self.params]
         for f in self.full:
             f.untyped_storage().resize_(0)
@@ -420,12 +427,6 @@ class UnitStorage:
                 yield
             finally:
                 self._detach()
-
-    def take_over(self) -> None:
-        """Point every parameter at its memory-less placeholder: from here on the unit's rows
-        hold the only copy of the values."""
-        for p in self.params:
-            p.data = placeholder(p.shape, self.dtype, self.ctx.device)
 
     @property
     def name(self) -> str:
@@ -546,6 +547,17 @@ class UnitStorage:
                     self.piece(i).copy_(m.detach(), non_blocking=m.is_pinned())
 
 
+def unit_dtype(label: str, params: Sequence[torch.Tensor], precision: Precision) -> torch.dtype:
+    """The one dtype a unit's parameters are gathered in (a unit that mixes dtypes raises)."""
+    dtypes = {precision.param_dtype_for(p) for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"initialize(): ZeRO-3 unit '{label}' mixes parameter dtypes {sorted(map(str, dtypes))} (one gather per "
+            "unit needs one dtype); cast the model to one dtype before initialize()"
+        )
+    return dtypes.pop()
+
+
 def _row_placeholder(row: torch.Tensor) -> torch.Tensor:
     n = row.numel()
     return placeholder(torch.Size([n]), row.dtype, HOST) if n else torch.empty(0, dtype=row.dtype, device=HOST)
@@ -581,6 +593,8 @@ class ShardedParams(ParamStorage):
         row_swap: RowSwap | None = None,
         fractions: tuple[float, ...] | None = None,
         unit_cuts: dict[str, tuple[int, ...]] | None = None,
+        sync: Callable[[Sequence[nn.Parameter]], None] | None = None,
+        peak: HostPeak | None = None,
     ) -> None:
         """One unit per entry of ``members`` (``unit_members``: the units' modules in order,
         then the root unit, label ``<root>``, for the parameters outside every unit; the engine
@@ -588,7 +602,14 @@ class ShardedParams(ParamStorage):
         units, or from a unit and outside it (tied weights), belongs to the root unit, which
         stays gathered for the whole forward and backward. The offload policies say where each
         unit's rows and masters live (``offload.py``); ``unit_cuts`` gives experts units (by
-        label) their owners' boundaries (``expert_owners.py``)."""
+        label) their owners' boundaries (``expert_owners.py``).
+
+        The model is converted unit by unit: ``sync`` (the initial broadcast from rank 0) gets
+        each unit's parameters just before its rows are written, and the unit's parameters lose
+        their data right after, before the next unit is touched, so the host memory this takes
+        is one unit above the model, not a second model (``peak`` is marked there). What can
+        fail for a reason of the model (a unit that mixes dtypes) is checked for every unit
+        first, so that such an error leaves the model's parameters untouched."""
         offload_optimizer = offload_optimizer or OnDevice()
         self.ctx = ctx
         self.meter = GatherMeter()
@@ -599,6 +620,10 @@ class ShardedParams(ParamStorage):
         total = sum(p.numel() for _, p in named if p.requires_grad)
         offloaded = rows_offloaded = 0
         for label, pending in members:
+            unit_dtype(label, [p for _, p in pending], precision)
+        for label, pending in members:
+            if sync is not None:
+                sync([p for _, p in pending])
             trainable = [(n, p) for n, p in pending if p.requires_grad]
             frozen = [(n, p) for n, p in pending if not p.requires_grad]
             host = None
@@ -619,12 +644,12 @@ class ShardedParams(ParamStorage):
             u = UnitStorage(label, len(self.units) + 1, trainable, frozen, ctx, precision, self.meter,
                             persistence_threshold, group_index=len(self.groups), row_policy=rows,
                             host_masters=host, row_swap=row_swap, checks=self.checks,
-                            fractions=fractions, cuts=(unit_cuts or {}).get(label))  # fmt: skip
+                            fractions=fractions, cuts=(unit_cuts or {}).get(label), peak=peak)  # fmt: skip
             self.units.append(u)
             if u.group is not None:
                 self.groups.append(u.group)
-        for u in self.units:  # every unit was built: only now do the parameters lose their data
-            u.take_over()
+            if peak is not None:  # after the unit's last piece: its rows hold the only copy now
+                peak.mark()
         self.names.update({u.tag: u.name for u in self.units})
         self._where = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._unit_of_group = {id(u.group): u for u in self.units if u.group is not None}
