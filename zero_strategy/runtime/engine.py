@@ -284,7 +284,9 @@ class ZeroEngine(WholeModelState):
             for _, p in named:
                 target = self.precision.param_dtype_for(p)
                 if p.dtype != target:
+                    held = p.untyped_storage().nbytes() if p.device.type == "cpu" else 0
                     p.data = p.data.to(target)
+                    peak.released(held)  # the original's pages go back as the 16-bit copies come
         self.params = ReplicatedParams(
             self.ctx, self.groups, [p for _, p in named], max_in_flight=2 if config.overlap_comm else 0
         )
