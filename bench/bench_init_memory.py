@@ -16,7 +16,8 @@ of the model's bytes:
   with an unmodified ``from_pretrained`` and ``Accelerator.prepare(model, optimizer)``: once under
   ``accelerate launch`` (DDP), once under ``zero-strategy launch --zero-config`` at each stage.
   ``load``: growth during ``from_pretrained`` (transformers maps the files: little); ``prepare``:
-  growth during ``prepare``; ``total``: from before the load to after ``prepare``.
+  growth during ``prepare``; ``total``: from before the load to after ``prepare``. A tiny model
+  is prepared first (imports, first collectives).
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:integrations python bench/bench_init_memory.py
 """
@@ -139,13 +140,15 @@ def plain_rows(layers: int, width: int) -> list[dict[str, Any]]:
 
 
 def _hf_rank_job(model_dir: str, out_dir: str) -> None:
-    """Run on each rank under a launcher: load, prepare, write this rank's numbers (the first
-    set-up of the process: its imports count on both sides)."""
+    """Run on each rank under a launcher: a warm-up ``prepare`` of a tiny model, then load,
+    prepare, and write this rank's numbers."""
     import torch
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
     accelerator = Accelerator()
+    tiny = torch.nn.Linear(4, 4)  # warm-up: the set-up path's imports and first collectives
+    accelerator.prepare(tiny, torch.optim.AdamW(tiny.parameters()))
     with Sampler() as total:
         with Sampler() as load:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -213,13 +216,14 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--hf", choices=("small", "medium", "none"), default="small")
     ap.add_argument("--max-shard-size", default="100MB")
+    ap.add_argument("--skip-plain", action="store_true", help="only the HF rows")
     ap.add_argument("--json", default=None)
     ap.add_argument("--hf-rank-job", nargs=2, metavar=("MODEL_DIR", "OUT_DIR"))
     a = ap.parse_args()
     if a.hf_rank_job:
         _hf_rank_job(*a.hf_rank_job)
         return
-    rows = {"plain": plain_rows(a.layers, a.width)}
+    rows = {} if a.skip_plain else {"plain": plain_rows(a.layers, a.width)}
     if a.hf != "none":
         rows["hf"] = hf_rows(a.hf, a.max_shard_size)
     if a.json:

@@ -339,6 +339,18 @@ def _binding_of(accelerator: Accelerator) -> _Binding:
     return binding
 
 
+def _off_device(model: nn.Module, device: torch.device) -> bool:
+    """Whether a parameter or buffer of ``model`` is not on ``device`` (so ``model.to`` has work).
+    Launched CPU processes get ``cpu:0``, where ``model.to`` copies every CPU tensor (all CPU
+    indices are one memory), so the CPU index is not compared."""
+    want = torch.device(device)
+
+    def off(d: torch.device) -> bool:
+        return d.type != want.type or (want.type != "cpu" and want.index is not None and d.index != want.index)
+
+    return any(off(t.device) for t in (*model.parameters(), *model.buffers()))
+
+
 def prepare_with_zero(
     accelerator: Accelerator,
     objects: tuple[Any, ...],
@@ -358,8 +370,8 @@ def prepare_with_zero(
     binding = _binding_of(accelerator)
     swapped: dict[int, Any] = {}
     for model, opts in pairs:
-        if accelerator.device_placement:
-            model.to(accelerator.device)
+        if accelerator.device_placement and _off_device(model, accelerator.device):
+            model.to(accelerator.device)  # only when needed: weights mapped from files would be copied
         zs.initialize(model, _core_arg(opts), config=engine_config, policy=policy)  # the same objects, bound
         prepared = cast(_AcceleratePrepared, model)
         if config.precision.autocast_dtype is not None:
