@@ -21,11 +21,44 @@ import importlib.util
 import json
 import os
 import shlex
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch.distributed as dist
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "trainer_gpt2.py"
+
+
+def jobs(variable: str) -> Iterator[str]:
+    """The job names of ``variable`` (``name=config`` pairs), each with ``ZERO_STRATEGY_CONFIG``
+    set to its config, or removed for ``ddp`` (the Trainer's own DDP)."""
+    for pair in os.environ[variable].split(","):
+        name, config = pair.split("=")
+        if config == "ddp":
+            os.environ.pop("ZERO_STRATEGY_CONFIG", None)
+        else:
+            os.environ["ZERO_STRATEGY_CONFIG"] = config
+        yield name
+
+
+def report(results: dict) -> None:
+    """Each rank's ``rank<r>.json`` for ``run_launch``, then ``rank<r>.done`` after a barrier."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = Path(os.environ["ACCEL_JOB_OUT"])
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    if dist.is_initialized():
+        dist.barrier()
+    (out / f"rank{rank}.done").write_text("")
+
+
+def run(main: Callable[[], None]) -> None:
+    """``main()``; an exception is also written to ``rank<r>.error`` (what the test shows)."""
+    try:
+        main()
+    except Exception as exc:
+        with open(os.path.join(os.environ["ACCEL_JOB_OUT"], f"rank{os.environ.get('RANK', '0')}.error"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def main() -> None:
@@ -35,19 +68,13 @@ def main() -> None:
     spec.loader.exec_module(example)
     root = Path(os.environ["TRAINER_OUT"])
     results = {}
-    for pair in os.environ["TRAINER_JOBS"].split(","):
-        name, config = pair.split("=")
-        if config == "ddp":
-            os.environ.pop("ZERO_STRATEGY_CONFIG", None)
-        else:
-            os.environ["ZERO_STRATEGY_CONFIG"] = config
+    for name in jobs("TRAINER_JOBS"):
         out = root / name
         src = name.removeprefix("resume-")
         line = os.environ["TRAINER_ARGS"] + " " + json.loads(os.environ.get("TRAINER_EXTRA", "{}")).get(name, "")
         argv = [a.replace("{out}", str(out)).replace("{src}", src) for a in shlex.split(line)]
         trainer = example.main(argv)
         engine = getattr(trainer.model, "_zero_engine", None)
-        rank = dist.get_rank() if dist.is_initialized() else 0
         info = {
             "wrapped": type(trainer.model_wrapped).__name__,
             "engine": type(engine).__name__,
@@ -66,12 +93,7 @@ def main() -> None:
             dist.barrier()
     if os.environ.get("TRAINER_REFUSE"):  # the Trainer's own FSDP together with ours
         results["refused"] = _refused(root)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    report = Path(os.environ["ACCEL_JOB_OUT"])
-    (report / f"rank{rank}.json").write_text(json.dumps(results))
-    if dist.is_initialized():
-        dist.barrier()
-    (report / f"rank{rank}.done").write_text("")
+    report(results)
 
 
 def _refused(root: Path) -> str:
@@ -89,9 +111,4 @@ def _refused(root: Path) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as exc:
-        with open(os.path.join(os.environ["ACCEL_JOB_OUT"], f"rank{os.environ.get('RANK', '0')}.error"), "w") as f:
-            f.write(f"{type(exc).__name__}: {exc}")
-        raise
+    run(main)

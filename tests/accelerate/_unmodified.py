@@ -120,10 +120,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as exc:
-        with open(os.path.join(os.environ["ACCEL_JOB_OUT"], f"rank{os.environ.get('RANK', '0')}.error"), "w") as f:
-            f.write(f"{type(exc).__name__}: {exc}")
-        raise
+    from _trainer_jobs import run  # the test harness's error report (this script's directory is on sys.path)
+
+    run(main)
     sys.exit(0)

@@ -383,17 +383,18 @@ def _t5():
     return model
 
 
-def _zero3(model, persist: int | None, lr: float = 1e-2):
+def _zero3(model, persist: int | None, lr: float = 1e-2, config: dict | None = None, policy=None):
     import torch
 
     import zero_strategy as zs
 
-    kw = {} if persist is None else {"stage3_param_persistence_threshold": persist}
-    return zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), stage=3, **kw)
+    kw = dict(config or {}) | ({} if persist is None else {"stage3_param_persistence_threshold": persist})
+    return zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=lr), stage=3, policy=policy, **kw)
 
 
-def _ddp_against_zero3(build, loss_of, rank: int, persist: int | None, steps: int = 3) -> None:
-    """Train ``build()`` for a few steps under DDP and under ZeRO-3: equal losses and weights."""
+def _ddp_against_zero3(build, loss_of, rank: int, persist: int | None, steps: int = 3, *, config=None, policy=None):
+    """Train ``build()`` for a few steps under DDP and under ZeRO-3 (more ``config`` keys, the
+    unit ``policy``): equal losses and weights. Returns the ZeRO-3 model."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -402,7 +403,7 @@ def _ddp_against_zero3(build, loss_of, rank: int, persist: int | None, steps: in
     ref = build()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ddp = DDP(ref)
-    model, opt = _zero3(build(), persist)
+    model, opt = _zero3(build(), persist, config=config, policy=policy)
     if persist == 0:
         assert not any(u.persistent for u in model.zero_engine.params.units), "units must be freed"
     runs: dict[str, list[float]] = {"ddp": [], "zero": []}
@@ -418,6 +419,7 @@ def _ddp_against_zero3(build, loss_of, rank: int, persist: int | None, steps: in
         got = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for k, v in ref.state_dict().items():
         assert_close(got[k], v, rtol=1e-7, atol=1e-12, what=k)
+    return model
 
 
 def case_t5_trains(rank: int, persist: int | None) -> None:

@@ -291,11 +291,11 @@ class GradReducer:
         flags = flags.to(self.ctx.device)
         check = self.deferred_check
         extra = check.flag() if check is not None else None
-        if extra is not None:
-            flags = torch.cat([flags, extra.to(flags.dtype)])
+        if check is not None:  # its slot on every rank, pending or not: the all-reduce has one length
+            flags = torch.cat([flags, (extra if extra is not None else flags.new_zeros(1)).to(flags.dtype)])
         C.all_reduce(self.ctx, flags, op="max", what=f"gradient flags ({self._describe_step()})").wait()
         values = flags.tolist()  # the step's one host read of the flags
-        if check is not None and extra is not None:
+        if check is not None:
             check.report(bool(values[-1]))
         start = 0
         for g in self.groups:

@@ -1,7 +1,8 @@
 """The model side of the class swap: ``initialize`` places :class:`ZeroModule` in front of the
 model's own class (as FSDP2's ``fully_shard`` does, see ``_swap.py``), so calling the model runs
 the engine's root work around the model's own ``__call__``, ``forward`` runs under the
-precision policy's autocast, and ``no_sync``/``zero_grad``/``memory_stats`` are the engine's."""
+precision policy's autocast, and ``no_sync``/``zero_grad``/``memory_stats`` are the engine's. A
+ZeRO-3 model with ``generate`` gets :class:`ZeroGenerationModule`, whose ranks generate in step."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from zero_strategy._swap import swap_class
 if TYPE_CHECKING:
     from zero_strategy.runtime.engine import ZeroEngine
 
-__all__ = ["ZeroModule", "get_engine", "swap_module_class"]
+__all__ = ["ZeroGenerationModule", "ZeroModule", "get_engine", "swap_module_class"]
 
 
 if TYPE_CHECKING:
@@ -69,8 +70,23 @@ class ZeroModule(_ModuleBase):
         return self._zero_engine.memory_stats()
 
 
+class ZeroGenerationModule(ZeroModule):
+    """The mixin for a ZeRO-3 model with a ``generate`` method (Hugging Face's
+    ``GenerationMixin``): the ranks generate in step (``synced_gpus``, see
+    ``UnitScheduler.synced_generation``), since each forward gathers with the other ranks.
+    ``generate``'s own keyword is the hook; transformers turns it on by itself only for
+    DeepSpeed and FSDP."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        scheduler = self._zero_engine.zero3
+        if scheduler is not None:
+            kwargs["synced_gpus"] = scheduler.synced_generation(kwargs.get("synced_gpus"))
+        return super().generate(*args, **kwargs)  # type: ignore[misc]  # the model's own generate
+
+
 def swap_module_class(module: nn.Module, engine: ZeroEngine) -> None:
-    swap_class(module, ZeroModule)
+    generates = engine.zero3 is not None and callable(getattr(type(module), "generate", None))
+    swap_class(module, ZeroGenerationModule if generates else ZeroModule)
     cast(ZeroModule, module)._zero_engine = engine  # the swapped class carries ZeroModule's attributes
 
 

@@ -97,11 +97,13 @@ class UnitScheduler:
         self._outside = False  # a submodule called outside the model's forward is running (zero3_hooks.py)
         self._outside_gathered: list[UnitStorage] = []  # the units that call gathered
         self._outside_units: list[UnitStorage] = []  # the units that call needs (the cache keeps them)
+        self._between: list[UnitStorage] | None = None  # a no-grad forward before a pending backward: what was sharded
         self._sync = True  # whether the running backward reduces
         self._active: UnitStorage | None = None  # unit whose backward runs now
         self._fwd_pos: int | None = None  # position in the recorded order of the unit in forward
         self._bwd_pos: int | None = None  # same, for the unit whose backward runs now
         self._warned_order = False
+        self._warned_generate = False
         self._ranges: dict[tuple[str, int], Any] = {}  # open profiler ranges (only inside zs.profile)
         self.cache = GatherCache(storage.meter, settings.cache)
         self._running: list[int] = []  # tags of the units whose forward runs now (the cache keeps them)
@@ -243,6 +245,9 @@ class UnitScheduler:
 
     # -- root ------------------------------------------------------------------------------
     def root_pre_forward(self, *, training: bool) -> None:
+        if self._step_live and not torch.is_grad_enabled() and not self._in_backward:
+            self._between_pre_forward()
+            return
         self._training = training
         self._seq = []
         self._on_path = True
@@ -256,6 +261,18 @@ class UnitScheduler:
         for u in ([self.root] if self.root is not None else []) + pinned:
             self._gather(u, self._use_index(0, +1))
         for u in ([self.root] if self.root is not None else []) + pinned:
+            u.wait_unshard(self.names)
+
+    def _between_pre_forward(self) -> None:
+        """A forward without gradients while a forward's backward is pending (TRL's reference
+        log-probs under ``no_grad``): the units it finds gathered are the pending backward's
+        (the root unit, the pinned units, the cache's) and stay; it frees only what it gathers.
+        Its units are not recorded, and the step's order, prefetch path and deferred gather
+        checks are the pending forward's: they are left as they are (the checks are read with
+        the step's gradient flags, on every rank, whether or not every rank made this call)."""
+        self._between = [u for u in self.all_units if u.state is ShardedState.SHARDED]
+        for u in [self.root] if self.root is not None else []:  # gathered already: no collective
+            self._gather(u)
             u.wait_unshard(self.names)
 
     def regather_root(self) -> None:
@@ -272,17 +289,24 @@ class UnitScheduler:
     def root_post_forward(self, *, ok: bool = True, only: list[UnitStorage] | None = None) -> None:
         """The forward ended (``ok``) or raised. After an exception nothing may wait on the
         other ranks: a gather still in flight stays so (its next use waits on it). Without
-        gradients the units are freed: all of them, or ``only`` those (an outside call's)."""
+        gradients the units are freed: all of them, or ``only`` those (an outside call's, or a
+        forward's between a forward and its backward: what it gathered)."""
         if not ok:
             self._close_ranges("forward")
         if ok and self._checking():
             self._agree(0)  # a rank that skipped the last list units meets the others here
+        between, self._between = self._between, None
+        if between is not None:  # a call between a forward and its backward (_between_pre_forward)
+            only = between
+        pending = between is not None or (only is not None and self._step_live)  # a backward is pending
         if not torch.is_grad_enabled():
-            if ok:  # no backward follows: this forward's deferred gather checks are read now
+            if ok and not pending:  # no backward follows: this forward's deferred gather checks are read now
                 self.checks.check_now()
             if only is None:
                 self._step_live = False
             for u in self.all_units if only is None else only:  # eval / no_grad: nothing but persistent units stays
+                if pending and u.tag in self.pinned:
+                    continue  # pinned during the call: gathered with the root from now on
                 if ok or u.state is not ShardedState.UNSHARDING:
                     self._release(u)
 
@@ -309,6 +333,28 @@ class UnitScheduler:
         self._outside = False
         gathered, self._outside_gathered, self._outside_units = self._outside_gathered, [], []
         self.root_post_forward(ok=ok, only=gathered)
+
+    # -- generation --------------------------------------------------------------------------
+    def synced_generation(self, asked: bool | None) -> bool | None:
+        """``generate``'s ``synced_gpus`` on this model (``module.py``), ``asked`` being the
+        caller's. With more than one rank, a forward gathers units together with the other
+        ranks, so a rank whose sequences reached EOS must keep running forwards until every
+        rank's have (DeepSpeed's ZeRO-3 does the same): True by default, and an explicit False
+        is followed only where no forward communicates (every unit persistent, no MoE experts
+        units, no list agreement); else it would hang, and True is used, with a warning."""
+        if self.ctx.world_size == 1:
+            return asked  # nothing to wait for
+        communicates = any(not u.persistent for u in self.all_units) or bool(self.experts) or self._checking()
+        if asked is False and communicates:
+            if not self._warned_generate:
+                self._warned_generate = True
+                log.warning(
+                    "zero_strategy: generate(synced_gpus=False) on a ZeRO-3 model would hang once the ranks reach "
+                    "EOS at different steps (each forward gathers units with the other ranks); generating with "
+                    "synced_gpus=True (logged once)"
+                )
+            return True
+        return True if asked is None else asked
 
     # -- units -----------------------------------------------------------------------------
     def pre_forward(self, u: UnitStorage) -> None:
