@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="micro-batch per process")
     p.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
     p.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
-    p.add_argument("--out", default="gpt2-zero", help="save_pretrained directory")
+    p.add_argument("--out", default="runs/gpt2-zero", help="save_pretrained directory (runs/ is git-ignored)")
     return p.parse_args()
 
 

@@ -54,7 +54,7 @@ class ByteWindows(Dataset):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="trainer-gpt2", help="output_dir of the Trainer")
+    p.add_argument("--out", default="runs/trainer-gpt2", help="output_dir of the Trainer (runs/ is git-ignored)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps (max_steps)")
     p.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size")
     p.add_argument("--accum", type=int, default=2, help="gradient_accumulation_steps")
