@@ -112,7 +112,9 @@ def main() -> None:
     if os.path.exists(strategy):  # a YAML/JSON config (DeepSpeed key names)
         strategy = lightning_zero.ZeroStrategy(config=strategy)
     elif os.sep in strategy or strategy.endswith((".yaml", ".yml", ".json")):  # a path, not a strategy name
-        p.error(f"--strategy {strategy}: the file does not exist (relative to {os.getcwd()}); give a config file or a name")
+        p.error(
+            f"--strategy {strategy}: the file does not exist (relative to {os.getcwd()}); give a config file or a name"
+        )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
     corpus = stdlib_corpus()
     n_train = args.steps * args.batch * args.devices * args.accumulate
