@@ -4,10 +4,10 @@ Nothing here names zero_strategy: the launch picks the engine. On CPU, 2 process
 ``configs/accelerate_cpu.yaml`` has ``distributed_type: MULTI_GPU`` and ``num_processes: 2``
 (``--cpu`` would start one process only). From the repository root::
 
-    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config configs/zero3.yaml \\
+    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config zero3 \\
         --config_file configs/accelerate_cpu.yaml examples/accelerate_hf_gpt2.py
     # the same:
-    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=configs/zero3.yaml \\
+    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=zero3 \\
         accelerate launch --config_file configs/accelerate_cpu.yaml examples/accelerate_hf_gpt2.py
     # and without a ZeRO config, Accelerate's own DDP:
     ACCELERATE_USE_CPU=true accelerate launch --config_file configs/accelerate_cpu.yaml examples/accelerate_hf_gpt2.py

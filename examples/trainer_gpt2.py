@@ -6,9 +6,9 @@ differs. On CPU, 2 processes (gloo), from the repository root::
     # the Trainer's own DDP
     ACCELERATE_USE_CPU=true accelerate launch --config_file configs/accelerate_cpu.yaml examples/trainer_gpt2.py
     # the ZeRO engine (stage 3): either launch
-    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config configs/zero3.yaml \\
+    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config zero3 \\
         --config_file configs/accelerate_cpu.yaml examples/trainer_gpt2.py
-    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=configs/zero3.yaml \\
+    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=zero3 \\
         accelerate launch --config_file configs/accelerate_cpu.yaml examples/trainer_gpt2.py
 
 On GPUs use ``--config_file configs/accelerate_gpu.yaml`` without ``ACCELERATE_USE_CPU``.

@@ -65,11 +65,11 @@ def refuse_lone_processes(root: str) -> None:
     all of them would save into ``root`` (``accelerate launch`` on a CPU machine without
     ``ACCELERATE_USE_CPU=true`` does this)."""
     launched = os.environ.get("WORLD_SIZE", "1")
-    if dist.is_initialized() or not launched.isdigit() or int(launched) <= 1:
-        return
+    if dist.is_initialized() or "RANK" not in os.environ or not launched.isdigit() or int(launched) <= 1:
+        return  # RANK too: a launcher (torchrun, accelerate launch) set both for this process
     raise RuntimeError(
         f"saving into {root!r}: this process was started as one of WORLD_SIZE={launched} processes "
-        f"(RANK={os.environ.get('RANK', '?')}) but has no process group, so each of them trains alone as rank 0 of "
+        f"(RANK={os.environ['RANK']}) but has no process group, so each of them trains alone as rank 0 of "
         "world size 1 and all would write this checkpoint. Initialise torch.distributed before initialize(); under "
         "`accelerate launch` on a machine without GPUs set ACCELERATE_USE_CPU=true (zero-strategy launch sets it)"
     )
