@@ -4,10 +4,10 @@ Nothing here names zero_strategy: the launch picks the engine. On CPU, 2 process
 ``configs/accelerate_cpu.yaml`` has ``distributed_type: MULTI_GPU`` and ``num_processes: 2``
 (``--cpu`` would start one process only). From the repository root::
 
-    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config configs/zero3.yaml \\
+    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config zero3 \\
         --config_file configs/accelerate_cpu.yaml examples/accelerate_hf_gpt2.py
     # the same:
-    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=configs/zero3.yaml \\
+    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=zero3 \\
         accelerate launch --config_file configs/accelerate_cpu.yaml examples/accelerate_hf_gpt2.py
     # and without a ZeRO config, Accelerate's own DDP:
     ACCELERATE_USE_CPU=true accelerate launch --config_file configs/accelerate_cpu.yaml examples/accelerate_hf_gpt2.py
@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="micro-batch per process")
     p.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
     p.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
-    p.add_argument("--out", default="gpt2-zero", help="save_pretrained directory")
+    p.add_argument("--out", default="runs/gpt2-zero", help="save_pretrained directory (runs/ is git-ignored)")
     return p.parse_args()
 
 

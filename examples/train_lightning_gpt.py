@@ -89,7 +89,7 @@ class Report(pl.Callback):
             line += (f"model state {stats['model_state'] / 2**20:.1f} MiB (param shards {stats['param_shards'] / 2**20:.1f}, "
                      f"grad shards {stats['grad_shards'] / 2**20:.1f}, optimizer {stats['optimizer_state'] / 2**20:.1f}); ")  # fmt: skip
         line += f"DDP would hold {ddp / 2**20:.1f} MiB for {psi / 1e6:.2f}M parameters"
-        print(line, flush=True)
+        print(line + "\n", end="", flush=True)  # one write: lines of ranks never interleave
 
 
 def main() -> None:
@@ -111,6 +111,10 @@ def main() -> None:
     strategy = args.strategy
     if os.path.exists(strategy):  # a YAML/JSON config (DeepSpeed key names)
         strategy = lightning_zero.ZeroStrategy(config=strategy)
+    elif os.sep in strategy or strategy.endswith((".yaml", ".yml", ".json")):  # a path, not a strategy name
+        p.error(
+            f"--strategy {strategy}: the file does not exist (relative to {os.getcwd()}); give a config file or a name"
+        )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
     corpus = stdlib_corpus()
     n_train = args.steps * args.batch * args.devices * args.accumulate
@@ -122,6 +126,7 @@ def main() -> None:
             pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=max(1, args.steps // 2))
         )
     trainer = pl.Trainer(
+        default_root_dir="runs/lightning",  # git-ignored, like every example's output
         strategy=strategy,
         accelerator=args.accelerator,
         devices=args.devices,
@@ -140,7 +145,7 @@ def main() -> None:
     )
     trainer.fit(LitGPT(args.d_model, args.layers, args.seq_len, args.lr, args.steps), train, val)
     trainer.strategy.barrier()  # every rank finished; what follows is teardown
-    print(f"rank {trainer.global_rank}: done", flush=True)
+    print(f"rank {trainer.global_rank}: done\n", end="", flush=True)  # one write per line
 
 
 class PrintLoss(pl.Callback):

@@ -103,7 +103,7 @@ def main() -> None:
     }
     strategy = lightning_zero.ZeroStrategy(stage=3, config=config)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, logger=False,
+        strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, logger=False, default_root_dir="runs/lightning",
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False, callbacks=[PrintLoss()],
     )  # fmt: skip
     module = LitMoE(args.experts, args.hidden, args.layers, args.lr)
@@ -114,7 +114,7 @@ def main() -> None:
         seen = max(after["moe_experts_seen"] - before.get("moe_experts_seen", 0), 1)
         union = (after["moe_union_experts"] - before.get("moe_union_experts", 0)) / seen
         print(f"rank {trainer.global_rank}: {what}: experts gathered {moved / 2**20:.2f} MiB of {whole / 2**20:.2f} "
-              f"MiB (all experts), union share {union:.2f}", flush=True)  # fmt: skip
+              f"MiB (all experts), union share {union:.2f}\n", end="", flush=True)  # fmt: skip
 
     trained = zs.memory_stats(module)
     report("training", {}, trained)  # large batches select most experts: the cost switch gathers whole
@@ -126,7 +126,7 @@ def main() -> None:
     if trainer.is_global_zero:
         print("generated:", repr(bytes(out[0].tolist()).decode("utf-8", "replace")), flush=True)
     trainer.strategy.barrier()
-    print(f"rank {trainer.global_rank}: done", flush=True)
+    print(f"rank {trainer.global_rank}: done\n", end="", flush=True)  # one write per line
 
 
 if __name__ == "__main__":

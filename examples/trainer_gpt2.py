@@ -6,9 +6,9 @@ differs. On CPU, 2 processes (gloo), from the repository root::
     # the Trainer's own DDP
     ACCELERATE_USE_CPU=true accelerate launch --config_file configs/accelerate_cpu.yaml examples/trainer_gpt2.py
     # the ZeRO engine (stage 3): either launch
-    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config configs/zero3.yaml \\
+    ACCELERATE_USE_CPU=true zero-strategy launch --zero-config zero3 \\
         --config_file configs/accelerate_cpu.yaml examples/trainer_gpt2.py
-    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=configs/zero3.yaml \\
+    ACCELERATE_USE_CPU=true ZERO_STRATEGY_CONFIG=zero3 \\
         accelerate launch --config_file configs/accelerate_cpu.yaml examples/trainer_gpt2.py
 
 On GPUs use ``--config_file configs/accelerate_gpu.yaml`` without ``ACCELERATE_USE_CPU``.
@@ -54,7 +54,7 @@ class ByteWindows(Dataset):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="trainer-gpt2", help="output_dir of the Trainer")
+    p.add_argument("--out", default="runs/trainer-gpt2", help="output_dir of the Trainer (runs/ is git-ignored)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps (max_steps)")
     p.add_argument("--batch", type=int, default=4, help="per_device_train_batch_size")
     p.add_argument("--accum", type=int, default=2, help="gradient_accumulation_steps")

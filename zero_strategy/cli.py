@@ -67,6 +67,15 @@ def check(file: str, stage: Optional[int] = None, world_size: Optional[int] = No
     return report.ok
 
 
+class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, 0.0) or action.help is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 COMMANDS_GROUP = "zero_strategy.commands"  # front-ends add subcommands here (entry points)
 
 
@@ -79,16 +88,20 @@ def _plugin_commands() -> dict[str, Any]:
 def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zero-strategy", description="zero_strategy commands")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    ex = sub.add_parser("export", help="export a checkpoint to one .safetensors or .pt file", description=export.__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ex = sub.add_parser("export", help="export a checkpoint to one .safetensors or .pt file",
+                        description="Export a checkpoint directory (its root or a versioned subdirectory) to one "
+                        "file, offline, tensor by tensor (docs/checkpoints.md).")  # fmt: skip
     ex.add_argument(
         "checkpoint", help="directory written by zero_strategy.save_checkpoint (its root or a versioned subdirectory)"
     )
     ex.add_argument("out", help="output file, .safetensors (streamed) or .pt")
     ex.add_argument("--dtype", help="cast floating tensors: fp32, bf16 or fp16 (default: as saved)")
     ck = sub.add_parser("check", help="check a config file: every problem, or the resolved config",
-                        description=check.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ck.add_argument("file", help="a YAML/JSON config file (DeepSpeed key names, or the flat form of ZeroConfig)")
+                        description="Check a config file (YAML/JSON, DeepSpeed key names) or a built-in preset: print "
+                        "every problem, or the resolved config with the DeepSpeed keys honoured, read but not applied, "
+                        "and ignored. Exits 1 when the file is not usable (docs/config.md).")  # fmt: skip
+    ck.add_argument("file", help="a YAML/JSON config file (DeepSpeed key names, or the flat form of ZeroConfig), or a "
+                    "built-in name: zero1, zero2, zero2_offload, zero3, zero3_offload, zero3_offload_nvme")  # fmt: skip
     ck.add_argument("--stage", type=int, help="the stage a front-end will set (applied first)")
     ck.add_argument("--world-size", type=int, help="the number of processes (checks load_balance.scores)")
     _add_estimate(sub)
@@ -102,14 +115,16 @@ def _add_estimate(sub: Any) -> None:
     es = sub.add_parser("estimate", help="model-state memory per rank: four formulas side by side",
                         description="Per-rank device, host and disk bytes of parameters, gradients and optimizer "
                         "state from section 1.1's arithmetic, the ZeRO paper, DeepSpeed's estimator and this "
-                        "engine's layout (docs/bench.md).")  # fmt: skip
-    es.add_argument("--params", type=float, help="number of parameters, e.g. 175e9 (or --model)")
+                        "engine's layout (docs/bench.md).",
+                        formatter_class=_WithDefaults)  # fmt: skip
+    es.add_argument("--params", type=_count, help="number of parameters: 7B, 70e9, 1.5T, 350M (or --model)")
     es.add_argument(
         "--model", help="count parameters of a bundled GPT preset/spec or a Hugging Face config (meta device)"
     )
     es.add_argument("--ranks", type=int, required=True, help="data-parallel ranks (GPUs)")
     es.add_argument("--stage", type=int, required=True, choices=(0, 1, 2, 3), help="ZeRO stage (0: DDP)")
-    es.add_argument("--precision", default="fp16", choices=("fp16", "bf16", "fp32"))
+    es.add_argument("--precision", default="fp32", choices=("fp16", "bf16", "fp32"),
+                    help="training precision (the engine's default: fp32; bf16/fp16: 16-bit parameters, fp32 masters)")  # fmt: skip
     es.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd-momentum, sgd, ... (state bytes/param)")
     es.add_argument("--offload-optimizer", default="none", choices=OFFLOAD_CHOICES)
     es.add_argument("--offload-param", default="none", choices=OFFLOAD_CHOICES)
@@ -129,6 +144,22 @@ def _add_estimate(sub: Any) -> None:
     es.add_argument("--expert-params", type=float, help="MoE: parameters inside the experts (--model counts them)")
 
 
+COUNT_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def _count(text: str) -> float:
+    """A parameter count: ``7e9``, ``7B`` (billions), ``350M``, ``1.5T``."""
+    t = text.strip().replace("_", "")
+    scale = COUNT_SUFFIXES.get(t[-1:].upper(), 1.0) if t[-1:].isalpha() else 1.0
+    try:
+        value = float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--params {text!r}: a number like 7e9, 7B, 350M or 1.5T") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"--params {text!r}: give a positive number of parameters")
+    return value
+
+
 def _ranks(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -139,7 +170,8 @@ def _ranks(text: str) -> tuple[int, ...]:
 def _add_bench(sub: Any) -> None:
     be = sub.add_parser("bench", help="the benchmark table: DDP, ZeRO-1/2/3, offload; Markdown, JSON, plots",
                         description="Train the bundled GPT with every row at every rank count (fresh CPU/gloo "
-                        "ranks), and write bench.md, bench.json and memory/breakdown/losses PNGs (docs/bench.md).")  # fmt: skip
+                        "ranks), and write bench.md, bench.json and memory/breakdown/losses PNGs (docs/bench.md).",
+                        formatter_class=_WithDefaults)  # fmt: skip
     be.add_argument("--model", default="small", help="tiny, small, medium, large, or a spec 'd=256,layers=4,heads=4'")
     be.add_argument("--ranks", type=_ranks, default=(1, 2), help="comma list of rank counts, the plots' x axis")
     be.add_argument("--steps", type=int, default=5, help="measured steps per run")

@@ -2,8 +2,8 @@
 
 Two ways in:
 
-- **No code change**: ``zero-strategy launch --zero-config configs/zero3.yaml train.py`` (or
-  ``ZERO_STRATEGY_CONFIG=configs/zero3.yaml accelerate launch train.py``) runs an unmodified
+- **No code change**: ``zero-strategy launch --zero-config zero3 train.py`` (or
+  ``ZERO_STRATEGY_CONFIG=zero3 accelerate launch train.py``) runs an unmodified
   script's ``accelerator.prepare(model, optimizer, ...)`` on the engine, through a start-up hook
   installed with the package (``accelerate_zero._autostart``).
 - **In code**: ``ZeroPlugin`` is not an Accelerate ``*Plugin`` (``Accelerator(...)`` does not

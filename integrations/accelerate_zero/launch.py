@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from accelerate_zero._autostart import PTH_NAME
 from accelerate_zero.plugin import ZeroPlugin
@@ -24,8 +25,10 @@ LAUNCH_USAGE = (
     "usage: zero-strategy launch --zero-config FILE [--zero-stage N] [accelerate launch options] SCRIPT [SCRIPT ARGS]\n"
     "  Checks FILE, exports ZERO_STRATEGY_CONFIG=FILE (and ZERO_STRATEGY_STAGE=N) and runs `accelerate launch` with\n"
     "  the remaining arguments; the script's accelerator.prepare(model, optimizer, ...) then runs on the ZeRO engine\n"
-    "  (no code change: ZERO_STRATEGY_CONFIG=FILE accelerate launch ... does the same). On CPU, N processes need a config with distributed_type MULTI_GPU (or --multi_gpu)\n"
-    "  and ACCELERATE_USE_CPU=true; `--cpu` starts one process."
+    "  (no code change: ZERO_STRATEGY_CONFIG=FILE accelerate launch ... does the same). FILE: a path or a built-in\n"
+    "  name (zero1, zero2, zero2_offload, zero3, zero3_offload, zero3_offload_nvme). On a machine without GPUs, N\n"
+    "  processes need distributed_type MULTI_GPU in the --config_file (or --multi_gpu); launch then sets\n"
+    "  ACCELERATE_USE_CPU=true. `--cpu` starts one process; without --config_file Accelerate's defaults start one."
 )
 
 
@@ -42,7 +45,9 @@ def _launch_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
             if i + 1 >= len(argv):
                 raise ValueError(f"zero-strategy launch: {flag} needs a value\n{LAUNCH_USAGE}")
             value, i = argv[i + 1], i + 1
-        env[ours[flag]] = os.path.abspath(value) if flag == "--zero-config" else value
+        if flag == "--zero-config" and os.path.isfile(value):  # a file, for the processes; else a preset's name
+            value = os.path.abspath(value)
+        env[ours[flag]] = value
         i += 1
     if "ZERO_STRATEGY_CONFIG" not in env:
         raise ValueError(
@@ -100,8 +105,43 @@ def launch(argv: list[str]) -> None:
             "for N processes on CPU use --multi_gpu (or distributed_type: MULTI_GPU in the config file) and set "
             "ACCELERATE_USE_CPU=true"
         )
+    _check_script(args)
+    env.update(_cpu_processes(args))
     os.environ.update(env)
     launch_command(args)
+
+
+def _check_script(args: Any) -> None:
+    """A missing script fails here in one line, not in every process under torch's traceback."""
+    script = args.training_script
+    if args.module or args.no_python or os.path.isfile(script):
+        return
+    raise FileNotFoundError(f"the training script {script!r} does not exist (relative to {os.getcwd()!r})")
+
+
+def _cpu_processes(args: Any) -> dict[str, str]:
+    """``ACCELERATE_USE_CPU=true`` when the launch asks for several processes (``--multi_gpu``, or
+    ``distributed_type: MULTI_GPU`` in the config file) on a machine without GPUs: without it each
+    process would train alone at world size 1. Empty when it is set already or not needed."""
+    if os.environ.get("ACCELERATE_USE_CPU") is not None:
+        return {}
+    import torch
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+
+    if torch.cuda.is_available():
+        return {}
+    multi, processes = bool(args.multi_gpu), args.num_processes
+    config_file = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    if config_file is not None and not args.cpu:
+        defaults = load_config_from_file(config_file)
+        multi = multi or str(getattr(defaults.distributed_type, "value", defaults.distributed_type)) == "MULTI_GPU"
+        processes = processes if processes is not None else defaults.num_processes
+    if not multi or (processes or 1) < 2:
+        return {}
+    print(
+        f"zero-strategy launch: no GPU here: {processes} CPU processes (gloo), ACCELERATE_USE_CPU=true", file=sys.stderr
+    )
+    return {"ACCELERATE_USE_CPU": "true"}
 
 
 def main(argv: list[str]) -> None:

@@ -104,7 +104,7 @@ class ZeroPlugin:
     @classmethod
     def from_env(cls, *, policy: Any = None, environ: Mapping[str, str] | None = None) -> ZeroPlugin:
         """From the environment, as Accelerate reads its own ``FSDP_*`` variables:
-        ``ZERO_STRATEGY_CONFIG`` names a config file (optional) and ``ZERO_STRATEGY_<FIELD>``
+        ``ZERO_STRATEGY_CONFIG`` names a config file or a built-in preset (``zero3``; optional) and ``ZERO_STRATEGY_<FIELD>``
         sets one ZeroConfig field (``ZERO_STRATEGY_STAGE=3``, ``ZERO_STRATEGY_PRECISION=bf16``,
         ``ZERO_STRATEGY_OVERLAP_COMM=false``). A missing file, an unknown key in it, an unknown
         variable or a bad value raises here, before any training starts."""
@@ -114,11 +114,8 @@ class ZeroPlugin:
             raise ValueError(f"{CONFIG_ENV} is set but empty; give the path of a .yaml/.json config file or unset it")
         try:
             config = zs.ZeroConfig.from_file(path) if path else None
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"{CONFIG_ENV}={path!r}: the file does not exist (relative paths are read from {os.getcwd()!r}); "
-                "give the path of a .yaml/.json config file"
-            ) from None
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{CONFIG_ENV}={path!r}: the file does not exist; {exc}") from None
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"{CONFIG_ENV}={path!r}: {exc}") from None
         overrides = _env_overrides(env)

@@ -48,6 +48,11 @@ def test_from_env_file_and_overrides(tmp_path: Path) -> None:
     assert (cfg.stage, cfg.overlap_comm, cfg.reduce_bucket_size) == (3, False, 1000)
     assert cfg.precision.param_dtype == torch.bfloat16
     assert ZeroPlugin.from_env(environ={}).config == zs.ZeroConfig()
+    assert (
+        ZeroPlugin.from_env(environ={CONFIG_ENV: "zero3_offload"}).config
+        == ZeroPlugin.from_file("zero3_offload").config
+    )  # the built-in presets by name, from any directory
+    assert launch._launch_options(["--zero-config", "zero2", "t.py"])[0][CONFIG_ENV] == "zero2"
 
 
 def test_from_env_missing_file_fails_before_training(tmp_path: Path) -> None:
@@ -178,6 +183,52 @@ def test_cli_launch_names_every_problem_and_conflict_before_launching(
     with pytest.raises(zs.config.ConfigError) as info:  # from_env keeps the list of problems
         ZeroPlugin.from_env(environ={CONFIG_ENV: bad})
     assert len(info.value.problems) == 3 and f"{CONFIG_ENV}='{bad}'" in str(info.value)
+
+
+def test_launch_names_a_missing_script_and_starts_cpu_processes_without_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wrong script name is one line before any process starts; a config asking for 2 processes
+    on a machine without GPUs gets ``ACCELERATE_USE_CPU=true`` (else: 2 separate trainings)."""
+    import accelerate.commands.launch as accelerate_launch
+
+    started: list[str | None] = []
+    monkeypatch.setattr(
+        accelerate_launch, "launch_command", lambda args: started.append(os.environ.get("ACCELERATE_USE_CPU"))
+    )
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["launch", "--zero-config", "zero3", "trian.py"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "script 'trian.py' does not exist" in err, err
+    assert started == []
+    (tmp_path / "train.py").write_text("")
+    cpu = str(Path(__file__).resolve().parents[2] / "configs" / "accelerate_cpu.yaml")
+    launch.launch(["--zero-config", "zero3", "--config_file", cpu, "train.py"])
+    assert started == ["true"] and "2 CPU processes (gloo), ACCELERATE_USE_CPU=true" in capsys.readouterr().err
+    assert os.environ.pop(CONFIG_ENV) == "zero3" and os.environ.pop("ACCELERATE_USE_CPU") == "true"
+    launch.launch(["--zero-config", "zero3", "--cpu", "train.py"])  # one process: nothing to set
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    launch.launch(["--zero-config", "zero3", "--config_file", cpu, "train.py"])  # GPUs: Accelerate's own choice
+    assert started == ["true", None, None]
+    os.environ.pop(CONFIG_ENV)
+
+
+def test_a_lone_process_of_a_multi_process_launch_refuses_to_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several processes that each believe they are rank 0 of world 1 would save into one place."""
+    model, opt = zs.initialize(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), config="zero2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError, match=r"one of WORLD_SIZE=2 processes \(RANK=1\) but has no process group"):
+        zs.save_checkpoint(tmp_path / "ckpt", model, opt)
+    assert not (tmp_path / "ckpt").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    zs.save_checkpoint(tmp_path / "ckpt", model, opt)
+    zs.destroy(model)
 
 
 def test_shared_parameters_and_destroy_after_mixed_precision() -> None:

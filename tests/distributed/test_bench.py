@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from zero_strategy.testing import run_subtests, subtest_grid
 
@@ -147,16 +151,21 @@ def test_tiny_bench_rows_match_formula_and_ddp_and_write_their_files(tmp_path: P
         assert float(img[..., :3].std()) > 0.05, f"{name}.png is (nearly) blank"
 
 
-def test_update_results_replaces_only_the_marked_section(tmp_path: Path) -> None:
-    from zero_strategy.bench import report
-
-    data = {
+def _saved_bench() -> dict[str, Any]:
+    """A bench.json's content: one DDP row (what the table, JSON and plots are made from)."""
+    return {
         "options": {"model": "tiny", "batch": 2, "warmup": 1, "steps": 1, "repeats": 1},
         "n_params": 1000, "wall_s": 1.0, "machine": {"device": "cpu"}, "command": "x",
         "summary": [{"row": "ddp", "label": "DDP", "ranks": 2, "status": "ok", "formula_bytes": 2**20,
                      "model_state_bytes": 2**20, "tiers": {}, "peak_rss_bytes": 2**30, "samples_per_s": 1.0,
                      "exposed_pct": None, "losses": [1.5], "loss_vs_ddp": 0.0}],
     }  # fmt: skip
+
+
+def test_update_results_replaces_only_the_marked_section(tmp_path: Path) -> None:
+    from zero_strategy.bench import report
+
+    data = _saved_bench()
     md = tmp_path / "RESULTS.md"
     md.write_text("# history\n\nhand-written before\n")
     report.update_results(md, data)
@@ -167,6 +176,24 @@ def test_update_results_replaces_only_the_marked_section(tmp_path: Path) -> None
     assert text.count(report.BEGIN) == 1 and text.count(report.END) == 1
     assert text.startswith("# history\n\nhand-written before\n") and text.endswith("hand-written after\n")
     assert "| 2.2500 |" in text and "| 1.5000 |" not in text and "![model states per rank](plots/memory.png)" in text
+
+
+def test_bench_without_matplotlib_prints_the_table_and_writes_the_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What ``bench`` does after its runs, with matplotlib unimportable: the table and JSON
+    first, then one line naming the extra instead of the plots (and no traceback)."""
+    from zero_strategy.bench import command
+
+    data = _saved_bench()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ModuleNotFoundError
+    results = tmp_path / "RESULTS.md"
+    command.publish(data, str(tmp_path / "out"), str(results))
+    out = capsys.readouterr().out
+    assert "| DDP" in out and "| 1.5000 |" in out, out
+    assert "plots skipped: matplotlib is not installed (pip install 'zero-strategy[bench]')" in out, out
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["summary"] == data["summary"]
+    assert not list((tmp_path / "out").glob("*.png")) and "| 1.5000 |" in results.read_text()
 
 
 def test_deepspeed_rows_train_as_ddp_and_count_model_states_not_buffers() -> None:

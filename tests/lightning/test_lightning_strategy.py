@@ -659,6 +659,14 @@ def test_example_runs_with_two_processes(launcher: str) -> None:
     assert "step    4  loss" in out, out[-3000:]
 
 
+def test_example_names_a_missing_strategy_file(tmp_path: Path) -> None:
+    """Not Lightning's "invalid strategy name": a path that is not there is a missing file."""
+    example = str(Path(__file__).parents[2] / "examples" / "train_lightning_gpt.py")
+    done = subprocess.run([sys.executable, example, "--strategy", "configs/zero9.yaml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 2 and "--strategy configs/zero9.yaml: the file does not exist" in done.stderr, done.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_example_on_gpu_with_mixed_precision(precision: str) -> None:

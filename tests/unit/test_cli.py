@@ -157,3 +157,29 @@ def test_lazy_public_names_match_the_type_checking_imports() -> None:
         assert getattr(zero_strategy, name) is getattr(sys.modules[module], name)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         zero_strategy.nope  # noqa: B018
+
+
+def test_single_process_save_load_export_do_not_warn_and_help_has_no_raw_docstrings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One process is a supported case: DCP's "torch.distributed is disabled" warning is not shown
+    by a save, a load or ``export``; ``check``/``export --help`` read as help, not as docstrings."""
+    import warnings
+
+    import torch
+
+    import zero_strategy as zs
+
+    model, opt = zs.initialize(torch.nn.Linear(3, 2), lambda p: torch.optim.SGD(p, lr=0.1), config="zero3")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zs.save_checkpoint(tmp_path / "ckpt", model, opt)
+        zs.load_checkpoint(tmp_path / "ckpt", model, opt)
+        cli.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors")])
+    zs.destroy(model)
+    assert [str(w.message) for w in caught if "torch.distributed is disabled" in str(w.message)] == []
+    for name in ("check", "export"):
+        with pytest.raises(SystemExit):
+            cli.main([name, "--help"])
+        text = capsys.readouterr().out
+        assert "Args:" not in text and "Returns" not in text and "usage: zero-strategy" in text, text

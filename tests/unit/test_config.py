@@ -815,6 +815,26 @@ def test_shipped_configs_load_cleanly_and_train(name):
     assert_state_close(zs.destroy(model).state_dict(), ref.state_dict(), rtol=1e-6, atol=1e-7, what=name)
 
 
+def test_shipped_configs_are_built_in_by_name_from_any_directory(tmp_path, monkeypatch):
+    """``config="zero3"``, ``check zero3``: the presets ship in the package (``configs/`` links
+    to them), so the names work outside the checkout; a missing file names cwd and the presets."""
+    from zero_strategy import cli
+    from zero_strategy.config import preset_names
+
+    monkeypatch.chdir(tmp_path)
+    assert preset_names() == tuple(sorted(Path(n).stem for n in SHIPPED))
+    for name in SHIPPED:
+        assert (CONFIGS / name).resolve().parent.parent.name == "config", "configs/ links to the package's presets"
+        with _no_warnings():
+            assert ZeroConfig.coerce(Path(name).stem) == ZeroConfig.from_file(CONFIGS / name)
+    assert cli.check("zero3")
+    with pytest.raises(FileNotFoundError, match=r"zero9 \(relative paths are read from .*\); .*: zero1, zero2, "):
+        ZeroConfig.from_file("zero9")
+    (tmp_path / "zero3").write_text("zero_optimization: {stage: 1}\n")  # a file wins over a name
+    with pytest.raises(ValueError, match="unsupported config file type"):
+        ZeroConfig.from_file("zero3")
+
+
 def test_shipped_nvme_config_is_the_design_notes_template():
     with _no_warnings():
         assert ZeroConfig.from_file(CONFIGS / "zero3_offload_nvme.yaml") == ZeroConfig.from_dict(

@@ -4,7 +4,7 @@ How a block is checked (the convention is written down in CONTRIBUTING.md, "Code
 the docs"):
 
 - ``python``: executed in a fresh namespace, in a fresh temporary directory that links the
-  repository's ``configs/`` and ``examples/``, with the repository on ``PYTHONPATH``. Blocks that
+  repository's ``examples/`` (not ``configs/``: the docs name the built-in configs), with the repository on ``PYTHONPATH``. Blocks that
   do not import Lightning, Accelerate or transformers share one subprocess (torch is imported
   once), Lightning blocks a second, Accelerate/transformers blocks a third (Accelerate's
   process-wide state is reset between blocks). A marker ``<!-- run with: NAME -->`` right before
@@ -306,7 +306,7 @@ def test_the_extraction_sees_markers_indents_and_unclosed_fences(tmp_path: Path)
     assert (a.lang, a.code, a.marker, a.value) == ("bash", "torchrun x.py\n", "not run", "needs two processes")
     assert (b.marker, b.value, c.marker, c.line) == ("run with", "model", None, 14)
     assert why_not_runnable(a) is not None and why_not_runnable(c) is None
-    assert why_not_runnable(dataclasses.replace(a, code="zero-strategy check configs/zero3.yaml\n")) is None
+    assert why_not_runnable(dataclasses.replace(a, code="zero-strategy check zero3\n")) is None
     assert _commands("a \\\n  b && c  # x\n# d\n") == ["a b", "c"]
 
 
@@ -353,7 +353,7 @@ def _main(spec: str) -> None:
         block = Block(**raw)
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as work:
-            for name in ("configs", "examples"):
+            for name in ("examples",):  # not configs/: the docs name the built-in presets, from any directory
                 os.symlink(ROOT / name, Path(work) / name)
             os.chdir(work)
             try:

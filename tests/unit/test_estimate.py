@@ -5,6 +5,7 @@ engine's ``memory_stats()`` against this engine's formula) is in
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -121,6 +122,23 @@ def test_bench_arguments_reach_the_command(monkeypatch: pytest.MonkeyPatch) -> N
         from zero_strategy.bench.presets import gpt_config
 
         gpt_config("huge")
+
+
+def test_estimate_defaults_to_the_engines_fp32_and_reads_counts_with_suffixes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cli.main(["estimate", "--params", "7B", "--ranks", "8", "--stage", "3"])
+    text = capsys.readouterr().out
+    assert "7e+09 parameters, 8 ranks, stage 3, fp32," in text and _row(text, "this engine")[0] == 16 * 7 / 8
+    assert "GPT-3" not in text and "24 GB per GPU" not in text  # the design notes' case only when asked
+    for given, want in (("70e9", 70e9), ("1.5T", 1.5e12), ("350M", 350e6), ("7b", 7e9)):
+        assert cli._count(given) == want
+    for bad in ("7X", "-1B", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"--params '{bad}'"):
+            cli._count(bad)
+    with pytest.raises(SystemExit):
+        cli.main(["estimate", "--help"])
+    assert re.search(r"masters\) \(default:\s+fp32\)", capsys.readouterr().out)
 
 
 def test_moe_selected_share_applies_to_the_expert_params_a_step_gathers(capsys: pytest.CaptureFixture[str]) -> None:

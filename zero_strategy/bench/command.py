@@ -21,7 +21,7 @@ def estimate(
     params: float | None,
     ranks: int,
     stage: int,
-    precision: str = "fp16",
+    precision: str = "fp32",
     optimizer: str = "adamw",
     offload_optimizer: str = "none",
     offload_param: str = "none",
@@ -159,12 +159,15 @@ def publish(data: dict[str, Any], out: str, update_results: str | None) -> dict[
     paths = report.write_outputs(data, Path(out))
     print(paths["md"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+    if "memory" not in paths:
+        print("plots skipped: matplotlib is not installed (pip install 'zero-strategy[bench]')")
     if update_results:
         target = Path(update_results)
         plots = target.parent / "plots"
         plots.mkdir(parents=True, exist_ok=True)
-        for name in ("memory", "breakdown", "losses"):
-            (plots / f"{name}.png").write_bytes(paths[name].read_bytes())
-        report.update_results(target, data, plot="plots/memory.png")
+        for name in report.PLOTS:
+            if name in paths:
+                (plots / f"{name}.png").write_bytes(paths[name].read_bytes())
+        report.update_results(target, data, plot="plots/memory.png" if "memory" in paths else None)
         print(f"updated {target}'s generated section")
     return data

@@ -56,7 +56,7 @@ class BenchOptions:
     rows: tuple[str, ...] = CORE_ROWS
     timeout: float = 900.0
     fresh: bool = False  # True: each row in its own ranks (clean peak RSS); False: one launch per rank count
-    progress: bool = field(default_factory=lambda: sys.stderr.isatty())
+    progress: bool = field(default_factory=lambda: sys.stderr.isatty() and _has_rich())
     launcher: str = "auto"  # "torchrun" where torch has it, else "own" (zero_strategy.testing.launch)
 
     def __post_init__(self) -> None:
@@ -76,6 +76,13 @@ def peer_status() -> dict[str, str]:
     ds = "ok" if importlib.util.find_spec("deepspeed") is not None else "not installed"
     out.update({row: ds for row in PEER_ROWS if row.startswith("deepspeed")})
     return out
+
+
+def _has_rich() -> bool:
+    """The progress bar's library (the ``bench`` extra); without it the bench runs without a bar."""
+    import importlib.util
+
+    return importlib.util.find_spec("rich") is not None
 
 
 @contextmanager

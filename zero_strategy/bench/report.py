@@ -154,15 +154,29 @@ def write_plots(data: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
+PLOTS = ("memory", "breakdown", "losses")
+
+
 def write_outputs(data: dict[str, Any], out: Path) -> dict[str, Path]:
-    """``bench.json``, ``bench.md`` and the three PNGs under ``out``."""
+    """``bench.json`` and ``bench.md`` under ``out``, then the three PNGs when matplotlib is
+    installed (the ``bench`` extra); without it the result has no plot entries."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(data, indent=1))
     table = f"{header(data)}\n\n{markdown(data)}\n\n{notes(data)}\n"
     (out / "bench.md").write_text(table)
-    memory, breakdown, losses = write_plots(data, out)
-    return {"json": out / "bench.json", "md": out / "bench.md", "memory": memory, "breakdown": breakdown,
-            "losses": losses}  # fmt: skip
+    paths = {"json": out / "bench.json", "md": out / "bench.md"}
+    if not plots_available():
+        return paths
+    return {**paths, **dict(zip(PLOTS, write_plots(data, out)))}
+
+
+def plots_available() -> bool:
+    """Whether matplotlib can be imported (the plots need it; the table and JSON do not)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def update_results(results_md: Path, data: dict[str, Any], plot: str | None = None) -> None:

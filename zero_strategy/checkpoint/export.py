@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from zero_strategy.api import gathered_parameters
-from zero_strategy.checkpoint.files import SafeFileSystemReader
+from zero_strategy.checkpoint.files import SafeFileSystemReader, single_process_quiet
 from zero_strategy.checkpoint.progress import byte_progress
 from zero_strategy.checkpoint.versions import read_meta
 from zero_strategy.runtime.module import get_engine
@@ -96,7 +96,8 @@ def _checkpoint_entries(
         key = f"model.{meta.get('aliases', {}).get(name, name)}"
         md = saved[key]
         t = torch.empty(md.size, dtype=md.properties.dtype)
-        dcp.load({key: t}, storage_reader=SafeFileSystemReader(path), no_dist=True)
+        with single_process_quiet():
+            dcp.load({key: t}, storage_reader=SafeFileSystemReader(path), no_dist=True)
         return t
 
     return entries, read

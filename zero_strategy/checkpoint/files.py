@@ -31,6 +31,7 @@ import pickle
 import socket
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 __all__ = [
+    "single_process_quiet",
     "OWNER",
     "CheckpointFileError",
     "SafeFileSystemReader",
@@ -307,3 +309,13 @@ def read_owner(path: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP's save and load warn "torch.distributed is disabled ..." whenever no process group
+    exists, which is the intended single-process case here (one process, ``export``,
+    ``convert``): silence that one warning around the call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

@@ -49,6 +49,7 @@ from zero_strategy.checkpoint.files import (
     CheckpointFileError,
     SafeFileSystemReader,
     checksumming_writer,
+    single_process_quiet,
     verify_checksums,
     write_atomic,
 )
@@ -392,7 +393,7 @@ def save_checkpoint(
     try:
         _fault("before_write", rank)
         writer, sums, write_errors = checksumming_writer(path)
-        with engine.swapped_state(writable=False) as swapped:
+        with engine.swapped_state(writable=False) as swapped, single_process_quiet():
             dcp.save(
                 _state(engine, optimizers, None, swapped),
                 storage_writer=writer,
@@ -624,7 +625,8 @@ def load_checkpoint(
         sd = _state(engine, optimizers, want, swapped, set(in_file))
         if int(meta.get("format", 1)) < 4:
             del sd["engine.loss_scaler_counters"]  # an older checkpoint: the schedule restarts its window
-        dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))
+        with single_process_quiet():
+            dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))
     engine.load_progress(sd)  # step, loss scale; the parameters follow the loaded masters
     for optimizer, groups in zip(optimizers, _groups_in_given_order(engine, meta, optimizers, resolved) or []):
         _restore_group_settings(optimizer, groups)

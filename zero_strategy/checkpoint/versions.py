@@ -59,10 +59,27 @@ def _pointer_name(engine: ZeroEngine) -> str:
     return f"{LATEST}-{ranks[0]}-{ranks[-1]}-{zlib.crc32(repr(ranks).encode()):08x}"
 
 
+def refuse_lone_processes(root: str) -> None:
+    """Refuse a save from a process its launcher started as one of several (``WORLD_SIZE`` > 1)
+    that has no process group: each such process trains alone as rank 0 of world size 1, and
+    all of them would save into ``root`` (``accelerate launch`` on a CPU machine without
+    ``ACCELERATE_USE_CPU=true`` does this)."""
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if dist.is_initialized() or "RANK" not in os.environ or not launched.isdigit() or int(launched) <= 1:
+        return  # RANK too: a launcher (torchrun, accelerate launch) set both for this process
+    raise RuntimeError(
+        f"saving into {root!r}: this process was started as one of WORLD_SIZE={launched} processes "
+        f"(RANK={os.environ['RANK']}) but has no process group, so each of them trains alone as rank 0 of "
+        "world size 1 and all would write this checkpoint. Initialise torch.distributed before initialize(); under "
+        "`accelerate launch` on a machine without GPUs set ACCELERATE_USE_CPU=true (zero-strategy launch sets it)"
+    )
+
+
 def _create_version_dir(root: str, tag: str, explicit: bool, pointer: str = LATEST) -> str:
     """Rank 0: create ``root/<tag>`` (or ``<tag>.1``, ``.2``, ...) *exclusively*, so two jobs saving
     into one root never share a directory, and mark it with its owner and the pointer that will
     name it (pruning counts a subgroup's saves apart from another's). Returns the name."""
+    refuse_lone_processes(root)
     os.makedirs(root, exist_ok=True)
     for k in range(10_000):
         name = tag if k == 0 else f"{tag}.{k}"

@@ -18,7 +18,7 @@ from zero_strategy.config.blocks import (
 )
 from zero_strategy.config.overrides import not_applied_settings, resolve_overrides
 from zero_strategy.config.values import ConfigError
-from zero_strategy.config.zero_config import ZeroConfig
+from zero_strategy.config.zero_config import ZeroConfig, preset_names
 
 __all__ = [
     "DTYPES",
@@ -31,5 +31,6 @@ __all__ = [
     "ZeroConfig",
     "frontend_precision",
     "not_applied_settings",
+    "preset_names",
     "resolve_overrides",
 ]

@@ -279,7 +279,8 @@ class ZeroConfig:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> ZeroConfig:
-        """Read a ``.yaml``/``.yml`` or ``.json`` file (DeepSpeed-style or flat)."""
+        """Read a ``.yaml``/``.yml`` or ``.json`` file (DeepSpeed-style or flat), or a built-in
+        preset by name (``"zero3"``; :func:`preset_names`)."""
         return cls.from_dict(load_file(path), source=os.fspath(path))
 
     @classmethod
@@ -299,12 +300,36 @@ class ZeroConfig:
         )
 
 
-def load_file(path: str | os.PathLike[str]) -> Mapping[str, Any]:
-    """The mapping in a ``.yaml``/``.yml`` or ``.json`` config file; errors name the file."""
+PRESETS_DIR = Path(__file__).with_name("presets")  # shipped in the package (package data)
+
+
+def preset_names() -> tuple[str, ...]:
+    """The built-in configs' names (``zero1`` ... ``zero3_offload_nvme``), usable wherever a
+    config file is taken: ``initialize(config="zero3")``, ``zero-strategy check zero3``,
+    ``--zero-config zero3``, ``ZERO_STRATEGY_CONFIG=zero3``."""
+    return tuple(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+
+
+def resolve_config_path(path: str | os.PathLike[str]) -> Path:
+    """A config file: ``path`` when it exists, else the built-in preset of that name; a missing
+    one raises ``FileNotFoundError`` naming the working directory and the presets."""
     file = Path(path)
+    if file.is_file():
+        return file
+    preset = PRESETS_DIR / f"{os.fspath(path)}.yaml"
+    if os.sep not in os.fspath(path) and preset.is_file():
+        return preset
+    raise FileNotFoundError(
+        f"zero_strategy config file not found: {os.fspath(path)} (relative paths are read from {os.getcwd()!r}); "
+        f"give the path of a .yaml/.json file or a built-in name: {', '.join(preset_names())}"
+    )
+
+
+def load_file(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """The mapping in a ``.yaml``/``.yml`` or ``.json`` config file, or a built-in preset by
+    name (:func:`preset_names`); errors name the file."""
+    file = resolve_config_path(path)
     source = os.fspath(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"zero_strategy config file not found: {source}")
     suffix = file.suffix.lower()
     text = file.read_text(encoding="utf-8")
     try:
