@@ -24,6 +24,7 @@ from zero_strategy.config.values import ConfigError, collecting
 from zero_strategy.config.zero_config import (
     _DS_TOP_KEYS,
     _FIELD_NAMES,
+    IGNORED_WHY,
     _DeepSpeedReader,
     _read_native,
     load_file,
@@ -119,7 +120,7 @@ def check_file(path: str | os.PathLike[str], *, stage: int | None = None, world_
     report.memory = _memory_lines(cfg.memory)
     report.not_applied = not_applied_settings(cfg)
     report.auto = reader.auto
-    report.ignored = [(key, "not implemented by zero_strategy") for key in reader.ignored]
+    report.ignored = [(key, IGNORED_WHY.get(key, "not implemented by zero_strategy")) for key in reader.ignored]
     report.ignored += [(key, "the training loop / front-end owns it") for key in reader.frontend]
     return report
 
