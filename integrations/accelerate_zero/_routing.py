@@ -100,23 +100,39 @@ def _plugin(accelerator: Any) -> ZeroPlugin:
     return plugin
 
 
-def _refuse_late_optimizer(accelerator: Any, objects: tuple[Any, ...]) -> None:
-    """An optimizer whose model was prepared earlier, without it, by the engine."""
+def _attach_late_optimizers(accelerator: Any, objects: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Optimizers whose model the engine took earlier without one (``prepare(model)``, then
+    ``prepare(optimizer)``: legal in Accelerate) are bound to that model's engine; ``objects``
+    with them replaced by their wrappers. An optimizer over a model that has its optimizers is
+    refused (the engine would step the parameters twice)."""
     binding = getattr(accelerator, "_zero_binding", None)
     if binding is None:
-        return
+        return objects
+    late: dict[int, tuple[nn.Module, list[torch.optim.Optimizer]]] = {}
     for opt in objects:
         if not isinstance(opt, torch.optim.Optimizer) or getattr(opt, "_is_accelerate_prepared", False):
             continue
         ids = {id(p) for g in opt.param_groups for p in g["params"]}
         for model, own in binding.entries:
-            if not own and any(id(p) in ids for p in model.parameters()):
+            if not any(id(p) in ids for p in model.parameters()):
+                continue
+            if own:
                 raise ValueError(
                     f"accelerator.prepare(optimizer): {type(model).__name__} was prepared by the ZeRO engine "
-                    f"({REQUEST_ENV} is set) in an earlier call without this optimizer; the engine shards the "
-                    "optimizer as it takes the model, so prepare both in one call: "
-                    "accelerator.prepare(model, optimizer, ...)"
+                    f"({REQUEST_ENV} is set) with its optimizer(s) already; this optimizer would step its parameters "
+                    "a second time. Prepare one optimizer per set of parameters"
                 )
+            late.setdefault(id(model), (model, []))[1].append(opt)
+    if not late:
+        return objects
+    from accelerate_zero.binding import attach_optimizers
+
+    swapped: dict[int, Any] = {}
+    for model, opts in late.values():
+        for opt, wrapped in zip(opts, attach_optimizers(accelerator, model, opts)):
+            swapped[id(opt)] = wrapped
+            _WITHOUT_OPTIMIZER.discard(model)
+    return tuple(swapped.get(id(o), o) for o in objects)
 
 
 def _take_back_evaluation_only(objects: tuple[Any, ...]) -> None:
@@ -150,7 +166,7 @@ def prepare_routed(
     _take_back_evaluation_only(objects)
     fresh = [o for o in objects if isinstance(o, nn.Module) and not getattr(o, "_is_accelerate_prepared", False)]
     if not fresh:
-        _refuse_late_optimizer(accelerator, objects)
+        objects = _attach_late_optimizers(accelerator, objects)
         return original(accelerator, *objects, device_placement=device_placement)
     for model in fresh:
         if _ddp_inside(model) is not None:

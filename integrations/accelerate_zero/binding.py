@@ -26,7 +26,8 @@ everything else to the Accelerator's own methods:
 - ``trigger_sync_in_backward(model)``: the next backward reduces although its forward ran in
   ``no_sync`` (Accelerate skips models that are not DDP; the engine decides at forward, as DDP).
 - ``get_state_dict``: the full weights gathered to rank 0 (other ranks get ``{}``), for
-  ``save_pretrained``.
+  ``save_pretrained``; at ZeRO-3 a call under ``if accelerator.is_main_process:`` is refused at
+  once with the fix (``_main_only.py``), instead of waiting for the other processes.
 - ``save_state``/``load_state``: save and load pre-hooks write each model's (and optimizer's)
   shards (every optimizer's) through ``zero_strategy.save_checkpoint`` (subdirectories ``zero_strategy_model``,
   ``zero_strategy_model_1``, ...), which load at any number of processes; Accelerate itself
@@ -51,14 +52,22 @@ from typing import Any, Protocol, cast
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType, convert_outputs_to_fp32
+from accelerate.utils import DistributedType, DynamoBackend, convert_outputs_to_fp32, is_compiled_module
 from torch import nn
 
 import zero_strategy as zs
+from accelerate_zero._main_only import main_process_only_test
 from zero_strategy.frontend import accumulation_to_adopt, frontend_engine_config, optimizer_parameters
 from zero_strategy.runtime.module import get_engine
 
-__all__ = ["CHECKPOINT_DIR", "OPTIMIZER_MARKER", "ZeroAcceleratedOptimizer", "check_accelerator", "prepare_with_zero"]
+__all__ = [
+    "CHECKPOINT_DIR",
+    "OPTIMIZER_MARKER",
+    "ZeroAcceleratedOptimizer",
+    "attach_optimizers",
+    "check_accelerator",
+    "prepare_with_zero",
+]
 
 CHECKPOINT_DIR = "zero_strategy_model"
 OPTIMIZER_MARKER = "zero_strategy_sharded_optimizer"
@@ -135,7 +144,8 @@ class _Binding:
         self.entries.append((model, optimizers))
 
     def entry_of(self, model: Any) -> Entry | None:
-        unwrapped = self.accelerator.unwrap_model(model) if model is not None else None
+        # the module itself also under torch.compile's wrapper (dynamo_backend)
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False) if model is not None else None
         for k, (m, opt) in enumerate(self.entries):
             if model is m or unwrapped is m:
                 return k, m, opt
@@ -212,6 +222,15 @@ class _Binding:
             return self.original["get_state_dict"](model, unwrap=unwrap)
         if self.saving:
             return self.marker  # save_state: the shards are written by the pre-hook instead
+        engine = get_engine(found[1])
+        test = main_process_only_test() if engine.config.stage == 3 and engine.ctx.world_size > 1 else None
+        if test is not None:  # the other processes never join the gathers: refused before the first
+            raise RuntimeError(
+                f"accelerator.get_state_dict(model) under `if {test}:` with a ZeRO-3 model: it gathers the sharded "
+                "parameters from every process, so the main process alone would wait until the comm_timeout. Call "
+                "it on every process, before the `if`: `state_dict = accelerator.get_state_dict(model)`, then use "
+                "it under the `if` (the main process gets the full weights, the others {})"
+            )
         return zs.full_state_dict(found[1])  # collective; rank 0 gets the weights, others {}
 
     @contextlib.contextmanager
@@ -361,6 +380,7 @@ def prepare_with_zero(
     """The body of ``ZeroPlugin.prepare(accelerator, *objects)``: ``pairs`` are the models among
     ``objects`` with their optimizers (``pair_models_and_optimizers``), ``config`` is
     ``ZeroPlugin.resolved_config(accelerator)`` and ``policy`` the plugin's ZeRO-3 units."""
+    _refuse_regional_compilation(accelerator)
     steps = accumulation_to_adopt(config, accelerator.gradient_accumulation_steps)
     if steps is not None:
         accelerator.gradient_accumulation_steps = steps  # the file's setting, which accumulate() runs
@@ -388,4 +408,53 @@ def prepare_with_zero(
             swapped[id(optimizer)] = wrapped
         binding.add(model, opts)
     accelerator.scaler = None  # the engine's loss scaler replaces Accelerate's GradScaler
-    return accelerator.prepare(*(swapped.get(id(o), o) for o in objects))
+    prepared = accelerator.prepare(*(swapped.get(id(o), o) for o in objects))
+    return _compiled(accelerator, prepared, [m for m, _ in pairs])
+
+
+def attach_optimizers(accelerator: Accelerator, model: nn.Module, opts: list[torch.optim.Optimizer]) -> list[Any]:
+    """Optimizers prepared in a later ``accelerator.prepare`` call than their model, which the
+    engine took without one (Accelerate allows it): bound to the model's engine
+    (``zs.replace_optimizer``), wrapped as in :func:`prepare_with_zero`; the wrappers, in order."""
+    binding = _binding_of(accelerator)
+    found = binding.entry_of(model)
+    if found is None or found[2]:
+        raise ValueError(f"attach_optimizers: {type(model).__name__} is not a ZeroPlugin model without an optimizer")
+    zs.replace_optimizer(model, _core_arg(opts))  # the same objects, bound
+    wrapped = []
+    for optimizer in opts:
+        w = ZeroAcceleratedOptimizer(optimizer, model)
+        w._is_accelerate_prepared = True
+        wrapped.append(w)
+    binding.entries[found[0]] = (model, list(opts))
+    return wrapped
+
+
+def _compiled(accelerator: Accelerator, prepared: Any, models: list[nn.Module]) -> Any:
+    """``Accelerator(dynamo_backend=...)`` (or ``ACCELERATE_DYNAMO_BACKEND``): the prepared models
+    compiled as Accelerate's own ``prepare_model`` compiles them, last, with ``torch.compile`` and
+    the plugin's arguments (the engine's hooks run eagerly at module boundaries, the module bodies
+    are compiled: docs/advanced.md). Regional compilation is refused before (``_refuse_regional_compilation``)."""
+    plugin = accelerator.state.dynamo_plugin
+    if plugin.backend == DynamoBackend.NO or not models:
+        return prepared
+    ours = {id(m) for m in models}
+    items = list(prepared) if isinstance(prepared, tuple) else [prepared]
+    for k, obj in enumerate(items):
+        if id(obj) in ours and not is_compiled_module(obj):
+            compiled = torch.compile(obj, **plugin.to_kwargs())
+            compiled._is_accelerate_prepared = True  # type: ignore[attr-defined]  # torch.compile returns an OptimizedModule
+            items[k] = compiled
+    return tuple(items) if isinstance(prepared, tuple) else items[0]
+
+
+def _refuse_regional_compilation(accelerator: Accelerator) -> None:
+    """Before the engine takes any model: regional compilation would compile its units, hooks included."""
+    plugin = accelerator.state.dynamo_plugin
+    if plugin.backend != DynamoBackend.NO and plugin.use_regional_compilation:
+        raise ValueError(
+            f"Accelerator(dynamo_backend={str(plugin.backend.value).lower()!r}) with use_regional_compilation: "
+            "ZeroPlugin compiles the whole model (its hooks run eagerly around the compiled module bodies); regional "
+            "compilation would compile the engine's units with their hooks. Set use_regional_compilation=False "
+            "(ACCELERATE_USE_REGIONAL_COMPILATION=false)"
+        )

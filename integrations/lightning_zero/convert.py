@@ -9,7 +9,12 @@ callbacks) beside them, without optimizer state, the counterpart of Lightning's
 - ``LightningModule.load_from_checkpoint(checkpoint_dir)`` reads the directory itself once
   ``lightning_zero`` is imported: Lightning's checkpoint reader (``core.saving.pl_load``) is
   wrapped so that a ``zero_strategy`` checkpoint directory is read through ``load_zero_checkpoint``;
-  everything else goes to Lightning's own reader unchanged.
+  everything else goes to Lightning's own reader unchanged. Fabric's ``TorchCheckpointIO`` (the
+  reader of ``Trainer(...).fit/test(ckpt_path=...)`` under any other strategy) raises
+  ``ShardedCheckpointError`` for such a directory, naming ``ZeroStrategy`` and ``zero-strategy
+  convert``, instead of the bare ``IsADirectoryError`` of opening a directory as a file. A process
+  that never imports ``lightning_zero`` still gets Lightning's bare error (nothing of ours runs
+  there): import it, or convert.
 
 The conversion runs offline in one process (no ranks, no process group), one tensor at a time
 from the shards, whatever the number of ranks and the stage that wrote them. Only the full
@@ -28,10 +33,26 @@ import torch
 import zero_strategy as zs
 from lightning_zero._trainer import LIGHTNING_OBJECT
 
-__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "install_checkpoint_reader", "is_zero_checkpoint",
-           "load_zero_checkpoint", "main"]  # fmt: skip
+__all__ = ["ShardedCheckpointError", "convert_zero_checkpoint_to_fp32_state_dict", "install_checkpoint_reader",
+           "is_zero_checkpoint", "load_zero_checkpoint", "main"]  # fmt: skip
 
 _META = "zero_meta.json"  # what marks a zero_strategy checkpoint directory
+
+
+class ShardedCheckpointError(IsADirectoryError):
+    """A reader that takes one checkpoint file was given a sharded ZeroStrategy directory (an
+    ``IsADirectoryError``, as before, with the fix in its message)."""
+
+
+def _sharded_error(path: Any, call: str) -> ShardedCheckpointError:
+    p = os.fspath(path)
+    return ShardedCheckpointError(
+        f"{call}: {p!r} is a sharded zero_strategy checkpoint directory (ZeroStrategy's), not one checkpoint file. "
+        "Resume it with strategy=lightning_zero.ZeroStrategy(...) (any number of devices, any stage), or write one "
+        f"fp32 .ckpt (weights and the Trainer's state, no optimizer state): `zero-strategy convert {p} out.ckpt`, "
+        "then ckpt_path='out.ckpt' or Model.load_from_checkpoint('out.ckpt'), which also reads the directory itself "
+        "once lightning_zero is imported"
+    )
 
 
 def is_zero_checkpoint(path: Any) -> bool:
@@ -98,20 +119,33 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
 def install_checkpoint_reader(ns: str) -> None:
     """Let ``load_from_checkpoint`` of namespace ``ns`` (``lightning.pytorch`` or
-    ``pytorch_lightning``) read a zero_strategy checkpoint directory (idempotent)."""
-    saving = importlib.import_module(f"{ns}.core.saving")
-    original = saving.pl_load
+    ``pytorch_lightning``) read a zero_strategy checkpoint directory, and its fabric's
+    ``TorchCheckpointIO`` name the fix for one (idempotent)."""
+    fabric = "lightning.fabric" if ns == "lightning.pytorch" else "lightning_fabric"
+    _wrap_reader(f"{ns}.core.saving", load_zero_checkpoint)
+
+    def refuse(path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        raise _sharded_error(path, "TorchCheckpointIO.load_checkpoint (Trainer ckpt_path=...)")
+
+    _wrap_reader(f"{fabric}.plugins.io.torch_io", refuse)
+
+
+def _wrap_reader(module_name: str, on_directory: Any) -> None:
+    """The module's ``pl_load`` (Lightning's reader, read as the module global at each call)
+    hands a zero_strategy checkpoint directory to ``on_directory``; once."""
+    module = importlib.import_module(module_name)
+    original = module.pl_load
     if getattr(original, "_zero_strategy_reader", False):
         return
 
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         if is_zero_checkpoint(path_or_url):
-            return load_zero_checkpoint(path_or_url, map_location=map_location, weights_only=weights_only)
+            return on_directory(path_or_url, map_location=map_location, weights_only=weights_only)
         return original(path_or_url, map_location=map_location, weights_only=weights_only)
 
     pl_load._zero_strategy_reader = True  # type: ignore[attr-defined]  # marks the wrapper: installed once
     pl_load.__wrapped__ = original  # type: ignore[attr-defined]  # Lightning's own reader
-    setattr(saving, "pl_load", pl_load)  # noqa: B010  # Lightning reads the module global at each call
+    setattr(module, "pl_load", pl_load)  # noqa: B010  # Lightning reads the module global at each call
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,7 +10,11 @@ under ``accelerate launch`` with ``ZERO_STRATEGY_CONFIG`` set, and compares.
 
 Output: ``$ACCEL_JOB_OUT/rank<r>.json`` (losses, norms, evaluation loss, which engine each rank's
 model ran on) and, from rank 0, ``$ACCEL_JOB_OUT/weights.pt``. ``UNMOD_PREPARE_MODEL=1`` prepares
-the model with ``accelerator.prepare_model`` instead (a script that ends in DDP).
+the model with ``accelerator.prepare_model`` instead (a script that ends in DDP);
+``UNMOD_LATE_OPTIMIZER=1`` prepares the model alone, then the optimizer and the rest in a second
+call; ``UNMOD_MAIN_ONLY_STATE=1`` first calls ``get_state_dict`` under ``if
+accelerator.is_main_process:`` (its error, if any, is recorded). ``accelerate launch
+--dynamo_backend B`` compiles the model, as ``Accelerator(dynamo_backend=B)``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import is_compiled_module, set_seed
 from torch import nn
 
 VOCAB, SEQ, WIDTH, BATCH = 64, 8, 32, 4  # BATCH per process
@@ -77,9 +81,13 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     if os.environ.get("UNMOD_PREPARE_MODEL"):
         model = accelerator.prepare_model(model)
-    model, optimizer, loader, scheduler, evaluation = accelerator.prepare(
-        model, optimizer, loader, scheduler, evaluation
-    )
+    if os.environ.get("UNMOD_LATE_OPTIMIZER"):  # the model first, the rest in a later call (legal in Accelerate)
+        model = accelerator.prepare(model)
+        optimizer, loader, scheduler, evaluation = accelerator.prepare(optimizer, loader, scheduler, evaluation)
+    else:
+        model, optimizer, loader, scheduler, evaluation = accelerator.prepare(
+            model, optimizer, loader, scheduler, evaluation
+        )
 
     losses, norms = [], []
     model.train()
@@ -104,13 +112,21 @@ def main() -> None:
             per = accelerator.gather_for_metrics(per.reshape(batch.shape[0], -1).mean(1))
             total, count = total + float(per.sum()), count + per.numel()
 
+    main_only = None
+    if os.environ.get("UNMOD_MAIN_ONLY_STATE"):  # a common mistake: the collective on the main process only
+        if accelerator.is_main_process:
+            try:
+                accelerator.get_state_dict(model)
+            except RuntimeError as exc:
+                main_only = str(exc)
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         torch.save({k: v.detach().cpu() for k, v in state.items()}, os.path.join(out, "weights.pt"))
     # the test's instrument, not the script's business: which engine holds the model
     engine = type(getattr(accelerator.unwrap_model(model), "_zero_engine", None)).__name__
     record = {"losses": losses, "norms": norms, "eval": total / count, "engine": engine,
-              "ddp": isinstance(model, nn.parallel.DistributedDataParallel)}  # fmt: skip
+              "ddp": isinstance(model, nn.parallel.DistributedDataParallel), "main_only": main_only,
+              "compiled": is_compiled_module(model)}  # fmt: skip
     with open(os.path.join(out, f"rank{accelerator.process_index}.json"), "w") as f:
         json.dump(record, f)
     accelerator.wait_for_everyone()

@@ -68,6 +68,38 @@ def test_an_unmodified_accelerate_script_trains_on_the_engine_as_under_ddp(ddp: 
         assert_close(got[name], want, rtol=1e-5, atol=1e-6, what=f"{how}: {name}")
 
 
+def test_what_accelerate_allows_at_zero3_model_then_optimizer_dynamo_and_a_main_only_state_dict(
+    ddp: dict[str, Any],
+) -> None:
+    """The same unmodified script at ZeRO-3 (units really freed), with three things Accelerate
+    users write: ``prepare(model)`` then ``prepare(optimizer, ...)`` in a later call (refused
+    before), ``accelerate launch --dynamo_backend eager`` (silently not compiled before;
+    aot_eager, as docs/advanced.md tests), and ``get_state_dict`` under ``if
+    accelerator.is_main_process:`` first (waited until the timeout before; refused at once now,
+    then called on every process as the error says). The numbers are DDP's."""
+    config = ddp["tmp"] / "zero3_freed_short_timeout.yaml"
+    config.write_text(ZERO3_FREED + "zero_strategy: {comm_timeout: 60}\n")  # the old wait, cut short
+    env = {"ZERO_STRATEGY_CONFIG": str(config), "UNMOD_LATE_OPTIMIZER": "1", "UNMOD_MAIN_ONLY_STATE": "1"}
+    ranks = run_launch(ddp["tmp"], "zero3-allowed", 2, script=SCRIPT, env=env, extra=["--dynamo_backend", "eager"])
+    ref = ddp["ranks"][0]
+    for rank, r in enumerate(ranks):
+        assert r["engine"] == "ZeroEngine" and not r["ddp"] and r["compiled"], r
+        assert len(r["losses"]) == len(ref["losses"]) == 12 and len(r["norms"]) == 6
+        assert rel_diff(r["losses"], ref["losses"]) < REL and rel_diff(r["norms"], ref["norms"]) < REL
+        assert rel_diff([r["eval"]], [ref["eval"]]) < REL
+        if rank == 0:
+            assert r["main_only"] is not None and r["main_only"].startswith(
+                "accelerator.get_state_dict(model) under `if accelerator.is_main_process:` with a ZeRO-3 model"
+            ), r["main_only"]
+            assert "Call it on every process" in r["main_only"], r["main_only"]
+        else:
+            assert r["main_only"] is None, r
+    got = torch.load(ddp["tmp"] / "out-zero3-allowed-2" / "weights.pt")
+    assert sorted(got) == sorted(ddp["weights"])
+    for name, want in ddp["weights"].items():
+        assert_close(got[name], want, rtol=1e-5, atol=1e-6, what=f"model, then optimizer: {name}")
+
+
 def test_a_script_that_would_end_in_ddp_raises(ddp: dict[str, Any]) -> None:
     """``accelerator.prepare_model(model)`` bypasses the hook's routing: with ZeRO asked for,
     the DDP it returns is refused, naming the call, instead of training DDP silently."""
@@ -154,12 +186,42 @@ def expect(kind, words, fn):
     else:
         raise AssertionError(f"{words}: did not raise")
 
-acc = Accelerator()
-model = acc.prepare(nn.Linear(4, 4))  # the engine takes it without an optimizer
+from accelerate.utils import is_compiled_module
+from accelerate_zero import ZeroPlugin
+acc = Accelerator(dynamo_backend="eager")
+torch.manual_seed(0)
+ref = nn.Linear(4, 4)
+model = acc.prepare(nn.Linear(4, 4))  # the engine takes it without an optimizer; compiled last, as Accelerate does
+assert is_compiled_module(model)
+import zero_strategy as zs
+zs.load_full_state_dict(acc.unwrap_model(model, keep_torch_compile=False), ref.state_dict())  # both start from the same weights
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model(torch.ones(2, 4)).sum().backward()
 expect(RuntimeError, "gave to the ZeRO engine without an optimizer", opt.step)
-expect(ValueError, "in an earlier call without this optimizer", lambda: acc.prepare(opt))
+opt.zero_grad()
+opt = acc.prepare(opt)  # the optimizer in a later call, as Accelerate allows: bound to the model's engine
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+for net, o in ((model, opt), (ref, ref_opt)):
+    net(torch.ones(2, 4)).square().sum().backward()
+    o.step()
+    o.zero_grad()
+got = acc.get_state_dict(model)
+assert all(torch.allclose(got[k], v, atol=1e-7) for k, v in ref.state_dict().items()), (got, ref.state_dict())
+print("LATE OPTIMIZER TRAINS")
+# ZeRO-1/2: the model is compiled the way Accelerate compiles it (torch.compile with the plugin's kwargs)
+net2 = nn.Linear(4, 4)
+compiled, opt2 = ZeroPlugin(stage=2).prepare(acc, net2, torch.optim.SGD(net2.parameters(), lr=0.1))
+assert is_compiled_module(compiled) and acc.unwrap_model(compiled, keep_torch_compile=False) is net2
+compiled(torch.ones(2, 4)).sum().backward()
+opt2.step()
+assert sorted(acc.get_state_dict(compiled)) == ["bias", "weight"]  # the engine's model under the wrapper
+print("COMPILED AT ZERO-2")
+acc.state.dynamo_plugin.use_regional_compilation = True  # it would compile the engine's units, hooks included
+net3 = nn.Linear(4, 4)
+expect(ValueError, "Set use_regional_compilation=False",
+       lambda: ZeroPlugin(stage=2).prepare(acc, net3, torch.optim.SGD(net3.parameters(), lr=0.1)))
+assert not hasattr(net3, "_zero_engine")  # refused before the engine took it
+acc.state.dynamo_plugin.use_regional_compilation = False
 other = nn.Linear(4, 4)
 torch.optim.SGD(other.parameters(), lr=0.1).step()  # an optimizer of another model steps as usual
 ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
@@ -171,12 +233,18 @@ dist.destroy_process_group()
 
 
 def test_what_would_not_train_sharded_is_refused_in_one_process(tmp_path: Path) -> None:
-    """A model the hook gave to the engine alone, then stepped by an optimizer of its own or
-    prepared with it in a later call; a model the user wrapped in DDP; a DDP under ``torch.compile`` (each trained silently unsharded,
-    or not at all at ZeRO-3, before)."""
+    """A model the hook gave to the engine alone, then stepped by an optimizer of its own; a
+    model the user wrapped in DDP; a DDP under ``torch.compile`` (each trained silently
+    unsharded, or not at all at ZeRO-3, before). And what Accelerate allows: the optimizer
+    prepared in a later call than its model (bound to the model's engine, trains as plain SGD;
+    refused before), ``dynamo_backend`` (compiled at ZeRO-3 and ZeRO-2; silently not compiled
+    before), regional compilation refused before the engine takes the model. Two ranks: the
+    test of ``zero3-allowed`` above."""
     script = tmp_path / "refusals.py"
     script.write_text(REFUSALS)
     env = {**os.environ, "ZERO_STRATEGY_CONFIG": str(CONFIGS / "zero3.yaml"), "PORT": str(_free_port()),
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0 and "REFUSED 4" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert proc.returncode == 0 and "REFUSED 4" in out, out[-2000:] + proc.stderr[-4000:]
+    assert "LATE OPTIMIZER TRAINS" in out and "COMPILED AT ZERO-2" in out, out[-2000:]

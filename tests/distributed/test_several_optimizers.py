@@ -192,12 +192,22 @@ def case_gan(
     joint: bool = False,
     torch_clip: bool = False,
 ) -> None:
-    """Two optimizers, manual-optimization order, equal to DDP (losses, clipped norms, weights)."""
+    """Two optimizers, manual-optimization order, equal to DDP (losses, clipped norms, weights);
+    at ZeRO-1/2 the steps of one iteration all-gather the model's parameters once between them."""
+    import zero_strategy as zs
+
     ref, _, ref_values = _ddp_reference(rank, 4, toggle=toggle, clip=clip, joint=joint)
     model, (opt_g, opt_d) = _zero_model(stage, **overrides)
+    zs.reset_comm_stats()
     values = _run(model, model, opt_g, opt_d, range(4), rank, toggle=toggle, clip=clip, ddp=False, joint=joint,
                   torch_clip=torch_clip)  # fmt: skip
     what = f"stage {stage} toggle={toggle} clip={clip} joint={joint} torch_clip={torch_clip} {overrides}"
+    if stage < 3:  # each step gathers its own optimizer's parameters: the whole model once per iteration
+        gathered = sum(v["bytes"] for k, v in zs.comm_stats().items() if "gather" in k)
+        params = model.zero_engine.params
+        once = sum(world * g.layout.shard_numel * g.params[0].element_size() for g in params.groups)
+        assert gathered == 4 * once, f"{what}: {gathered} bytes gathered in 4 iterations, expected 4 x {once}"
+    assert model.zero_engine.step_count == 4, f"{what}: {model.zero_engine.step_count} model steps counted, not 4"
     assert_close(values, ref_values, rtol=1e-9, atol=1e-12, what=f"{what} losses")
     got = _state(model, True)
     for k, v in _state(ref, False).items():

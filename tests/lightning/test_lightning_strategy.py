@@ -676,3 +676,29 @@ def test_example_on_gpu_with_mixed_precision(precision: str) -> None:
                        "--steps", "20", "--d-model", "64", "--layers", "2"], timeout=300)  # fmt: skip
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step") and " loss " in line]
     assert len(losses) >= 2 and losses[-1] < losses[0], out[-3000:]
+
+
+def test_a_sharded_directory_given_to_a_one_file_reader_names_the_fix(tmp_path) -> None:
+    """``Trainer(ckpt_path=<ZeroStrategy's directory>)`` under another strategy reads it with
+    Fabric's ``TorchCheckpointIO``, which opened it as a file (a bare ``IsADirectoryError``
+    before): the error now names ZeroStrategy and ``zero-strategy convert`` (and stays an
+    ``IsADirectoryError``); ``load_from_checkpoint`` reads the directory (the 2-rank test above)."""
+    import torch
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO as StandaloneIO
+
+    import lightning_zero  # noqa: F401  # installs the readers
+
+    root = tmp_path / "ep1.ckpt"
+    (root / "step-1").mkdir(parents=True)
+    (root / "step-1" / "zero_meta.json").write_text("{}")  # what marks a zero_strategy checkpoint
+    (root / "latest").write_text("step-1")
+    for io in (TorchCheckpointIO(), StandaloneIO()):
+        with pytest.raises(IsADirectoryError) as caught:
+            io.load_checkpoint(root)
+        message = str(caught.value)
+        assert type(caught.value).__name__ == "ShardedCheckpointError", message
+        assert f"`zero-strategy convert {root} out.ckpt`" in message and "ZeroStrategy" in message, message
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"x": 1}, plain)
+    assert TorchCheckpointIO().load_checkpoint(plain) == {"x": 1}  # a file: Fabric's reader, unchanged

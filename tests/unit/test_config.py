@@ -434,6 +434,44 @@ def test_warns_once_for_ignored_deepspeed_keys():
     assert cfg.stage == 2 and cfg.precision.param_dtype == torch.bfloat16 and not cfg.offload_optimizer.enabled
 
 
+# DeepSpeed 0.19's newer keys (runtime/config.py, zero/config.py, zero/offload_config.py), each
+# recognised and reported as not implemented instead of an unknown key
+RECENT_DEEPSPEED = {
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "super_offload": True, "cpuadam_cores_perc": 0.8},
+        "zenflow": {"topk_ratio": 0.1},
+        "leaf_module": {"classes": ["MixtralSparseMoeBlock"]},
+    },
+    "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
+    "compile": {"deepcompile": True},
+    "tensor_parallel": {"autotp_size": 2},
+    "expert_parallel": {"enabled": True},
+}
+RECENT_KEYS = (
+    "zero_optimization.offload_optimizer.super_offload", "zero_optimization.offload_optimizer.cpuadam_cores_perc",
+    "zero_optimization.zenflow", "zero_optimization.leaf_module", "torch_autocast", "compile", "tensor_parallel",
+    "expert_parallel",
+)  # fmt: skip
+
+
+def test_recent_deepspeed_keys_are_recognised_and_reported_as_not_implemented(tmp_path):
+    from zero_strategy.config.report import check_file
+
+    with pytest.warns(UserWarning) as record:
+        cfg = ZeroConfig.from_dict(RECENT_DEEPSPEED, source="ds.json")
+    message = next(str(w.message) for w in record if "does not implement" in str(w.message))
+    assert all(key in message for key in RECENT_KEYS), message
+    assert cfg.stage == 3 and cfg.offload_optimizer.device == "cpu"  # the rest of the block is read
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(RECENT_DEEPSPEED))
+    report = check_file(str(path))
+    assert not report.problems, report.problems
+    why = dict(report.ignored)
+    assert all("not implemented" in why[key] for key in RECENT_KEYS), why
+    assert "MoE" in why["zero_optimization.leaf_module"] and "moe.md" in why["zero_optimization.leaf_module"]
+
+
 def test_legacy_cpu_offload_means_optimizer_offload():
     cfg = ZeroConfig.from_dict(
         {"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}}

@@ -259,6 +259,7 @@ def test_config_reference_names_every_key() -> None:
     keys = {key for table in zc._DS_KEYS.values() for key in table}
     keys |= {*zc._ZERO_BLOCK_LEGACY, *zc._ZERO_BLOCK_IGNORED, *zc._BF16_IGNORED, *zc._FP16_IGNORED}
     keys |= {*zc._FP16_KEYS, *zc._FRONTEND_KEYS, *(key for _, key in zc._REDUCE_DTYPE_KEYS)}
+    keys |= {*zc._TOP_IGNORED, *zc._OFFLOAD_OPTIMIZER_IGNORED}
     for cls in (blocks.OffloadConfig, blocks.PrecisionConfig, blocks.LossScaleConfig, comm.CompressionConfig,
                 comm.LoadBalanceConfig):  # fmt: skip
         keys |= set(settings_of(cls))

@@ -77,6 +77,8 @@ def test_check_prints_the_bytes_per_tier(tmp_path: Path) -> None:
     text = check_file(path).format()
     assert "memory budget (bytes per tier):" in text, text
     assert "budget: 2.00 GiB (2147483648 B)" in text and "cache: 1.00 GiB (1073741824 B)" in text, text
+    # the cache holds only units that are not persistent: check says so, and how to measure the cache
+    assert "the cache holds only units that are not persistent" in text and "persistent: 0" in text, text
     path.write_text("zero_optimization: {stage: 3}\nzero_strategy:\n  memory: 0.9\n")
     assert "budget: 0.9 of the device's memory" in check_file(path).format()
 

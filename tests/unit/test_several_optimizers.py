@@ -68,6 +68,22 @@ def test_each_optimizer_zero_grads_steps_and_clips_its_own(stage: int) -> None:
         opt_g.zero_grad()
 
 
+def test_the_model_counts_one_step_per_round_of_its_optimizers() -> None:
+    """``step_count`` (the checkpoint's default tag, the step in messages) counts steps of the
+    model: every optimizer stepping once is one step; an optimizer that steps again begins the
+    next (a discriminator stepped twice per generator step: two)."""
+    model = _gan()
+    model, (opt_g, opt_d) = zs.initialize(model, _two(model), stage=2)
+    counts = []
+    for which in ("g", "d", "d", "g", "d"):
+        model["d"](model["g"](torch.randn(3, 4, dtype=torch.float64))).square().sum().backward()
+        (opt_g if which == "g" else opt_d).step()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        counts.append(model.zero_engine.step_count)
+    assert counts == [1, 1, 2, 2, 3], counts
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_checkpoints_take_every_optimizer_and_match_them_by_their_parameters(tmp_path, stage: int) -> None:
     """A save or load with a subset of the optimizers is refused (the others' state would be

@@ -24,6 +24,7 @@ from zero_strategy.config.values import ConfigError, collecting
 from zero_strategy.config.zero_config import (
     _DS_TOP_KEYS,
     _FIELD_NAMES,
+    IGNORED_WHY,
     _DeepSpeedReader,
     _read_native,
     load_file,
@@ -119,22 +120,34 @@ def check_file(path: str | os.PathLike[str], *, stage: int | None = None, world_
     report.memory = _memory_lines(cfg.memory)
     report.not_applied = not_applied_settings(cfg)
     report.auto = reader.auto
-    report.ignored = [(key, "not implemented by zero_strategy") for key in reader.ignored]
+    report.ignored = [(key, IGNORED_WHY.get(key, "not implemented by zero_strategy")) for key in reader.ignored]
     report.ignored += [(key, "the training loop / front-end owns it") for key in reader.frontend]
     return report
 
 
+# When the cache tier is used (docs/memory_budget.md, "Which units the cache holds").
+CACHE_CONDITION = (
+    "the cache holds only units that are not persistent: after the first optimizer step the persistent tier's "
+    "room (persistent less this rank's rows, gradient shards, masters and optimizer state) is filled with "
+    "persistent units, gathered once per step; a model that fits that room is all persistent, and from then on "
+    "the cache changes nothing (memory_stats()['persistent_units']). To measure the cache, set persistent: 0"
+)
+
+
 def _memory_lines(memory: MemoryConfig) -> list[str]:
-    """The budget's tiers in bytes, or how they will be resolved (a fraction of the device)."""
+    """The budget's tiers in bytes, or how they will be resolved (a fraction of the device),
+    and when the cache tier is used."""
     if not memory.enabled:
         return []
     if isinstance(memory.budget, int):
         tiers = memory.resolve(None)
-        return [
+        lines = [
             f"{name}: {format_bytes(getattr(tiers, name))}" for name in ("budget", "persistent", "cache", "working")
         ]
+        return lines + ([f"note: {CACHE_CONDITION}"] if tiers.cache and tiers.persistent else [])
     shares = ", ".join(f"{name} {getattr(memory, name)}" for name in ("persistent", "cache", "working"))
     return [
         f"budget: {memory.budget} of the device's memory ({shares}); resolved to bytes at start on the device "
-        "(logged once); on a CPU device give bytes"
+        "(logged once); on a CPU device give bytes",
+        *([f"note: {CACHE_CONDITION}"] if memory.cache and memory.persistent else []),
     ]

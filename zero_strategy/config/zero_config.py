@@ -460,7 +460,30 @@ _ZERO_BLOCK_IGNORED = (
     "memory_efficient_linear", "stage3_module_granularity_threshold", "use_multi_rank_bucket_allreduce",
     "log_trace_cache_warnings",
     "legacy_stage1", "pipeline_loading_checkpoint", "override_module_apply", "use_all_reduce_for_fetch_params",
+    "zenflow", "leaf_module",
 )  # fmt: skip
+# DeepSpeed's Superchip offload (offload_config.py), inside offload_optimizer: read by _offload_ignored
+_OFFLOAD_OPTIMIZER_IGNORED = ("super_offload", "cpuadam_cores_perc")
+# DeepSpeed features at the top level that are not implemented here: accepted, ignored, reported.
+_TOP_IGNORED = ("torch_autocast", "compile", "tensor_parallel", "expert_parallel")
+# What an ignored key's report says where "not implemented" alone would not say enough.
+IGNORED_WHY = {
+    f"{_ZO}.zenflow": "not implemented (ZenFlow's stale-gradient offloaded step); offload_optimizer: {device: cpu} "
+    "steps every gradient on the host",
+    f"{_ZO}.leaf_module": "not implemented: zero_strategy finds MoE experts modules itself (stacked experts' weights "
+    "and a forward that takes the router's selection), makes each one a ZeRO-3 unit and gathers only the selected "
+    "experts, so no list of leaf modules is needed (docs/moe.md)",
+    f"{_ZO}.offload_optimizer.super_offload": "not implemented (DeepSpeed's Superchip offload); offload_optimizer: "
+    "{device: cpu} offloads as usual",
+    f"{_ZO}.offload_optimizer.cpuadam_cores_perc": "not implemented (a setting of super_offload)",
+    "torch_autocast": "not implemented as a block: its mode (fp32 parameters, the forward under autocast) is the "
+    "precision 'bf16-mixed' or '16-mixed': initialize(..., precision='bf16-mixed') or the front-end's mixed "
+    "precision (docs/precision.md); bf16: {enabled: true} gives 16-bit parameters instead",
+    "compile": "not implemented (DeepCompile); torch.compile the model after initialize (docs/advanced.md)",
+    "tensor_parallel": "not implemented (AutoTP): zero_strategy shards data parallel only",
+    "expert_parallel": "not implemented (AutoEP); zero_strategy gathers only the selected experts at ZeRO-3 "
+    "(docs/moe.md)",
+}
 # Where DeepSpeed (and zero_strategy's own block) write the gradient reduction dtype: read by _precision.
 _REDUCE_DTYPE_KEYS = ((_TOP, "communication_data_type"), (_OWN, "reduce_dtype"))
 _BF16_KEYS = ("enabled",)
@@ -478,7 +501,7 @@ _FRONTEND_KEYS = (
 )  # fmt: skip
 _DS_TOP_KEYS = frozenset(
     [*(block for block in _DS_KEYS if block), *_DS_KEYS[_TOP], "bf16", "fp16",
-     *(key for block, key in _REDUCE_DTYPE_KEYS if block == _TOP), *_FRONTEND_KEYS]
+     *(key for block, key in _REDUCE_DTYPE_KEYS if block == _TOP), *_FRONTEND_KEYS, *_TOP_IGNORED]
 )  # fmt: skip
 
 
@@ -525,8 +548,10 @@ class _DeepSpeedReader:
 
     def read(self, d: Mapping[str, Any], *, warn: bool = True) -> ZeroConfig:
         moved = {key: f"{_ZO}.{key}" for key in _DS_KEYS[_ZO]}
-        self.frontend = check_keys(d, "", self.source, _DS_TOP_KEYS, _FRONTEND_KEYS, moved=moved)
-        zero = self.block(d, _ZO, (*_DS_KEYS[_ZO], *_ZERO_BLOCK_LEGACY), _ZERO_BLOCK_IGNORED)
+        top = check_keys(d, "", self.source, _DS_TOP_KEYS, (*_FRONTEND_KEYS, *_TOP_IGNORED), moved=moved)
+        self.frontend = [key for key in top if key in _FRONTEND_KEYS]
+        self.ignored += [key for key in top if key in _TOP_IGNORED]
+        zero = self._offload_ignored(self.block(d, _ZO, (*_DS_KEYS[_ZO], *_ZERO_BLOCK_LEGACY), _ZERO_BLOCK_IGNORED))
         self._legacy_offload(zero)
         own = self.block(d, _OWN, (*_DS_KEYS[_OWN], *(key for block, key in _REDUCE_DTYPE_KEYS if block == _OWN)))
         for path, block in ((_ZO, zero), (_OWN, own), (_TOP, d)):
@@ -556,6 +581,15 @@ class _DeepSpeedReader:
             value = attempt(_SETTINGS[name].metadata["ds_read"], raw, where, self.source)
             if value is not None and value is not FAILED:  # None: e.g. gradient_clipping 0, DeepSpeed's "off"
                 self.put(name, value, where)
+
+    def _offload_ignored(self, zero: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``zero`` without the ignored keys of its ``offload_optimizer`` block (recorded)."""
+        block = zero.get("offload_optimizer")
+        if not isinstance(block, Mapping) or not any(key in block for key in _OFFLOAD_OPTIMIZER_IGNORED):
+            return zero
+        self.ignored += [f"{_ZO}.offload_optimizer.{key}" for key in _OFFLOAD_OPTIMIZER_IGNORED if key in block]
+        kept = {key: value for key, value in block.items() if key not in _OFFLOAD_OPTIMIZER_IGNORED}
+        return {**zero, "offload_optimizer": kept}
 
     def _legacy_offload(self, block: Mapping[str, Any]) -> None:
         # DeepSpeed's legacy switches: offload to the CPU

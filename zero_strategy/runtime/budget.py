@@ -215,10 +215,13 @@ class Budget:
         self._set_min_gathered()
         if self.ctx.rank == 0:
             names = [u.label for u in units if u.persistent]
+            unused = self.cache > 0 and len(names) == len(units)  # the cache holds units that are not persistent
             log.info(
                 "zero_strategy: persistent units (most gathers avoided per byte that fit the persistent tier's room "
-                "of %s): %s, %s", format_bytes(self.persistent_room), names or "none",
+                "of %s): %s, %s%s", format_bytes(self.persistent_room), names or "none",
                 format_bytes(sum(u.full_bytes for u in units if u.persistent)),
+                f"; every unit is persistent, so the cache tier ({format_bytes(self.cache)}) holds nothing (set "
+                "memory.persistent lower to use it)" if unused else "",
             )  # fmt: skip
 
     def _does_not_fit(self, stats: dict[str, int], need: int, when: str) -> str:

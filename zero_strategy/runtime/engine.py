@@ -645,11 +645,12 @@ class ZeroEngine(WholeModelState):
             self._clipped.discard(key(optimizer))
         self._loss_scaled = False
         if not skipped:
-            self.params.after_step(self._step_label())
+            self.params.after_step(self._step_label(), only=self.opts.scope(optimizer))  # its own parameters
             if self.zero3 is not None and self._root_depth > 0:  # a step inside the forward (manual optimization)
                 self.zero3.regather_root()
-        self.step_count += 1
-        C.mark_step()  # the step's wall time, against which comm_report() sets the exposed communication
+        if self.opts.begins_step(optimizer):  # a step of the model (several optimizers: each once in it)
+            self.step_count += 1
+            C.mark_step()  # the step's wall time, against which comm_report() sets the exposed communication
         if self.zero3 is not None:
             self.zero3.step = self._step_label()
         new = not skipped and key(optimizer) not in self._stepped  # this optimizer's state exists now
@@ -747,6 +748,7 @@ class ZeroEngine(WholeModelState):
         """Take back :meth:`progress_state` (the counters may be missing: an older checkpoint)
         after the masters were loaded; the parameters follow the loaded masters."""
         self.step_count = int(state["engine.step_count"])
+        self.opts.restart_round()
         if self.zero3 is not None:
             self.zero3.step = self._step_label()
         if self.scaler.enabled:

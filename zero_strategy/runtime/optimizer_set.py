@@ -18,6 +18,12 @@ steps, and its calls act on those only:
 - checkpoints save optimizer state by parameter name, so one checkpoint holds every
   optimizer's state and loads at another world size or stage.
 
+After ``step()`` the full parameters follow the master pieces it updated: at ZeRO-1/2 only that
+optimizer's parameters are all-gathered, so the steps of one iteration gather the model once
+between them (ZeRO-3 frees every gathered unit, as with one optimizer). The engine's
+``step_count`` counts steps of the model, not of its optimizers: every optimizer stepping at
+most once is one step (:meth:`OptimizerSet.begins_step`).
+
 With one optimizer every call acts on the whole model, as it always has. Three settings keep
 one optimizer per model and refuse several at ``initialize``: fp16 loss scaling (one scale and
 one skip decision per step of the model), the NVMe tier (its swap files are planned for one
@@ -48,6 +54,7 @@ class OptimizerSet:
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], param_of_master: Mapping[int, int]) -> None:
         self.optimizers = tuple(optimizers)
         self._scopes: dict[int, frozenset[int]] = {}
+        self._round: set[int] = set()  # the optimizers that stepped in the model's current step
         if len(self.optimizers) > 1:
             for opt in self.optimizers:
                 ids = (param_of_master.get(id(m)) for group in opt.param_groups for m in group["params"])
@@ -61,6 +68,22 @@ class OptimizerSet:
     def stepping_exactly(self, param_ids: frozenset[int]) -> torch.optim.Optimizer | None:
         """The optimizer (of several) that steps exactly the parameters ``param_ids``, if any."""
         return next((o for o in self.optimizers if self._scopes.get(key(o)) == param_ids), None)
+
+    def begins_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Record that ``optimizer`` stepped; whether that began a new step of the model. A step
+        of the model is every optimizer stepping at most once: the first optimizer to step begins
+        one, and so does an optimizer that already stepped in it (a discriminator stepped twice
+        per generator step begins two). With one optimizer every step begins one."""
+        k = key(optimizer)
+        if len(self.optimizers) < 2 or not self._round or k in self._round:
+            self._round = {k}
+            return True
+        self._round.add(k)
+        return False
+
+    def restart_round(self) -> None:
+        """The next step of any optimizer begins a step of the model (after a checkpoint load)."""
+        self._round = set()
 
     def __contains__(self, optimizer: torch.optim.Optimizer) -> bool:
         return any(key(opt) == key(optimizer) for opt in self.optimizers)

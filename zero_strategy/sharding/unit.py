@@ -21,6 +21,7 @@ on the device and the outcome is read once per step, with the gradient flags.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -73,8 +74,9 @@ class ParamStorage:
         once per unit, not once per parameter)."""
         return contextlib.nullcontext()
 
-    def after_step(self, step: str) -> None:
-        """The masters changed (an optimizer step, a load): make the parameters follow."""
+    def after_step(self, step: str, only: frozenset[int] | None = None) -> None:
+        """The masters changed (an optimizer step, a load): make the parameters follow. ``only``:
+        the ids of the parameters that changed (one of several optimizers stepped); None: all."""
         raise NotImplementedError(f"{type(self).__name__}.after_step")
 
     def flat_value(self, p: torch.Tensor) -> torch.Tensor:
@@ -129,24 +131,31 @@ class ReplicatedParams(ParamStorage):
         if not g.master_is_view(i):
             g.masters[i].data.copy_(full.reshape(-1)[slice(*g.layout.local_range(i))])
 
-    def after_step(self, step: str) -> None:
+    def after_step(self, step: str, only: frozenset[int] | None = None) -> None:
+        """All-gather the updated pieces into the full parameters: every group's, or with
+        ``only`` (one of several optimizers stepped) just those parameters', in a layout of
+        their own pieces (a piece's range depends only on its parameter, so it is the same)."""
         n, ctx = self.ctx.world_size, self.ctx
-        pending: list[tuple[ShardGroup, C.Handle, torch.Tensor]] = []
+        pending: list[tuple[ShardLayout, list[torch.Tensor], C.Handle, torch.Tensor]] = []
 
-        def complete(entry: tuple[ShardGroup, C.Handle, torch.Tensor]) -> None:
-            g, h, buf = entry
+        def complete(entry: tuple[ShardLayout, list[torch.Tensor], C.Handle, torch.Tensor]) -> None:
+            lay, params, h, buf = entry
             h.wait()
             with torch.no_grad():
-                g.layout.unpack_full(buf, [p.detach().view(-1) for p in g.params])
+                lay.unpack_full(buf, [p.detach().view(-1) for p in params])
             ctx.pool.put(buf)
 
         for g in self.groups:
-            lay = g.layout
+            picked = [i for i, p in enumerate(g.params) if only is None or id(p) in only]
+            if not picked:
+                continue
+            lay = g.layout if len(picked) == len(g.params) else _sub_layout(g.layout, picked)
             buf = ctx.pool.get(n * lay.shard_numel, g.params[0].dtype, g.device)
             row = buf.view(n, lay.shard_numel)[ctx.rank]
             with torch.no_grad():
-                lay.pack_local([m.detach() for m in g.masters], row)
-            pending.append((g, C.all_gather(ctx, buf, row, what=f"parameters of {g.name} ({step})"), buf))
+                lay.pack_local([g.masters[i].detach() for i in picked], row)
+            what = f"parameters of {g.name} ({step})"
+            pending.append((lay, [g.params[i] for i in picked], C.all_gather(ctx, buf, row, what=what), buf))
             if len(pending) > self.max_in_flight:
                 complete(pending.pop(0))
         for entry in pending:
@@ -154,6 +163,11 @@ class ReplicatedParams(ParamStorage):
 
     def flat_value(self, p: torch.Tensor) -> torch.Tensor:
         return p.data.view(-1)
+
+
+def _sub_layout(layout: ShardLayout, picked: Sequence[int]) -> ShardLayout:
+    """The layout of parameters ``picked`` of ``layout`` alone: each keeps its pieces' ranges."""
+    return dataclasses.replace(layout, numels=tuple(layout.numels[i] for i in picked))
 
 
 def refresh_masters(g: ShardGroup) -> None:
@@ -733,9 +747,11 @@ class ShardedParams(ParamStorage):
             self._loading.enter_context(u.resident(write=True))
         u.store_full(i, full)
 
-    def after_step(self, step: str) -> None:
+    def after_step(self, step: str, only: frozenset[int] | None = None) -> None:
         # The masters are views of the rows (already updated) or, offloaded, copied into them
         # now; gathered copies hold the old values: free them, so the next use gathers again.
+        # Every unit is freed whatever ``only`` says (one of several optimizers stepped: a unit
+        # whose parameters did not change is gathered again at its next use all the same).
         # Persistent units are gathered again at once: as in DeepSpeed, a parameter under the
         # persistence threshold is never partitioned for its readers, so code that reads it
         # outside forward (Accelerate's test script reads a 0-dim ``model.a``) gets the new value.
