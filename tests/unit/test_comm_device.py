@@ -59,6 +59,40 @@ def test_the_device_comes_from_the_group_backends_and_the_model(
     assert (ctx.device, ctx.impl, ctx.timed_wait) == expected
 
 
+def test_sharded_init_keeps_the_pieces_on_the_groups_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31, item 6: on an NCCL group a model built on the default CPU device had its pieces
+    on the CPU (gathered as CPU tensors into NCCL; ``.to('cuda')`` then materialised the
+    placeholders at full size). The pieces and placeholders go to the group's device. Simulated:
+    a two-rank group that communicates on the meta device (no GPU here), and the block is told
+    the default device (the CPU) to choose the group's backend with."""
+    from zero_strategy.sharding import construction
+    from zero_strategy.sharding.pieces import is_placeholder, sharded_init_piece
+
+    asked: list[torch.device | None] = []
+
+    def context(group, timeout_s, impl="auto", device=None):
+        asked.append(device)
+        return C.CommContext(None, 0, 2, C.DEFAULT_TIMEOUT, "native", torch.device("meta"), global_ranks=(0, 1))
+
+    placed: list[torch.device] = []
+
+    def placeholder(shape, dtype, device):  # a CPU parameter takes no meta data (set_data): recorded, made on the CPU
+        placed.append(torch.device(device))
+        return real_placeholder(shape, dtype, CPU)
+
+    real_placeholder = construction.placeholder
+    monkeypatch.setattr(construction.C, "make_context", context)
+    monkeypatch.setattr(construction, "placeholder", placeholder)
+    with construction.sharded_init():
+        model = torch.nn.Linear(4, 3)
+    assert asked == [CPU]  # the pair's gloo half for a CPU build, NCCL's GPU without one
+    assert placed == [torch.device("meta")] * 2, placed
+    for name, p in model.named_parameters():
+        piece = sharded_init_piece(p)
+        assert piece is not None and piece.device.type == "meta", (name, piece)
+        assert is_placeholder(p), name
+
+
 @pytest.mark.gpu
 def test_a_cuda_model_on_the_nccl_and_gloo_pair_communicates_on_its_gpu(tmp_path) -> None:
     """The real pair: a CUDA model initialises (refused before: 'move the model with
@@ -73,5 +107,24 @@ def test_a_cuda_model_on_the_nccl_and_gloo_pair_communicates_on_its_gpu(tmp_path
         model(torch.randn(2, 4, device=dev)).sum().backward()
         opt.step()
         assert zs.get_engine(model).ctx.device == dev
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_sharded_init_on_nccl_builds_its_pieces_on_the_gpu(tmp_path) -> None:
+    """The real NCCL group: a model built under sharded_init on the default CPU device is
+    initialized without ``.to('cuda')``; its parameters hold only their pieces on the GPU."""
+    import zero_strategy as zs
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        with zs.sharded_init():
+            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+        assert all(p.device.type == "cuda" for p in model.parameters())
+        model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+        model(torch.randn(2, 64, device="cuda")).sum().backward()
+        opt.step()
     finally:
         dist.destroy_process_group()
