@@ -61,3 +61,16 @@ def test_calls_outside_the_engine_are_not_counted() -> None:
         t = torch.arange(5)
         _ = t[t > 2], torch.tensor([1], device="cpu"), t.tolist()
     assert c.total == 0, dict(c.calls)
+
+
+def test_compression_region_offsets_wait_for_nothing() -> None:
+    """Top-k by regions: the offsets of the chosen pairs come from host integers on the device
+    (no ``repeat_interleave`` of a host-built repeats tensor), and equal the regions' columns."""
+    from zero_strategy.reduction.compression import region_counts, region_offsets
+
+    for row, region, k in ((10, 4, 2), (12, 4, 3), (3, 4, 2), (9, 3, 5)):
+        with HostSyncCounter() as c:
+            got = region_offsets(row, region, k, torch.device("cpu"))
+        want = [r * region for r, (_, n) in enumerate(region_counts(row, region, k)) for _ in range(n)]
+        assert got.tolist() == want and got.dtype == torch.int64, (row, region, k, got)
+        assert c.total == 0, (row, region, k, dict(c.calls))
