@@ -35,10 +35,11 @@ before; ``optimizer.pt`` is replaced by ``zero_strategy/``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -94,6 +95,21 @@ def _sharded_parameters(model: nn.Module) -> bool:
     return int(get_engine(model).config.stage) == 3
 
 
+@contextlib.contextmanager
+def _every_node_writes(model: nn.Module, each_node: bool) -> Iterator[None]:
+    """With ``save_on_each_node``, ``save_pretrained(is_main_process=should_save)`` writes on each
+    node's first process: transformers' ``should_save_on_this_rank`` would also require global
+    rank 0 whenever torch.distributed is initialized, so the other nodes wrote nothing."""
+    if not each_node or not hasattr(model, "should_save_on_this_rank"):
+        yield
+        return
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process  # type: ignore[assignment]  # this instance
+    try:
+        yield
+    finally:
+        delattr(model, "should_save_on_this_rank")
+
+
 def wrap_trainer(module: ModuleType) -> None:
     """Wrap ``module.Trainer``'s checkpoint methods (``module`` is ``transformers.trainer``). Idempotent."""
     cls = module.Trainer
@@ -129,12 +145,14 @@ def wrap_trainer(module: ModuleType) -> None:
     def _save_model(self: Any, original: Callable[..., Any], output_dir: str | None = None,
                     _internal_call: bool = False) -> None:  # fmt: skip
         ours = _ours(self)
-        if ours is None or not _sharded_parameters(ours[0]):
+        each_node = bool(getattr(self.args, "save_on_each_node", False))
+        if ours is None or not (_sharded_parameters(ours[0]) or each_node):
             return original(self, output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         # a collective: every rank gathers each tensor; the ranks that save (should_save) keep them
-        state_dict = zs.full_state_dict(ours[0], rank0_only=not self.args.save_on_each_node)
-        self._save(output_dir, state_dict=state_dict)
+        state_dict = zs.full_state_dict(ours[0], rank0_only=not each_node) if _sharded_parameters(ours[0]) else None
+        with _every_node_writes(self.accelerator.unwrap_model(self.model, keep_torch_compile=False), each_node):
+            self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
         return None

@@ -13,6 +13,11 @@ single jobs.
 Each rank writes ``$ACCEL_JOB_OUT/rank<r>.json`` (what ``run_launch`` collects): per job, which
 wrapper the Trainer trained (the DDP class, or the engine's model), the stage and the world size;
 then ``rank<r>.done`` after the final barrier, or ``rank<r>.error`` if it raised.
+
+With ``TRAINER_EACH_NODE`` set it runs :func:`each_node` instead: ``save_model`` with
+``save_on_each_node`` as on two nodes, every process made its node's local main
+(``LOCAL_RANK=0``, set before accelerate reads it) with its own output directory (a node's
+disk); each rank reports the files its ``save_model`` wrote.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "trainer_gpt2.py"
+if os.environ.get("TRAINER_EACH_NODE"):
+    os.environ["LOCAL_RANK"] = "0"  # every process is the first of its (simulated) node
 
 
 def jobs(variable: str) -> Iterator[str]:
@@ -96,6 +103,29 @@ def main() -> None:
     report(results)
 
 
+def each_node() -> None:
+    """``TRAINER_EACH_NODE``: ``save_model`` with ``save_on_each_node`` as on two nodes (see the top)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))  # fmt: skip
+    ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    node = Path(os.environ["TRAINER_OUT"]) / f"node{rank}"
+    args = TrainingArguments(output_dir=str(node / "run"), save_on_each_node=True, use_cpu=True, report_to="none",
+                             max_steps=1, per_device_train_batch_size=2, save_strategy="no")  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_model(str(node / "model"))
+    wrote = sorted(p.name for p in (node / "model").glob("*")) if (node / "model").exists() else []
+    info = {"should_save": bool(args.should_save), "wrote": wrote,
+            "engine": type(getattr(trainer.model, "_zero_engine", None)).__name__}  # fmt: skip
+    report(info)
+
+
 def _refused(root: Path) -> str:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -111,4 +141,4 @@ def _refused(root: Path) -> str:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(each_node if os.environ.get("TRAINER_EACH_NODE") else main)

@@ -6,8 +6,10 @@ synchronisation"): one for the used-gradient flags, one for fp16's overflow chec
 default policy's routing agreements (one per unit of a list that might run conditionally,
 plus one at the end of the forward). None per unit or per parameter: ZeRO-3's gather tags and
 placeholder checks are compared on the device after the first step and reported with the
-gradient flags. On CPU the calls cost nothing, so they are counted
-(``zero_strategy.testing.syncs``)."""
+gradient flags. MoE at ZeRO-3 adds its experts' union, one read per experts layer per forward,
+and nothing per rank or per parameter (no mask indexing, no host-built index tensor: issue 31,
+item 7). On CPU the calls cost nothing, so they are counted (``zero_strategy.testing.syncs``,
+which also counts the calls that wait for the device without reading a value)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from zero_strategy.testing import run_subtests
 
 WARMUP, STEPS = 2, 3
 LAYERS = 3
+MOE_LAYERS = 2  # the tiny Mixtral's (tests/distributed/test_moe_fetch.py)
 
 
 def _cells() -> list[dict]:
@@ -33,6 +36,8 @@ def _cells() -> list[dict]:
     cells += [{"stage": s, "precision": p, "clip": 0.5, "topk": True} for s, p in ((1, "fp32"), (2, "fp16"))]
     # the deferred checks still report: a write into a sharded parameter on rank 0 after the warm-up
     cells += [{"stage": 3, "precision": "fp32", "clip": None, "write": w} for w in ("step", "eval")]
+    # a 2-layer Mixtral's experts, selectively gathered from shards or fetched from their owners
+    cells += [{"stage": 3, "precision": "fp32", "clip": None, "moe": m} for m in ("sharded", "owners")]
     return cells
 
 
@@ -42,6 +47,8 @@ def _expected(c: dict) -> int:
     n += c["precision"] == "fp16"  # the overflow check
     if c.get("policy") == "default":  # the default policy's routing agreements, per forward
         n += (LAYERS + 1) * c.get("accum", 1)
+    if c.get("moe"):  # the experts' union, per experts layer per forward
+        n += MOE_LAYERS
     return n
 
 
@@ -63,9 +70,27 @@ def _run(c: dict, rank: int, world: int) -> dict:
         conf["gradient_clipping"] = c["clip"]
     if c["precision"] != "fp32":
         conf[c["precision"]] = {"enabled": True}
-    policy = None if c.get("policy") == "default" else {Block}
-    model, opt = zs.initialize(GPT(cfg), lambda p: torch.optim.AdamW(p, lr=1e-3), config=conf, policy=policy)
     accum = c.get("accum", 1)
+    if c.get("moe"):
+        from tests.distributed.test_moe_fetch import _batch, _build
+
+        own = conf["zero_strategy"]
+        if c["moe"] != "sharded":
+            own["moe_expert_layout"] = c["moe"]
+        own["moe_full_gather_share"] = 1.0  # selective: the path that built indices per rank and parameter
+        model, opt = zs.initialize(_build("mixtral", 4, 2), lambda p: torch.optim.AdamW(p, lr=1e-3), config=conf)
+
+        def loss_of(step: int, micro: int):
+            ids = _batch(step, micro, rank)
+            return model(input_ids=ids, labels=ids).loss
+    else:
+        policy = None if c.get("policy") == "default" else {Block}
+        model, opt = zs.initialize(GPT(cfg), lambda p: torch.optim.AdamW(p, lr=1e-3), config=conf, policy=policy)
+
+        def loss_of(step: int, micro: int):
+            x, y = synthetic_batch(cfg, 2, step * accum + micro, seed=rank)
+            return model.loss(x, y)
+
     if c.get("write"):
         return _written_after_warmup(c, model, opt, cfg, rank)
     counts, losses = [], []
@@ -73,8 +98,7 @@ def _run(c: dict, rank: int, world: int) -> dict:
         counter = HostSyncCounter()
         with counter:
             for micro in range(accum):
-                x, y = synthetic_batch(cfg, 2, step * accum + micro, seed=rank)
-                loss = model.loss(x, y)
+                loss = loss_of(step, micro)
                 zs.backward(loss, model=model)
                 losses.append(loss.detach())
             opt.step()

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from zero_strategy.comm import collectives as C
 from zero_strategy.config import ZeroConfig, not_applied_settings
 from zero_strategy.config.memory import MemoryConfig, TierBytes
 from zero_strategy.config.report import check_file
@@ -123,3 +125,91 @@ def test_uses_per_step_come_from_the_recorded_order() -> None:
     assert uses_per_step(units, None) == {1: 2, 2: 2, 3: 1}  # no order yet: a forward and a backward each
     assert uses_per_step(units, [1, 1, 2]) == {1: 4, 2: 2, 3: 1}  # `a` runs twice per forward
     assert uses_per_step(units, [2]) == {1: 0, 2: 2, 3: 1}  # `a` is not on the recorded path
+
+
+class _FakeAllocator:
+    """torch.cuda's allocator counters of one device, driven by the test (no GPU here):
+    ``allocated`` now and the process-wide ``peak``; ``resets`` counts reset_peak_memory_stats."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, allocated: int, peak: int) -> None:
+        self.allocated, self.peak, self.resets = allocated, peak, 0
+        props = type("Props", (), {"total_memory": 80 << 30})()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: self._reset())
+
+    def _reset(self) -> None:
+        self.resets += 1
+        self.peak = self.allocated
+
+    def use(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+
+
+def _cuda_budget(others: int = 0):
+    from zero_strategy.comm.collectives import CommContext
+    from zero_strategy.config.memory import MemoryConfig
+    from zero_strategy.runtime.budget import Budget
+    from zero_strategy.sharding.unit import GatherMeter
+
+    ctx = CommContext(None, 0, 1, C.DEFAULT_TIMEOUT, "native", torch.device("cuda", 0))
+    storage = type("Storage", (), {"units": [], "meter": GatherMeter()})()
+    budget = Budget(MemoryConfig(budget=1 << 30), ctx, storage)
+    budget.others = lambda: others
+    budget.check = lambda *a, **k: None  # type: ignore[method-assign]  # (its all-reduce needs the device)
+    return budget, storage
+
+
+def _first_step(budget, stats: dict[str, int]) -> None:
+    cache = type("Cache", (), {"peak": 0})()
+    budget.after_new_state(lambda: stats, cache, None, "step 1", can_change=False)
+
+
+STATE = {"tier_device": 100 << 20, "params": 0, "full_grads": 0, "comm_scratch_peak": 0}
+
+
+def test_working_memory_is_this_engines_and_leaves_the_peaks_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31, item 10: a reference model's engine (DPO) holds 300 MiB on the same GPU, this
+    engine 100 MiB; its step peaks at 1000 MiB. Its working memory is 600 MiB, not 900 MiB (the
+    other engine's state is not this engine's), and the user's peak is never reset."""
+    gpu = _FakeAllocator(monkeypatch, allocated=(100 + 300) << 20, peak=900 << 20)
+    budget, _ = _cuda_budget(others=300 << 20)
+    gpu.use(600 << 20)  # the step's activations and transients: 1000 MiB, the device's new peak
+    gpu.use(-(600 << 20))
+    _first_step(budget, STATE)
+    assert budget.working == 600 << 20, budget.working  # 1000 - 100 (this engine) - 300 (the other engine)
+    assert gpu.resets == 0, "reset_peak_memory_stats clobbers the user's and other engines' peaks"
+    assert gpu.peak == 1000 << 20
+
+
+def test_an_earlier_higher_peak_leaves_the_sampled_working_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peak from before initialize (the full model built on the GPU, then sharded) hides this
+    engine's: the working memory is then the most the allocator held at this engine's gathers
+    and frees, less the state."""
+    gpu = _FakeAllocator(monkeypatch, allocated=100 << 20, peak=5000 << 20)
+    budget, storage = _cuda_budget()
+    gpu.use(70 << 20)
+    storage.meter.add(10)  # a gather: the allocator is read here
+    gpu.use(-(70 << 20))
+    storage.meter.add(-10)
+    _first_step(budget, STATE)
+    assert gpu.resets == 0 and gpu.peak == 5000 << 20
+    assert budget.working == 70 << 20, budget.working
+
+
+def test_the_other_engines_bytes_are_their_device_state() -> None:
+    """What the budget subtracts as the other engines' (``others``): their device state and
+    communication buffers, not its own."""
+    import zero_strategy as zs
+    from zero_strategy.runtime.module import get_engine
+
+    a, _ = zs.initialize(torch.nn.Linear(8, 8), lambda p: torch.optim.SGD(p, lr=0.1), stage=3)
+    b, _ = zs.initialize(torch.nn.Linear(16, 16), lambda p: torch.optim.SGD(p, lr=0.1), stage=3)
+    ea, eb = get_engine(a), get_engine(b)
+    sa, sb = ea.memory_stats(), eb.memory_stats()
+    assert sb["tier_device"] > sa["tier_device"] > 0
+    # (engines left alive by other tests in this process count for both alike)
+    mine = ea._other_engines_bytes() - eb._other_engines_bytes()
+    assert mine == sb["tier_device"] + sb["comm_scratch"] - sa["tier_device"] - sa["comm_scratch"]

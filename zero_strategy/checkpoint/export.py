@@ -108,13 +108,24 @@ def _live_entries(
 ) -> tuple[list[tuple[str, list[int], torch.dtype]], Callable[[str], torch.Tensor]]:
     tensors = model.state_dict(keep_vars=True)
     entries = [(n, list(t.shape), (dtype or t.dtype) if t.is_floating_point() else t.dtype) for n, t in tensors.items()]
+    unit_of = getattr(get_engine(model).params, "unit_of", None)  # ZeRO-3: parameters live in units
+    unread = {id(t) for t in tensors.values() if isinstance(t, nn.Parameter)}
+    pending: dict[int, torch.Tensor] = {}  # copied when their unit was gathered for an earlier name
 
-    def read(name: str) -> torch.Tensor:  # collective: one gather per parameter, on every rank
+    def read(name: str) -> torch.Tensor:  # collective: one gather per ZeRO-3 unit, on every rank alike
         t = tensors[name]
-        if isinstance(t, nn.Parameter):
-            with gathered_parameters(t):  # ZeRO-3: gathered for this tensor only (frozen ones too)
-                return t.detach().clone()
-        return t.detach()
+        if not isinstance(t, nn.Parameter):
+            return t.detach()
+        unread.discard(id(t))
+        if id(t) in pending:
+            return pending.pop(id(t))
+        where = unit_of(t) if unit_of is not None else None
+        mates = [p for p in where[0].params if id(p) in unread] if where is not None else []
+        with gathered_parameters([t, *mates]):  # the unit once, with the parameters still to read (frozen too)
+            for p in mates:
+                unread.discard(id(p))
+                pending[id(p)] = p.detach().clone()
+            return t.detach().clone()
 
     return entries, read
 
@@ -150,7 +161,8 @@ def full_state_dict(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """The model's full state dict (original names and shapes), gathered tensor by tensor.
+    """The model's full state dict (original names and shapes), gathered unit by unit (ZeRO-3:
+    each unit once, with all its parameters).
 
     ``model`` a checkpoint directory (its root or a versioned subdirectory): read offline, in
     this process alone, as ``export_full`` reads it (``rank0_only`` does not apply).

@@ -42,8 +42,10 @@ __all__ = [
     "all_to_all_v",
     "bounded_group",
     "broadcast_coalesced",
+    "comm_device",
     "comm_report",
     "comm_stats",
+    "group_backends",
     "mark_step",
     "make_context",
     "reduce_scatter",
@@ -231,12 +233,51 @@ def group_timeout(group: dist.ProcessGroup | None) -> timedelta:
     return DEFAULT_TIMEOUT
 
 
+def group_backends(group: dist.ProcessGroup | None) -> dict[str, str]:
+    """The backend ``group`` uses for each device type: ``{'cuda': 'nccl', 'cpu': 'gloo'}`` for a
+    group made with ``'cuda:nccl,cpu:gloo'``, ``{'cuda': 'nccl'}`` for ``'nccl'``, ``{'cpu': 'gloo',
+    'cuda': 'gloo'}`` for ``'gloo'``. Read from ``get_backend_config`` (its device:backend pairs;
+    it resolves ``init_process_group()`` without a backend too); a torch without it: parsed from
+    ``get_backend``, where no backend (``'undefined'``) is torch's default pair."""
+    try:
+        text = str(dist.get_backend_config(group))
+    except Exception:  # an older torch, or a group the call does not describe
+        text = str(dist.get_backend(group))
+    pairs: dict[str, str] = {}
+    for part in (p.strip() for p in text.lower().split(",") if p.strip()):
+        device, sep, name = part.partition(":")
+        if sep:
+            pairs[device] = name
+        elif part == "undefined":
+            pairs |= {"cpu": "gloo", "cuda": "nccl"}
+        else:
+            pairs |= {"cuda": part} if part == "nccl" else {"cpu": part}
+    return pairs
+
+
+def comm_device(backends: dict[str, str], model: torch.device | None) -> torch.device:
+    """Where the engine communicates: the model's device where the group has a backend for its
+    type (so a model moved with ``model.to(local_rank)`` talks on its own GPU, whatever
+    ``torch.cuda.current_device()`` says), else the group's GPU, else the CPU. The engine never
+    sends CUDA tensors through gloo: a gloo group communicates on the CPU."""
+    usable = {d for d, b in backends.items() if not (d == "cuda" and b == "gloo")}
+    if model is not None and model.type in usable:
+        if model.type == "cuda" and model.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return model
+    if "cuda" in usable:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def make_context(
     group: dist.ProcessGroup | None, timeout_s: float | None, impl: str = "auto", device: torch.device | None = None
 ) -> CommContext:
     """Describe ``group`` (None: the default group; without an initialised process group, a
-    single-rank context whose collectives are no-ops, on ``device``). ``timeout_s`` None: the
-    group's own timeout, so a healthy job that the process group would tolerate is never cut."""
+    single-rank context whose collectives are no-ops, on ``device``). ``device``: the model's
+    (its first parameter's), which chooses among the group's backends (:func:`comm_device`).
+    ``timeout_s`` None: the group's own timeout, so a healthy job that the process group would
+    tolerate is never cut."""
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else group_timeout(group)
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
@@ -245,15 +286,16 @@ def make_context(
                 "initialised; call torch.distributed.init_process_group() first"
             )
         return CommContext(None, 0, 1, timeout, "native", device or torch.device("cpu"), global_ranks=(0,))
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    backends = group_backends(group)
+    where = comm_device(backends, device)
+    backend = backends.get(where.type, "")
     if impl == "auto":
         impl = "p2p" if backend == "gloo" else "native"
     if impl not in ("native", "p2p"):
         raise ValueError(f"collective_impl={impl!r} is not one of 'auto', 'native', 'p2p'")
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     return CommContext(
-        group, dist.get_rank(group), dist.get_world_size(group), timeout, impl, device, global_ranks=ranks,
+        group, dist.get_rank(group), dist.get_world_size(group), timeout, impl, where, global_ranks=ranks,
         timed_wait=backend != "nccl",
     )  # fmt: skip
 

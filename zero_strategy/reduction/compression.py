@@ -194,8 +194,13 @@ def region_offsets(row: int, region: int, k: int, device: torch.device) -> torch
     """The first column of the region of each chosen pair (int64), in the order
     :func:`select_top_k` returns them."""
     counts = region_counts(row, region, k)
-    starts = torch.arange(len(counts), dtype=torch.int64, device=device) * region
-    return starts.repeat_interleave(torch.tensor([c for _, c in counts], device=device))
+    full = row // region  # the full regions, ``counts[0][1]`` pairs each; then the shorter one's
+    parts = (
+        [torch.arange(full * counts[0][1], dtype=torch.int64, device=device) // counts[0][1] * region] if full else []
+    )
+    if len(counts) > full:
+        parts.append(torch.full((counts[-1][1],), full * region, dtype=torch.int64, device=device))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # from host integers: no copy, no wait
 
 
 def _top_k(score: torch.Tensor, k: int, region: int) -> torch.Tensor:

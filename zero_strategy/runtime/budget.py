@@ -14,8 +14,11 @@ After each optimizer's first step its state exists (with several optimizers, eac
 its own first step): the persistent units are chosen to fill what the persistent tier leaves
 (:func:`choose_persistent`: gathers avoided per byte, a greedy knapsack; with a budget
 ``stage3_param_persistence_threshold`` is not applied), and the check runs again, on an
-accelerator with the working memory measured (the allocator's peak since ``initialize``, less
-model state, cached parameters and communication buffers). On a CPU device the working tier
+accelerator with the working memory measured: the allocator's peak when it was set since
+``initialize`` (else, hidden by an earlier peak, the most it held at this engine's gathers and
+frees), less model state, cached parameters, communication buffers and the other live
+engines' state on the device (a reference model, a teacher). The allocator's peak is read,
+never reset: it is the user's and the other engines' too. On a CPU device the working tier
 stays its share: the process has no allocator peak to read.
 """
 
@@ -103,8 +106,13 @@ class Budget:
         self._chosen: list[int] | None = None  # tags of the persistent units last chosen
         if ctx.rank == 0:
             log.info("zero_strategy: memory %s (per rank)", self.tiers.describe())
+        # device bytes of the other live engines' state on this device (the engine sets it): a
+        # policy's reference model or a teacher is not this engine's working memory
+        self.others: Callable[[], int] = lambda: 0
+        self._peak_before = 0  # the device's peak at initialize; never reset (it is the user's too)
         if ctx.device.type == "cuda":  # the working tier is measured from here on
-            torch.cuda.reset_peak_memory_stats(ctx.device)
+            self._peak_before = int(torch.cuda.max_memory_allocated(ctx.device))
+            storage.meter.device = ctx.device
 
     def reserve_expert_caches(self, per_layer: int, layers: int) -> None:
         """The experts' caches (``moe_expert_cache`` bytes per experts layer, ``sharding/
@@ -182,9 +190,14 @@ class Budget:
         ``stats``: ``memory_stats()``."""
         now = stats()
         if self.ctx.device.type == "cuda":
+            # the device's peak when it was set since initialize; else (an earlier, higher peak hides
+            # it) the most the allocator held at this engine's gathers and frees
             peak = int(torch.cuda.max_memory_allocated(self.ctx.device))
-            # model state (persistent units' gathered parameters included: they are not working memory)
+            peak = peak if peak > self._peak_before else self.storage.meter.device_peak
+            # model state (persistent units' gathered parameters included: they are not working
+            # memory), and the other engines' state
             held = now["tier_device"] - now["params"] + self._kept() + cache.peak + now["comm_scratch_peak"]
+            held += self.others()
             self.working = max(self.working if self._measured else 0, peak - held)  # the share, then the most seen
             self._measured = True
         self.pending = not can_change

@@ -194,6 +194,8 @@ class ZeroEngine(WholeModelState):
         self.budget: Budget | None = None  # the memory budget's tiers (budget.py), ZeRO-3 only
         if isinstance(self.params, ShardedParams):
             self.budget = Budget(config.memory, self.ctx, self.params) if config.memory.enabled else None
+            if self.budget is not None:
+                self.budget.others = self._other_engines_bytes
             settings = Zero3Settings(
                 prefetch=config.prefetch,
                 prefetch_bucket_size=config.stage3_prefetch_bucket_size,
@@ -345,6 +347,12 @@ class ZeroEngine(WholeModelState):
         allowed = (TrainingState.IDLE, TrainingState.FORWARD) if forward_ok else (TrainingState.IDLE,)
         if self.training_state not in allowed:
             raise RuntimeError(f"{call} during {self.training_state.name.lower()} ({self._step_label()}); {fix}")
+
+    def _other_engines_bytes(self) -> int:
+        """Device bytes of the other live engines on this engine's device: their model state and
+        communication buffers (the memory budget does not count them as this engine's)."""
+        others = [e for e in list(_LIVE) if e is not self and e.ctx.device == self.ctx.device]
+        return sum(s["tier_device"] + s["comm_scratch"] for s in (e.memory_stats() for e in others))
 
     def _step_label(self) -> str:
         return f"step {self.step_count}"

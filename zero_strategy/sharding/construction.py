@@ -116,8 +116,12 @@ class _Construction(TorchFunctionMode):
     def cut(self, p: nn.Parameter) -> None:
         """Keep this rank's piece of ``p``'s (full) value; ``p`` becomes a placeholder."""
         lo, hi = local_range(p.numel(), self.ctx)
-        e = record_piece(p, p.detach().reshape(-1)[lo:hi].clone(), self.ctx)
-        p.data = placeholder(p.shape, p.dtype, p.device)
+        piece, device = p.detach().reshape(-1)[lo:hi].clone(), p.device
+        if device.type != self.ctx.device.type:  # built on the CPU for an NCCL group: kept where it is gathered
+            device = self.ctx.device
+            piece = piece.to(device)
+        e = record_piece(p, piece, self.ctx)
+        p.data = placeholder(p.shape, p.dtype, device)
         if address := _address(p):
             self.sharded[address] = e
 
@@ -266,8 +270,12 @@ def _all_module_classes() -> list[type[nn.Module]]:
 def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None) -> Iterator[None]:
     """Build models inside this block so that no rank ever holds all of their parameters.
 
-    Collective: every rank builds the same modules in the same order."""
-    state = _Construction(C.make_context(process_group, comm_timeout))
+    Collective: every rank builds the same modules in the same order. A module built on a device
+    the group does not communicate on (the default CPU device with an NCCL group) keeps its
+    pieces, and its placeholders, on the group's device (``torch.cuda.current_device()``): no
+    ``model.to('cuda')`` is needed, nor wanted, afterwards (it moves the buffers only)."""
+    default = torch.empty(0).device  # the default device: the gloo half of a 'cuda:nccl,cpu:gloo' pair for the CPU
+    state = _Construction(C.make_context(process_group, comm_timeout, device=default))
     patched: list[tuple[type[nn.Module], Callable]] = []
 
     def wrap(cls: type[nn.Module]) -> None:

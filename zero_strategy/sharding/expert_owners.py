@@ -284,8 +284,8 @@ class OwnedExperts(ExpertRows):
             ctx, out, inp, fetch.send_sizes, fetch.recv_sizes, what=f"experts of {u.name} from their owners ({step})"
         ).wait()
         starts = [sum(fetch.recv_sizes[:s]) for s in range(n)]
-        ends = torch.tensor([a + k for a, k in zip(starts, fetch.recv_sizes)], device=out.device)
-        self._check_tags(out[ends - 2] + 128 * out[ends - 1], step, inp, out)
+        tags = torch.stack([out[a + k - TAG : a + k] for a, k in zip(starts, fetch.recv_sizes)])  # no host copy
+        self._check_tags(tags[:, 0] + 128 * tags[:, 1], step, inp, out)
         self._gathered(fetch.moved)
         # every source's chunk, its tag left out; rows this rank did not select stay zeros
         self._fill([out[a : a + k - TAG] for a, k in zip(starts, fetch.recv_sizes)], fetch.recv)

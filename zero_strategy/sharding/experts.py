@@ -86,7 +86,6 @@ def row_segments(
     parameter of ``rows[i]`` elements per expert: ``(parameter, positions)`` in parameter order
     (positions ascending, so every rank packs and unpacks them alike). A parameter with an
     ``owners[i]`` belongs to that expert whole (a ModuleList member's)."""
-    chosen = torch.tensor(list(union), dtype=torch.long, device=device)
     wanted = set(union)
     out = []
     for i, r in enumerate(rows):
@@ -95,15 +94,26 @@ def row_segments(
             if owners[i] in wanted and lo < hi:
                 out.append((i, torch.arange(lo, hi, device=device)))
             continue
-        first, last = lo // r, -(-hi // r)  # the experts this rank's piece touches
-        sel = chosen[(chosen >= first) & (chosen < last)]
-        if not sel.numel():
-            continue
-        idx = (sel[:, None] * r + torch.arange(r, device=device)[None, :]).reshape(-1)
-        idx = idx[(idx >= lo) & (idx < hi)]
-        if idx.numel():
-            out.append((i, idx))
+        spans = _spans(sorted(wanted), r, lo, hi)
+        if spans:  # built on the device from host integers: no copy, no value-sized output
+            parts = [torch.arange(a, b, device=device) for a, b in spans]
+            out.append((i, parts[0] if len(parts) == 1 else torch.cat(parts)))
     return out
+
+
+def _spans(union: Sequence[int], r: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The flat ranges ``[a, b)`` of the experts in ``union`` (ascending) of ``r`` elements each
+    that fall into ``[lo, hi)``, neighbours merged."""
+    spans: list[tuple[int, int]] = []
+    for e in union:
+        a, b = max(lo, e * r), min(hi, (e + 1) * r)
+        if a >= b:
+            continue
+        if spans and spans[-1][1] == a:
+            spans[-1] = (spans[-1][0], b)
+        else:
+            spans.append((a, b))
+    return spans
 
 
 def _width(segments: Sequence[Sequence[tuple[int, torch.Tensor]]]) -> int:
@@ -216,7 +226,10 @@ class ExpertRows:
             mask[e] = 1
         else:
             idx = selection.detach().reshape(-1).to(device=mask.device, dtype=torch.long)
-            mask[idx[(idx >= 0) & (idx < e)]] = 1
+            # integer indices, those out of range sent to a spare element: no value-sized output
+            hit = torch.zeros(e + 1, dtype=mask.dtype, device=mask.device)
+            hit[torch.where((idx >= 0) & (idx < e), idx, e)] = 1
+            torch.maximum(mask[:e], hit[:e], out=mask[:e])
 
     def _counted(self, union: tuple[int, ...] | None) -> tuple[int, ...] | None:
         """``union`` (None: every expert), counted in the union share."""

@@ -259,10 +259,16 @@ class GatherMeter:
         self.cached: dict[int, UnitStorage] = {}  # tag -> a gathered unit that is not persistent
         self.cached_bytes = 0
         self.cached_peak = 0
+        # a CUDA device whose allocator is read at each gather and free (the memory budget sets
+        # it), and the most it held there: this engine's peak where an earlier one hides it
+        self.device: torch.device | None = None
+        self.device_peak = 0
 
     def add(self, nbytes: int) -> None:
         self.live += nbytes
         self.peak = max(self.peak, self.live)
+        if self.device is not None:  # the caching allocator's counter: a host read, no device wait
+            self.device_peak = max(self.device_peak, int(torch.cuda.memory_allocated(self.device)))
 
     def gathered(self, u: UnitStorage) -> None:
         """``u``'s gather buffer exists from now on."""
