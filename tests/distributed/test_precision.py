@@ -233,3 +233,61 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(launch) -> None:
             assert r["skipped"] == 1 and r["was_skipped"] == [False, False, True, False, False], (stage, r)
             assert r["grad_err"] < 2e-2, (stage, r)
             assert "needs a scaled loss" in r["unscaled"], (stage, r)
+
+
+def _many_units_worker(rank: int, world: int) -> dict:
+    """More units than bf16 counts exactly (256): every gather's tag must still read back as the
+    unit's own (it raised a false UnitDivergence at unit 257), and training matches DDP+autocast."""
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zero_strategy as zs
+    from zero_strategy.config.blocks import LossScaleConfig
+
+    class Wide(nn.Module):
+        """``n`` small linears side by side: one unit each, outputs averaged (well scaled at any ``n``)."""
+
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return sum(layer(x) for layer in self.layers) / len(self.layers)
+
+    out = {}
+    for precision, dtype, n_units in (("bf16", torch.bfloat16, 300),):  # fp16's 2048: tests/unit/test_gather_tags.py
+
+        def train(mode: str, precision: str = precision, dtype: torch.dtype = dtype, n: int = n_units) -> list[float]:
+            torch.manual_seed(0)
+            model = Wide(n)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            if mode == "ddp":
+                net = DDP(model)
+            else:
+                scale = LossScaleConfig(loss_scale=1.0)  # static: DDP's reference has no scaler
+                cfg = zs.ZeroConfig(
+                    stage=3, precision=precision, stage3_param_persistence_threshold=0, loss_scale=scale
+                )
+                net, opt = zs.initialize(model, opt, config=cfg, policy={nn.Linear})
+            losses = []
+            for step in range(2):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                x = torch.randn(3, 4, generator=g)
+                with torch.autocast("cpu", dtype=dtype) if mode == "ddp" else torch.enable_grad():
+                    loss = net(x).float().pow(2).mean()
+                (loss if mode == "ddp" else opt.scale_loss(loss)).backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            return losses
+
+        ref, got = train("ddp"), train("zero")
+        out[precision] = {"rel": rel_error(got, ref), "got": got, "ref": ref}
+    return out
+
+
+def test_more_units_than_16bit_floats_count_gather_with_their_own_tags(launch) -> None:
+    for r in launch(_many_units_worker, 2, timeout=300):
+        for precision, v in r.items():
+            assert v["rel"] <= 5e-2, (precision, v)

@@ -354,9 +354,6 @@ class ZeroEngine(WholeModelState):
         others = [e for e in list(_LIVE) if e is not self and e.ctx.device == self.ctx.device]
         return sum(s["tier_device"] + s["comm_scratch"] for s in (e.memory_stats() for e in others))
 
-    def _step_label(self) -> str:
-        return f"step {self.step_count}"
-
     # -- queries ---------------------------------------------------------------------------
     def param_names(self) -> dict[int, str]:
         return self._names
@@ -743,27 +740,6 @@ class ZeroEngine(WholeModelState):
     def flat_offset(self, p: torch.Tensor) -> int | None:
         """Where :meth:`flat_value` starts, when not where ``torch.chunk`` puts it (uneven)."""
         return self.params.flat_offset(p)
-
-    def progress_state(self) -> dict[str, torch.Tensor]:
-        """The engine's own training progress, as tensors a checkpoint saves beside the shards."""
-        return {
-            "engine.step_count": torch.tensor(self.step_count, dtype=torch.int64),
-            "engine.loss_scale": torch.tensor(self.scaler.scale, dtype=torch.float64),
-            "engine.loss_scaler_counters": self.scaler.counters(),
-        }
-
-    def load_progress(self, state: dict[str, torch.Tensor]) -> None:
-        """Take back :meth:`progress_state` (the counters may be missing: an older checkpoint)
-        after the masters were loaded; the parameters follow the loaded masters."""
-        self.step_count = int(state["engine.step_count"])
-        self.opts.restart_round()
-        if self.zero3 is not None:
-            self.zero3.step = self._step_label()
-        if self.scaler.enabled:
-            self.scaler.scale = float(state["engine.loss_scale"])
-            if "engine.loss_scaler_counters" in state:
-                self.scaler.load_counters(state["engine.loss_scaler_counters"])
-        self.params.after_step(f"load ({self._step_label()})")
 
     def close(self) -> None:
         """Remove the engine's hooks (the model keeps its current parameters) and the swap files

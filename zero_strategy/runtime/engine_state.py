@@ -18,6 +18,7 @@ from zero_strategy.runtime.optimizer_set import OptimizerSet
 from zero_strategy.runtime.zero3 import UnitScheduler
 from zero_strategy.sharding.group import ShardGroup
 from zero_strategy.sharding.memory import model_state_bytes
+from zero_strategy.sharding.precision import LossScaler
 from zero_strategy.sharding.setup_checks import persistent_buffers
 from zero_strategy.sharding.unit import ParamStorage, ShardedParams
 from zero_strategy.storage.host_memory import HostPeak
@@ -26,7 +27,7 @@ __all__ = ["WholeModelState"]
 
 
 class WholeModelState:
-    """``load_full_state_dict`` and ``memory_stats`` of the engine."""
+    """``load_full_state_dict``, ``memory_stats`` and the progress state of the engine."""
 
     module: nn.Module
     params: ParamStorage
@@ -38,6 +39,8 @@ class WholeModelState:
     zero3: UnitScheduler | None
     budget: Budget | None
     init_peak: HostPeak
+    step_count: int
+    scaler: LossScaler
 
     def load_full_state_dict(self, get: Callable[[str], torch.Tensor], keys: list[str], *, strict: bool) -> None:
         """Copy full tensors into this rank's parameters, rows and masters, one at a time (a
@@ -103,3 +106,27 @@ class WholeModelState:
                     "gathered_bytes": meter.gathered_bytes} | cache_stats(self.zero3.cache, self.budget, sharded.units)  # fmt: skip
             out |= self.zero3.moe.entries()  # MoE experts units (sharding/experts.py)
         return out
+
+    def _step_label(self) -> str:
+        return f"step {self.step_count}"
+
+    def progress_state(self) -> dict[str, torch.Tensor]:
+        """The engine's own training progress, as tensors a checkpoint saves beside the shards."""
+        return {
+            "engine.step_count": torch.tensor(self.step_count, dtype=torch.int64),
+            "engine.loss_scale": torch.tensor(self.scaler.scale, dtype=torch.float64),
+            "engine.loss_scaler_counters": self.scaler.counters(),
+        }
+
+    def load_progress(self, state: dict[str, torch.Tensor]) -> None:
+        """Take back :meth:`progress_state` (the counters may be missing: an older checkpoint)
+        after the masters were loaded; the parameters follow the loaded masters."""
+        self.step_count = int(state["engine.step_count"])
+        self.opts.restart_round()
+        if self.zero3 is not None:
+            self.zero3.step = self._step_label()
+        if self.scaler.enabled:
+            self.scaler.scale = float(state["engine.loss_scale"])
+            if "engine.loss_scaler_counters" in state:
+                self.scaler.load_counters(state["engine.loss_scaler_counters"])
+        self.params.after_step(f"load ({self._step_label()})")

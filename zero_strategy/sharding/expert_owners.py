@@ -42,11 +42,12 @@ import torch
 
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.experts import ExpertRows, ExpertsModule, MoeStats, row_segments
+from zero_strategy.sharding.gather_checks import TAG
 from zero_strategy.sharding.group import ReducePlan
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.pieces import sharded_init_piece
 from zero_strategy.sharding.states import ShardedState
-from zero_strategy.sharding.unit import TAG, UnitStorage
+from zero_strategy.sharding.unit import UnitStorage
 
 __all__ = ["EXPERT_LAYOUTS", "OwnedExperts", "OwnerPick", "OwnerPlan", "owner_cuts", "unit_cuts"]
 
@@ -285,7 +286,7 @@ class OwnedExperts(ExpertRows):
         ).wait()
         starts = [sum(fetch.recv_sizes[:s]) for s in range(n)]
         tags = torch.stack([out[a + k - TAG : a + k] for a, k in zip(starts, fetch.recv_sizes)])  # no host copy
-        self._check_tags(tags[:, 0] + 128 * tags[:, 1], step, inp, out)
+        self._check_tags(tags, step, inp, out)
         self._gathered(fetch.moved)
         # every source's chunk, its tag left out; rows this rank did not select stay zeros
         self._fill([out[a : a + k - TAG] for a, k in zip(starts, fetch.recv_sizes)], fetch.recv)

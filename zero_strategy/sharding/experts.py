@@ -53,10 +53,11 @@ from zero_strategy.sharding.expert_detect import (
     find_expert_modules,
     select_experts,
 )
+from zero_strategy.sharding.gather_checks import TAG, UnitDivergence, read_tags, write_tag
 from zero_strategy.sharding.group import ReducePlan
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.states import ShardedState
-from zero_strategy.sharding.unit import TAG, UnitDivergence, UnitStorage
+from zero_strategy.sharding.unit import UnitStorage
 
 __all__ = [
     "SELECT_HOOK",
@@ -339,7 +340,7 @@ class ExpertRows:
         u._to(ShardedState.UNSHARDING, "a selective expert gather")
         C.all_gather(ctx, buf, slot, what=f"selected experts of {u.name} ({step})").wait()
         rows = buf.view(n, s)
-        self._check_tags(rows[:, -TAG] + 128 * rows[:, -1], step, buf)
+        self._check_tags(rows[:, -TAG:], step, buf)
         self._gathered(n * width)
         self._fill(list(rows), segs, kept)
         ctx.pool.put(buf)
@@ -356,16 +357,15 @@ class ExpertRows:
         return pos
 
     def _tag(self, out: torch.Tensor, pos: int) -> None:
-        """The unit's tag in ``TAG`` elements at ``pos`` (two, so that 16-bit floats carry it exactly)."""
-        out[pos] = self.unit.tag % 128
-        out[pos + 1] = self.unit.tag // 128
+        """The unit's tag in ``TAG`` elements at ``pos`` (digits that 16-bit floats carry exactly)."""
+        write_tag(out, pos, self.unit.tag)
 
-    def _check_tags(self, tags: torch.Tensor, step: str, *buffers: torch.Tensor) -> None:
-        """Every rank's tag (``GatherChecks``); on a divergence the ``buffers`` go back to the
+    def _check_tags(self, digits: torch.Tensor, step: str, *buffers: torch.Tensor) -> None:
+        """Every rank's tag digits (``[ranks, TAG]``, ``GatherChecks``); on a divergence the ``buffers`` go back to the
         pool and the unit stays sharded."""
         u = self.unit
         try:
-            u.checks.gathered(u, tags.round().long(), step)
+            u.checks.gathered(u, read_tags(digits), step)
         except UnitDivergence:
             for b in buffers:
                 self.ctx.pool.put(b)

@@ -29,14 +29,19 @@ import torch
 from torch import nn
 
 from zero_strategy.comm import collectives as C
+from zero_strategy.sharding.gather_checks import (
+    TAG,
+    GatherChecks,
+    UnitDivergence,
+    check_unit_count,
+    read_tags,
+    write_tag,
+)
 from zero_strategy.sharding.group import HostMasters, ShardGroup
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.pieces import (
-    check_placeholder,
-    is_placeholder,
     piece_of,
     placeholder,
-    written_while_sharded,
 )
 from zero_strategy.sharding.states import SHARDED_TRANSITIONS, ShardedState, check_transition
 from zero_strategy.storage.disk_rows import DiskRows, RowSwap
@@ -47,12 +52,6 @@ if TYPE_CHECKING:
     from zero_strategy.sharding.precision import Precision
 
 __all__ = ["ParamStorage", "ReplicatedParams", "ShardedParams", "ShardedState", "UnitDivergence", "UnitStorage"]
-
-TAG = 2  # tag elements appended to every rank's row
-
-
-class UnitDivergence(RuntimeError):
-    """Ranks gathered different ZeRO-3 units: a unit ran on some ranks and not on others."""
 
 
 class ParamStorage:
@@ -175,75 +174,6 @@ def refresh_masters(g: ShardGroup) -> None:
     for i, p in enumerate(g.params):
         if not g.master_is_view(i):
             g.masters[i].data.copy_(p.detach().reshape(-1)[slice(*g.layout.local_range(i))])
-
-
-class GatherChecks:
-    """The checks every ZeRO-3 gather makes (all ranks gathered this unit; no parameter was
-    written while it was sharded), shared by the units of one engine.
-
-    With ``deferred`` False each gather is checked as it completes (a host read per gather).
-    With ``deferred`` True (the scheduler's steady state) the comparisons stay on the device:
-    :meth:`flag` gives one element that is nonzero if any failed, for the caller's own
-    agreement (the gradient flags' all-reduce), and :meth:`report` raises the error of the
-    first failure on this rank; :meth:`check_now` reads the flag itself (a forward without
-    a backward)."""
-
-    MAX_PENDING = 4096  # deferred records kept before they are read (long accumulation)
-
-    def __init__(self, names: dict[int, str]) -> None:
-        self.names = names
-        self.deferred = False
-        self._bad: torch.Tensor | None = None
-        self._tags: list[tuple[str, int, torch.Tensor, str]] = []
-        self._written: list[tuple[list[str], torch.Tensor]] = []
-
-    def gathered(self, unit: UnitStorage, tags: torch.Tensor, step: str) -> None:
-        """``tags``: the unit tag each rank sent. Before the full parameters replace the placeholders."""
-        if not self.deferred:
-            found = [int(t) for t in tags.tolist()]
-            if any(t != unit.tag for t in found):
-                raise UnitDivergence(_divergence_message(unit.name, unit.tag, found, self.names, step))
-            for p, fqn in zip(unit.params, unit.fqns):
-                check_placeholder(p.data, fqn)
-            return
-        bad = (tags != unit.tag).any()
-        self._tags.append((unit.name, unit.tag, tags, step))
-        held = [(p.data, fqn) for p, fqn in zip(unit.params, unit.fqns) if is_placeholder(p.data)]
-        if held:
-            base = torch.cat([t.as_strided((1,), (1,), t.storage_offset()) for t, _ in held])
-            written = ~torch.isnan(base) if base.dtype.is_floating_point else base.ne(0)
-            self._written.append(([fqn for _, fqn in held], written))
-            bad = bad | written.any()
-        self._bad = bad if self._bad is None else self._bad | bad
-        if len(self._tags) > self.MAX_PENDING:
-            self.check_now()
-
-    def flag(self) -> torch.Tensor | None:
-        """One int32 element, nonzero if a deferred check failed (None: nothing pending)."""
-        return None if self._bad is None else self._bad.to(torch.int32).reshape(1)
-
-    def report(self, failed: bool) -> None:
-        """Forget what is pending; with ``failed`` (on some rank), raise this rank's error."""
-        tags, written = self._tags, self._written
-        self._bad, self._tags, self._written = None, [], []
-        if not failed:
-            return
-        for fqns, w in written:
-            for fqn, hit in zip(fqns, w.tolist()):
-                if hit:
-                    raise RuntimeError(written_while_sharded(fqn))
-        for name, tag, t, step in tags:
-            found = [int(v) for v in t.tolist()]
-            if any(v != tag for v in found):
-                raise UnitDivergence(_divergence_message(name, tag, found, self.names, step))
-        raise RuntimeError(
-            "another rank found a failed ZeRO-3 gather check in this step (diverged units or a parameter written "
-            "while sharded); its error names it"
-        )
-
-    def check_now(self) -> None:
-        if self._bad is not None:
-            self.report(bool(self._bad))
 
 
 class GatherMeter:
@@ -488,8 +418,7 @@ class UnitStorage:
         with self.resident():
             slot[:t].copy_(self.row)  # cast to the compute dtype (16-bit parameters)
             slot[t : s - TAG].copy_(self.frozen_row)
-        slot[-TAG] = self.tag % 128
-        slot[-1] = self.tag // 128
+        write_tag(slot, s - TAG, self.tag)
         self._buf, self._step = buf, step
         self._handle = C.all_gather(self.ctx, buf, slot, what=f"parameters of {self.name} ({step})")
         self._to(ShardedState.UNSHARDING, "unshard_async")
@@ -507,7 +436,7 @@ class UnitStorage:
         n, s = self.ctx.world_size, self.layout.shard_numel + TAG
         rows = self._buf.view(n, s)
         try:
-            self.checks.gathered(self, (rows[:, -TAG] + 128 * rows[:, -1]).round().long(), self._step)
+            self.checks.gathered(self, read_tags(rows[:, -TAG:]), self._step)
         except UnitDivergence:
             self.ctx.pool.put(self._buf)
             self._handle, self._buf = None, None
@@ -583,20 +512,6 @@ def _row_placeholder(row: torch.Tensor) -> torch.Tensor:
     return placeholder(torch.Size([n]), row.dtype, HOST) if n else torch.empty(0, dtype=row.dtype, device=HOST)
 
 
-def _divergence_message(unit: str, tag: int, tags: list[int], names: dict[int, str], step: str) -> str:
-    by_unit: dict[int, list[int]] = {}
-    for rank, t in enumerate(tags):
-        by_unit.setdefault(t, []).append(rank)
-    parts = [f"ranks {ranks} gathered {names.get(t, f'unit #{t}')}" for t, ranks in sorted(by_unit.items())]
-    return (
-        f"ZeRO-3 ranks diverged at {step}: {'; '.join(parts)}. A unit ran on some ranks and not on "
-        f"others (data-dependent routing such as MoE, or a branch only some ranks take), while gathering "
-        f"{unit} here. Fix: make the module that owns the conditional branch one unit, so all of it is "
-        "gathered together on every rank: decorate its class with @zero_auto_partition or pass it in "
-        "initialize(policy={...})."
-    )
-
-
 class ShardedParams(ParamStorage):
     """ZeRO-3: persistent rows per unit (frozen parameters included), full parameters only
     while a unit is gathered."""
@@ -639,6 +554,7 @@ class ShardedParams(ParamStorage):
         self.checks = GatherChecks(self.names)  # filled below; the scheduler sets ``deferred``
         total = sum(p.numel() for _, p in named if p.requires_grad)
         offloaded = rows_offloaded = 0
+        check_unit_count(len(members))
         for label, pending in members:
             unit_dtype(label, [p for _, p in pending], precision)
         for label, pending in members:

@@ -1,0 +1,146 @@
+"""The checks every ZeRO-3 gather makes, and the tag that lets it make them.
+
+Each rank appends a tag naming its unit to the row it sends, so every rank can see that all
+ranks gathered the same unit. Rows travel in the unit's compute dtype, which may be bf16 or
+fp16, and those count integers exactly only up to 256 (bf16) and 2048 (fp16). A tag is
+therefore written as ``TAG`` base-256 digits, each exact in every float dtype, and read back
+by converting the digits to int64 *before* combining them (a sum in bf16 would round again).
+``TAG`` digits name up to 256**TAG units; a model with more is refused when it is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from zero_strategy.sharding.pieces import check_placeholder, is_placeholder, written_while_sharded
+
+__all__ = ["MAX_TAG", "TAG", "GatherChecks", "UnitDivergence", "check_unit_count", "read_tags", "write_tag"]
+
+TAG = 2  # tag elements appended to every rank's row
+_BASE = 256  # every digit 0..255 is exact in bf16, fp16 and wider
+MAX_TAG = _BASE**TAG - 1
+
+
+class GatheredUnit(Protocol):
+    """What the checks read of a unit (``unit.UnitStorage``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def tag(self) -> int: ...
+    @property
+    def params(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def fqns(self) -> Sequence[str]: ...
+
+
+class UnitDivergence(RuntimeError):
+    """Ranks gathered different ZeRO-3 units: a unit ran on some ranks and not on others."""
+
+
+def check_unit_count(n: int) -> None:
+    """Refuse a model with more ZeRO-3 units than a tag names (tags are 1..n)."""
+    if n > MAX_TAG:
+        raise ValueError(
+            f"initialize(): the model has {n} ZeRO-3 units, more than the {MAX_TAG} a gather can name. "
+            "Fix: group blocks into fewer units (@zero_auto_partition on the block class, or "
+            "initialize(policy={BlockClass}))"
+        )
+
+
+def write_tag(out: torch.Tensor, pos: int, tag: int) -> None:
+    """Write ``tag`` (1..``MAX_TAG``) as ``TAG`` base-256 digits into ``out[pos : pos + TAG]``, least significant first."""
+    for k in range(TAG):
+        out[pos + k] = (tag // _BASE**k) % _BASE
+
+
+def read_tags(digits: torch.Tensor) -> torch.Tensor:
+    """The int64 tags of ``digits`` (``[ranks, TAG]``, as :func:`write_tag` wrote them), on the device."""
+    d = digits.round().long()
+    return sum((d[:, k] * _BASE**k for k in range(1, TAG)), d[:, 0])
+
+
+class GatherChecks:
+    """The checks every ZeRO-3 gather makes (all ranks gathered this unit; no parameter was
+    written while it was sharded), shared by the units of one engine.
+
+    With ``deferred`` False each gather is checked as it completes (a host read per gather).
+    With ``deferred`` True (the scheduler's steady state) the comparisons stay on the device:
+    :meth:`flag` gives one element that is nonzero if any failed, for the caller's own
+    agreement (the gradient flags' all-reduce), and :meth:`report` raises the error of the
+    first failure on this rank; :meth:`check_now` reads the flag itself (a forward without
+    a backward)."""
+
+    MAX_PENDING = 4096  # deferred records kept before they are read (long accumulation)
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names = names
+        self.deferred = False
+        self._bad: torch.Tensor | None = None
+        self._tags: list[tuple[str, int, torch.Tensor, str]] = []
+        self._written: list[tuple[list[str], torch.Tensor]] = []
+
+    def gathered(self, unit: GatheredUnit, tags: torch.Tensor, step: str) -> None:
+        """``tags``: the unit tag each rank sent. Before the full parameters replace the placeholders."""
+        if not self.deferred:
+            found = [int(t) for t in tags.tolist()]
+            if any(t != unit.tag for t in found):
+                raise UnitDivergence(_divergence_message(unit.name, unit.tag, found, self.names, step))
+            for p, fqn in zip(unit.params, unit.fqns):
+                check_placeholder(p.data, fqn)
+            return
+        bad = (tags != unit.tag).any()
+        self._tags.append((unit.name, unit.tag, tags, step))
+        held = [(p.data, fqn) for p, fqn in zip(unit.params, unit.fqns) if is_placeholder(p.data)]
+        if held:
+            base = torch.cat([t.as_strided((1,), (1,), t.storage_offset()) for t, _ in held])
+            written = ~torch.isnan(base) if base.dtype.is_floating_point else base.ne(0)
+            self._written.append(([fqn for _, fqn in held], written))
+            bad = bad | written.any()
+        self._bad = bad if self._bad is None else self._bad | bad
+        if len(self._tags) > self.MAX_PENDING:
+            self.check_now()
+
+    def flag(self) -> torch.Tensor | None:
+        """One int32 element, nonzero if a deferred check failed (None: nothing pending)."""
+        return None if self._bad is None else self._bad.to(torch.int32).reshape(1)
+
+    def report(self, failed: bool) -> None:
+        """Forget what is pending; with ``failed`` (on some rank), raise this rank's error."""
+        tags, written = self._tags, self._written
+        self._bad, self._tags, self._written = None, [], []
+        if not failed:
+            return
+        for fqns, w in written:
+            for fqn, hit in zip(fqns, w.tolist()):
+                if hit:
+                    raise RuntimeError(written_while_sharded(fqn))
+        for name, tag, t, step in tags:
+            found = [int(v) for v in t.tolist()]
+            if any(v != tag for v in found):
+                raise UnitDivergence(_divergence_message(name, tag, found, self.names, step))
+        raise RuntimeError(
+            "another rank found a failed ZeRO-3 gather check in this step (diverged units or a parameter written "
+            "while sharded); its error names it"
+        )
+
+    def check_now(self) -> None:
+        if self._bad is not None:
+            self.report(bool(self._bad))
+
+
+def _divergence_message(unit: str, tag: int, tags: list[int], names: dict[int, str], step: str) -> str:
+    by_unit: dict[int, list[int]] = {}
+    for rank, t in enumerate(tags):
+        by_unit.setdefault(t, []).append(rank)
+    parts = [f"ranks {ranks} gathered {names.get(t, f'unit #{t}')}" for t, ranks in sorted(by_unit.items())]
+    return (
+        f"ZeRO-3 ranks diverged at {step}: {'; '.join(parts)}. A unit ran on some ranks and not on "
+        f"others (data-dependent routing such as MoE, or a branch only some ranks take), while gathering "
+        f"{unit} here. Fix: make the module that owns the conditional branch one unit, so all of it is "
+        "gathered together on every rank: decorate its class with @zero_auto_partition or pass it in "
+        "initialize(policy={...})."
+    )
