@@ -330,6 +330,82 @@ def test_torch_compile_of_the_wrapped_model_matches_eager(launch) -> None:
         assert len(frames) == 2 and all(f > 0 for f in frames), frames  # dynamo compiled frames at stage 2 and 3
 
 
+def _inductor_worker(rank: int, world: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zero_strategy as zs
+    from zero_strategy.models import GPT, GPTConfig, synthetic_batch
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layer=2, n_head=4)
+
+    def train(net: torch.nn.Module, opt: torch.optim.Optimizer, counter: CompileCounterWithBackend | None) -> list:
+        losses, frames = [], []
+        for step in range(3):
+            x, y = synthetic_batch(cfg, 2, step, seed=rank)
+            loss = F.cross_entropy(net(x).view(-1, 64), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            frames.append(counter.frame_count if counter is not None else 0)
+        return [losses, frames]
+
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    ref_losses, _ = train(DDP(ref), torch.optim.SGD(ref.parameters(), lr=0.1), None)
+    out = {}
+    # stage 3 with units freed between uses (threshold 0) and kept (the default keeps this tiny model's units)
+    for stage, threshold in ((2, None), (3, None), (3, 0)):
+        extra = {} if threshold is None else {"stage3_param_persistence_threshold": threshold}
+        for order in ("before", "after"):
+            torch._dynamo.reset()  # each case compiles (and is counted) on its own
+            counter = CompileCounterWithBackend("inductor")  # inductor's compile_fx, counted
+            torch.manual_seed(0)
+            m = GPT(cfg)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            if order == "before":
+                m = torch.compile(m, backend=counter, mode="default")
+            m, opt = zs.initialize(m, opt, config=zs.ZeroConfig(stage=stage, **extra))
+            net = torch.compile(m, backend=counter, mode="default") if order == "after" else m
+            losses, frames = train(net, opt, counter)
+            what = f"stage {stage}, threshold {threshold}, compiled {order} initialize"
+            assert_close(losses, ref_losses, rtol=1e-5, what=f"{what}: losses")
+            with zs.gathered_parameters(m):
+                for a, b in zip(m.parameters(), ref.parameters(), strict=True):
+                    assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6, what=f"{what}: parameters")
+            m.zero_engine.close()
+            out[what] = frames
+    return out
+
+
+def _inductor_unavailable() -> str | None:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()  # raises without a C++ compiler (inductor's CPU code needs one)
+    except Exception as e:  # any failure: inductor cannot build here
+        return f"torch inductor cannot compile C++ here: {type(e).__name__}: {e}"
+    return None
+
+
+def test_torch_compile_with_inductor_before_and_after_initialize_matches_ddp(launch) -> None:
+    """torch.compile with inductor (torch's default backend), of the model before ``initialize``
+    or of the wrapped model after it: the engine's hooks run eagerly, the module bodies are
+    compiled by inductor, and losses and parameters match eager DDP at ZeRO-2 and ZeRO-3 (units
+    kept or freed between uses). Every case compiled frames in its first step and none later
+    (no recompilation each step, no silent fallback to eager)."""
+    reason = _inductor_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    for cases in launch(_inductor_worker, 2, timeout=600):
+        assert len(cases) == 6, cases
+        for what, frames in cases.items():
+            assert frames[0] > 0 and frames[-1] == frames[0], (what, frames)
+
+
 def _order_change_worker(rank: int, world: int) -> dict:
     import logging
 

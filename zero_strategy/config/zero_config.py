@@ -479,7 +479,7 @@ IGNORED_WHY = {
     "torch_autocast": "not implemented as a block: its mode (fp32 parameters, the forward under autocast) is the "
     "precision 'bf16-mixed' or '16-mixed': initialize(..., precision='bf16-mixed') or the front-end's mixed "
     "precision (docs/precision.md); bf16: {enabled: true} gives 16-bit parameters instead",
-    "compile": "not implemented (DeepCompile); torch.compile the model after initialize (docs/advanced.md)",
+    "compile": "not implemented (DeepCompile); torch.compile the model, before or after initialize (docs/advanced.md)",
     "tensor_parallel": "not implemented (AutoTP): zero_strategy shards data parallel only",
     "expert_parallel": "not implemented (AutoEP); zero_strategy gathers only the selected experts at ZeRO-3 "
     "(docs/moe.md)",

@@ -51,6 +51,7 @@ from zero_strategy.reduction.grads import (
     ReduceInBackward,
 )
 from zero_strategy.runtime.budget import Budget
+from zero_strategy.runtime.compile_support import eager
 from zero_strategy.runtime.compressed_adam import adam_direction
 from zero_strategy.runtime.engine_state import WholeModelState
 from zero_strategy.runtime.optimizer_set import OptimizerSet, key
@@ -379,8 +380,9 @@ class ZeroEngine(WholeModelState):
     # -- hooks (all of them registered here) --------------------------------------------------
     def _install_hooks(self) -> None:
         m = self.module
-        self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-        self._hooks.append(m.register_forward_hook(self._post_forward, always_call=True))
+        self._hooks.append(m.register_forward_pre_hook(eager(self._pre_forward)))
+        self._hooks.append(m.register_forward_hook(eager(self._post_forward), always_call=True))
+        self.root_done = eager(self.root_call_done)  # called by ZeroModule.__call__ (compile_support.py)
         self._schedule_hooks = self._install_schedule_hooks()
         self._calls: Zero3Hooks | None = None
         if self.zero3 is not None:  # each unit's forward, and submodules called outside the model's forward
@@ -427,12 +429,6 @@ class ZeroEngine(WholeModelState):
             return  # calling self(x)): the outermost call gathers and records (depth: ZeroModule.__call__)
         if self.step_depth and not self.internal_step:
             self.reset_step_calls()  # a step that raised left its count behind: no step spans a forward
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                "torch.compile of a model wrapped by zero_strategy.initialize is not supported yet (the engine's "
-                "hooks communicate and swap parameter storage). Compile the blocks before initialize, e.g. "
-                "`for b in model.blocks: b.compile()`, or run the wrapped model eagerly."
-            )
         if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
             self._abort_backward()  # the last backward raised before its end: start clean
         if self._calls is not None:

@@ -46,11 +46,11 @@ class ZeroModule(_ModuleBase):
         except BaseException:
             eng._root_depth = depth
             if depth == 0:
-                eng.root_call_done(ok=False)
+                eng.root_done(ok=False)
             raise
         eng._root_depth = depth
         if depth == 0:
-            eng.root_call_done(ok=True)
+            eng.root_done(ok=True)
         return out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from zero_strategy.runtime.compile_support import eager, hook_caller
 from zero_strategy.runtime.zero3 import UnitScheduler
 from zero_strategy.sharding.experts import SELECT_HOOK, ExpertRows
 from zero_strategy.sharding.pieces import is_placeholder
@@ -92,24 +93,25 @@ class Zero3Hooks:
                 slot: OrderedDict[int, Any] = OrderedDict()  # RemovableHandle keeps a weak reference
                 setattr(listed.found.module, SELECT_HOOK, slot)
                 handle = RemovableHandle(slot)  # closing the engine empties the slot
-                slot[handle.id] = functools.partial(self.scheduler.expert_pre_forward, listed)
+                slot[handle.id] = eager(functools.partial(self.scheduler.expert_pre_forward, listed))
                 handles.append(handle)
         for sub in root.modules():
             if sub is root or next(sub.parameters(), None) is None:
                 continue
             pre = functools.partial(self._outside_pre_forward, enclosing.get(id(sub)))
-            handles.append(sub.register_forward_pre_hook(pre))
+            handles.append(sub.register_forward_pre_hook(eager(pre)))
             unit = units.get(id(sub))
             if unit is not None:
                 pre_unit = functools.partial(self._unit_pre_forward, unit)
                 post_unit = functools.partial(self._unit_post_forward, unit)
-                handles.append(sub.register_forward_pre_hook(pre_unit, with_kwargs=True))
-                handles.append(sub.register_forward_hook(post_unit, with_kwargs=True))
+                handles.append(sub.register_forward_pre_hook(eager(pre_unit), with_kwargs=True))
+                handles.append(sub.register_forward_hook(eager(post_unit), with_kwargs=True))
             x = self.scheduler.experts.get(id(sub))
             if x is not None and not x.found.members:  # an MoE experts module: gathered by the router's selection
-                handles.append(sub.register_forward_pre_hook(functools.partial(self._expert_pre, x), with_kwargs=True))
-                handles.append(sub.register_forward_hook(functools.partial(self._expert_post, x)))
-            handles.append(sub.register_forward_hook(self._outside_post_forward, always_call=True))
+                expert_pre = eager(functools.partial(self._expert_pre, x))
+                handles.append(sub.register_forward_pre_hook(expert_pre, with_kwargs=True))
+                handles.append(sub.register_forward_hook(eager(functools.partial(self._expert_post, x))))
+            handles.append(sub.register_forward_hook(eager(self._outside_post_forward), always_call=True))
         return handles
 
     # -- MoE experts modules ---------------------------------------------------------------
@@ -163,7 +165,7 @@ class Zero3Hooks:
         if self._in_root_call() or torch._C._current_graph_task_id() != -1:
             return  # inside the model's forward, or a recomputation inside backward
         self._depth = 1  # first: the post hook (always called) closes the call even if what follows raises
-        self._frame = sys._getframe(1)  # the module call's own frame: it runs the forward too
+        self._frame = hook_caller()  # the module call's own frame: it runs the forward too
         self._call_started()
         self.scheduler.outside_pre_forward(enclosing)
 
