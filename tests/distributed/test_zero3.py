@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from zero_strategy.testing import assert_close, assert_state_close, run_subtests
@@ -287,13 +289,30 @@ def test_reuse_distance_keeps_a_unit_that_runs_again_soon(launch) -> None:
         assert calls[0] - calls[10**9] == 1, calls
 
 
+def _train_gpt(net: Any, opt: Any, cfg: Any, rank: int, counter: Any = None) -> tuple[list, list]:
+    """Three steps of the tiny GPT: the losses, and the frames ``counter`` had compiled after each."""
+    import torch.nn.functional as F
+
+    from zero_strategy.models import synthetic_batch
+
+    losses, frames = [], []
+    for step in range(3):
+        x, y = synthetic_batch(cfg, 2, step, seed=rank)
+        loss = F.cross_entropy(net(x).view(-1, 64), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        frames.append(counter.frame_count if counter is not None else 0)
+    return losses, frames
+
+
 def _compile_worker(rank: int, world: int) -> list[bool]:
     import torch
-    import torch.nn.functional as F
     from torch._dynamo.testing import CompileCounterWithBackend
 
     import zero_strategy as zs
-    from zero_strategy.models import GPT, GPTConfig, synthetic_batch
+    from zero_strategy.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layer=2, n_head=4)
     ok = []
@@ -305,14 +324,7 @@ def _compile_worker(rank: int, world: int) -> list[bool]:
             m = GPT(cfg)
             m, opt = zs.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), config=zs.ZeroConfig(stage=stage))
             net = torch.compile(m, backend=counter) if compiled else m
-            losses = []
-            for step in range(3):
-                x, y = synthetic_batch(cfg, 2, step, seed=rank)
-                loss = F.cross_entropy(net(x).view(-1, 64), y.reshape(-1))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses, _ = _train_gpt(net, opt, cfg, rank)
             with zs.gathered_parameters(m):
                 runs.append((losses, [p.detach().clone() for p in m.parameters()]))
             m.zero_engine.close()
@@ -332,30 +344,16 @@ def test_torch_compile_of_the_wrapped_model_matches_eager(launch) -> None:
 
 def _inductor_worker(rank: int, world: int) -> dict:
     import torch
-    import torch.nn.functional as F
     from torch._dynamo.testing import CompileCounterWithBackend
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import zero_strategy as zs
-    from zero_strategy.models import GPT, GPTConfig, synthetic_batch
+    from zero_strategy.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layer=2, n_head=4)
-
-    def train(net: torch.nn.Module, opt: torch.optim.Optimizer, counter: CompileCounterWithBackend | None) -> list:
-        losses, frames = [], []
-        for step in range(3):
-            x, y = synthetic_batch(cfg, 2, step, seed=rank)
-            loss = F.cross_entropy(net(x).view(-1, 64), y.reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            frames.append(counter.frame_count if counter is not None else 0)
-        return [losses, frames]
-
     torch.manual_seed(0)
     ref = GPT(cfg)
-    ref_losses, _ = train(DDP(ref), torch.optim.SGD(ref.parameters(), lr=0.1), None)
+    ref_losses, _ = _train_gpt(DDP(ref), torch.optim.SGD(ref.parameters(), lr=0.1), cfg, rank)
     out = {}
     # stage 3 with units freed between uses (threshold 0) and kept (the default keeps this tiny model's units)
     for stage, threshold in ((2, None), (3, None), (3, 0)):
@@ -370,7 +368,7 @@ def _inductor_worker(rank: int, world: int) -> dict:
                 m = torch.compile(m, backend=counter, mode="default")
             m, opt = zs.initialize(m, opt, config=zs.ZeroConfig(stage=stage, **extra))
             net = torch.compile(m, backend=counter, mode="default") if order == "after" else m
-            losses, frames = train(net, opt, counter)
+            losses, frames = _train_gpt(net, opt, cfg, rank, counter)
             what = f"stage {stage}, threshold {threshold}, compiled {order} initialize"
             assert_close(losses, ref_losses, rtol=1e-5, what=f"{what}: losses")
             with zs.gathered_parameters(m):
