@@ -865,3 +865,12 @@ def test_illegal_transitions_are_named() -> None:
         match=r"wait_unshard of unit 'blocks.0' moves it to UNSHARDED, which needs state UNSHARDING, but it is SHARDED",
     ):
         unit.wait_unshard({})
+
+
+def test_shard_size_must_divide_the_world():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"shard_size=2 does not divide the world size 1; .*sizes at 1 ranks: 1 "):
+        zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=zs.ZeroConfig(shard_size=2))
+    model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config=zs.ZeroConfig(shard_size=1))
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()  # one rank, one group of one: the flat layout

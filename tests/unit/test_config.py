@@ -472,6 +472,30 @@ def test_recent_deepspeed_keys_are_recognised_and_reported_as_not_implemented(tm
     assert "MoE" in why["zero_optimization.leaf_module"] and "moe.md" in why["zero_optimization.leaf_module"]
 
 
+def test_mics_shard_size_is_our_shard_size(tmp_path):
+    from zero_strategy.config.report import check_file
+
+    d = {"zero_optimization": {"stage": 3, "mics_shard_size": 8, "mics_hierarchical_params_gather": True}}
+    with pytest.warns(UserWarning) as record:
+        cfg = ZeroConfig.from_dict(d, source="ds.json")
+    assert cfg.shard_size == 8 and cfg.explicitly_set("shard_size")
+    message = next(str(w.message) for w in record if "does not implement" in str(w.message))
+    assert "mics_hierarchical_params_gather" in message and "mics_shard_size" not in message
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(d))
+    why = dict(check_file(str(path)).ignored)
+    assert "zero_optimization.mics_shard_size" not in why
+    assert "shard group" in why["zero_optimization.mics_hierarchical_params_gather"]
+    assert ZeroConfig.from_dict({"zero_optimization": {"mics_shard_size": -1}}).shard_size is None  # DeepSpeed's off
+    assert ZeroConfig(shard_size="4").shard_size == 4 and ZeroConfig().shard_size is None
+    assert ZeroConfig.from_dict(ZeroConfig(shard_size=2).to_dict()).shard_size == 2  # the flat form
+    with pytest.raises(ValueError, match="0 is not a shard size"):
+        ZeroConfig(shard_size=0)
+    both = {"zero_optimization": {"mics_shard_size": 2}, "zero_strategy": {"shard_size": 4}}
+    with pytest.raises(ValueError, match="conflicts with zero_optimization.mics_shard_size=2"):
+        ZeroConfig.from_dict(both)
+
+
 def test_legacy_cpu_offload_means_optimizer_offload():
     cfg = ZeroConfig.from_dict(
         {"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}}

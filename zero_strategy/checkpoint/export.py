@@ -143,7 +143,7 @@ def export_full(
         else:
             _write_safetensors(out_file, entries, read)
         return out_file
-    rank = get_engine(source).ctx.rank
+    rank = get_engine(source).world.rank  # one writer, also with shard groups
     entries, read = _live_entries(source, dtype)
     if fmt == "pt":
         full = {n: read(n).to(d) for n, _, d in entries}
@@ -178,7 +178,7 @@ def full_state_dict(
     if not isinstance(model, nn.Module):
         entries, read_saved = _checkpoint_entries(os.fspath(model), dtype)
         return {n: read_saved(n).to(device=device, dtype=d).reshape(s) for n, s, d in entries}
-    keep = not rank0_only or get_engine(model).ctx.rank == 0
+    keep = not rank0_only or get_engine(model).world.rank == 0
     entries, read = _live_entries(model, dtype)
     live = model.state_dict(keep_vars=True)
     out: dict[str, torch.Tensor] = {}

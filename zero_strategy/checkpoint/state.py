@@ -67,6 +67,7 @@ from zero_strategy.checkpoint.versions import (
 from zero_strategy.comm import collectives as C
 from zero_strategy.runtime.engine import ZeroEngine
 from zero_strategy.runtime.module import get_engine
+from zero_strategy.runtime.shard_groups import refuse_checkpoint
 from zero_strategy.sharding.setup_checks import persistent_buffers
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -341,6 +342,7 @@ def save_checkpoint(
             raise ValueError(f"save_checkpoint(objects={{{key!r}: ...}}): use a plain identifier as the name")
     started = time.perf_counter()
     engine = get_engine(model)
+    refuse_checkpoint(engine, "save_checkpoint()")
     optimizers = _optimizers(optimizer, engine, "save_checkpoint()")
     engine.wait_for_reductions()
     explicit = tag is not None
@@ -597,6 +599,7 @@ def load_checkpoint(
     (:class:`SafeFileSystemReader`)."""
     started = time.perf_counter()
     engine = get_engine(model)
+    refuse_checkpoint(engine, "load_checkpoint()")
     optimizers = _optimizers(optimizer, engine, "load_checkpoint()")
     failure: BaseException | None = None
     resolved = os.fspath(path)

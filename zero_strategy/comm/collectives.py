@@ -50,6 +50,8 @@ __all__ = [
     "make_context",
     "reduce_scatter",
     "reset_comm_stats",
+    "solo_context",
+    "split_groups",
 ]
 
 
@@ -322,6 +324,44 @@ def bounded_group(ctx: CommContext) -> dist.ProcessGroup | None:
         )
         _BOUNDED[key] = made
     return made[1]
+
+
+# (the default group it was made under, the group) by global ranks: made once per process
+_SPLIT: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
+
+
+def split_groups(ctx: CommContext, shard_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's two subgroups of ``ctx``'s group for shard groups of ``shard_size`` ranks:
+    its shard group (group ranks ``[g*s, (g+1)*s)``) and its replica group (the ranks with the
+    same index in every shard group). Collective over ``ctx``'s group: every member makes its
+    shard group first, then its replica group (one global order, as torch asks of groups made
+    with local synchronisation); each group is made once per process and default group."""
+    s, n = shard_size, ctx.world_size
+    if n % s:
+        raise ValueError(f"split_groups: shard_size {s} does not divide the group's {n} ranks")
+    mine = ctx.rank
+    shard = ctx.global_ranks[mine - mine % s : mine - mine % s + s]
+    replica = ctx.global_ranks[mine % s :: s]
+    world = dist.distributed_c10d._get_default_group()
+    out = []
+    for ranks in (shard, replica):
+        made = _SPLIT.get(ranks)
+        if made is None or made[0] is not world:
+            made = (
+                world,
+                dist.new_group(list(ranks), timeout=group_timeout(ctx.group), use_local_synchronization=True),
+            )
+            _SPLIT[ranks] = made
+        out.append(made[1])
+    return out[0], out[1]
+
+
+def solo_context(ctx: CommContext) -> CommContext:
+    """A one-rank context beside ``ctx`` (same device, timeout and buffers): its collectives
+    are no-ops (the replica group of a flat layout)."""
+    me = ctx.global_ranks[ctx.rank] if ctx.global_ranks else 0
+    return CommContext(None, 0, 1, ctx.timeout, ctx.impl, ctx.device, ctx.pool, global_ranks=(me,),
+                       timed_wait=ctx.timed_wait)  # fmt: skip
 
 
 class Handle:

@@ -105,6 +105,21 @@ def _layer_bytes(value: Any, where: str) -> int:
     return int(n)
 
 
+def _to_shard_size(value: Any, where: str) -> int | None:
+    """Ranks per shard group (runtime/shard_groups.py); None or -1 (DeepSpeed's "off"): one group of all ranks."""
+    if value is None:
+        return None
+    n = to_int(value, where, minimum=None)
+    if n == -1:
+        return None
+    if n < 1:
+        raise ValueError(
+            f"{where}: {n} is not a shard size; give the number of ranks in each shard group (a divisor of the "
+            "world size), or -1 / None to shard over all ranks"
+        )
+    return n
+
+
 _GATHER_CHECKS = ("auto", "immediate", "deferred")
 _EXPERT_LAYOUTS = ("sharded", "owners")  # sharding/expert_owners.py
 
@@ -211,6 +226,9 @@ class ZeroConfig:
     load_balance: LoadBalanceConfig = setting(
         LoadBalanceConfig(), read=_nested(LoadBalanceConfig, "preset", (str,)), ds=_OWN
     )
+    # shard groups (hybrid sharding, runtime/shard_groups.py): ranks per group that shards the model
+    # state, replicated across groups; None: one group of all ranks. DeepSpeed: mics_shard_size
+    shard_size: int | None = setting(None, _to_shard_size, ds=_OWN)
     # the memory budget and its three tiers, ZeRO-3 (memory.py; its cache: sharding/cache.py)
     memory: MemoryConfig = setting(MemoryConfig(), read=_nested(MemoryConfig, "budget", (str, int, float)), ds=_OWN)
     _explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
@@ -452,11 +470,12 @@ def _ds_keys() -> dict[str, dict[str, str]]:
 
 
 _DS_KEYS = _ds_keys()
+_MICS = "mics_shard_size"  # DeepSpeed's name of shard_size (read by _DeepSpeedReader.read)
 _ZERO_BLOCK_LEGACY = ("cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")  # read by _zero_block
 _ZERO_BLOCK_IGNORED = (
     "round_robin_gradients", "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
     "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
-    "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather",
+    "zero_quantized_nontrainable_weights", "mics_hierarchical_params_gather",
     "memory_efficient_linear", "stage3_module_granularity_threshold", "use_multi_rank_bucket_allreduce",
     "log_trace_cache_warnings",
     "legacy_stage1", "pipeline_loading_checkpoint", "override_module_apply", "use_all_reduce_for_fetch_params",
@@ -479,6 +498,9 @@ IGNORED_WHY = {
     "torch_autocast": "not implemented as a block: its mode (fp32 parameters, the forward under autocast) is the "
     "precision 'bf16-mixed' or '16-mixed': initialize(..., precision='bf16-mixed') or the front-end's mixed "
     "precision (docs/precision.md); bf16: {enabled: true} gives 16-bit parameters instead",
+    f"{_ZO}.mics_hierarchical_params_gather": "not implemented (MiCS's two-hop parameter all-gather, within the "
+    "node first and then across nodes); with mics_shard_size each ZeRO-3 gather stays inside its shard group "
+    "already (docs/advanced.md, shard groups)",
     "compile": "not implemented (DeepCompile); torch.compile the model, before or after initialize (docs/advanced.md)",
     "tensor_parallel": "not implemented (AutoTP): zero_strategy shards data parallel only",
     "expert_parallel": "not implemented (AutoEP); zero_strategy gathers only the selected experts at ZeRO-3 "
@@ -551,8 +573,13 @@ class _DeepSpeedReader:
         top = check_keys(d, "", self.source, _DS_TOP_KEYS, (*_FRONTEND_KEYS, *_TOP_IGNORED), moved=moved)
         self.frontend = [key for key in top if key in _FRONTEND_KEYS]
         self.ignored += [key for key in top if key in _TOP_IGNORED]
-        zero = self._offload_ignored(self.block(d, _ZO, (*_DS_KEYS[_ZO], *_ZERO_BLOCK_LEGACY), _ZERO_BLOCK_IGNORED))
+        zero = self._offload_ignored(
+            self.block(d, _ZO, (*_DS_KEYS[_ZO], *_ZERO_BLOCK_LEGACY, _MICS), _ZERO_BLOCK_IGNORED)
+        )
         self._legacy_offload(zero)
+        if zero.get(_MICS) is not None and not is_auto(zero[_MICS]):  # MiCS's shard groups: our shard_size
+            size = attempt(apply_rule, _to_shard_size, zero[_MICS], f"{_ZO}.{_MICS}", self.source)
+            self.put("shard_size", None if size is FAILED else size, f"{_ZO}.{_MICS}")
         own = self.block(d, _OWN, (*_DS_KEYS[_OWN], *(key for block, key in _REDUCE_DTYPE_KEYS if block == _OWN)))
         for path, block in ((_ZO, zero), (_OWN, own), (_TOP, d)):
             self.put_fields(block, path)

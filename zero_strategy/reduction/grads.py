@@ -129,11 +129,17 @@ class GradReducer:
         grad_factor: Callable[[], float],
         describe_step: Callable[[], str],
         compression: ErrorFeedback | None = None,
+        replica: C.CommContext | None = None,
+        world: C.CommContext | None = None,
     ) -> None:
         self.groups = list(groups)
         self.compression = compression  # top-k with error feedback (compression.py), or None
         self._warned_dense = False
         self.ctx = ctx
+        # shard groups (runtime/shard_groups.py): each shard is all-reduced across ``replica`` after
+        # its reduce-scatter in ``ctx``; flags that every rank must agree on go over ``world``
+        self.replica = replica if replica is not None else C.solo_context(ctx)
+        self.world = world if world is not None else ctx
         self.max_in_flight = max_in_flight  # reductions left running while backward goes on
         self._grad_factor = grad_factor
         self._describe_step = describe_step
@@ -223,7 +229,7 @@ class GradReducer:
         else:
             rows.pack(grads, inp)
         if _narrow(g) and fb is None:  # as DDP's compress hooks: divided before the 16-bit sum (no overflow)
-            inp.div_(n)
+            inp.div_(self.world.world_size)
         for p in g.params:
             p.grad = None  # the full gradient is not kept once it is in the bucket
         while self._in_flight and len(self._in_flight) >= max(self.max_in_flight, 1):  # bounded scratch
@@ -258,9 +264,11 @@ class GradReducer:
                 raise AssertionError(f"rank {self.ctx.rank}: a reduction of {g.name} lost its buffers")
             self.ctx.pool.put(f.inp)
             scratch = f.out if f.rows is None else f.rows.combine(self.ctx, f.out)
+            if self.replica.distributed:  # shard groups: the same shard of every group, summed
+                C.all_reduce(self.replica, scratch, what=f"{f.handle.what} across shard groups").wait()
             if _narrow(g):  # divided by the world size already; the loss scale comes off in the master dtype
                 out = scratch.to(device=g.master_device, dtype=g.master_dtype)
-                rest = self._grad_factor() * self.ctx.world_size
+                rest = self._grad_factor() * self.world.world_size
                 if rest != 1.0:
                     out.mul_(rest)
             else:
@@ -293,7 +301,7 @@ class GradReducer:
         extra = check.flag() if check is not None else None
         if check is not None:  # its slot on every rank, pending or not: the all-reduce has one length
             flags = torch.cat([flags, (extra if extra is not None else flags.new_zeros(1)).to(flags.dtype)])
-        C.all_reduce(self.ctx, flags, op="max", what=f"gradient flags ({self._describe_step()})").wait()
+        C.all_reduce(self.world, flags, op="max", what=f"gradient flags ({self._describe_step()})").wait()
         values = flags.tolist()  # the step's one host read of the flags
         if check is not None:
             check.report(bool(values[-1]))
@@ -325,7 +333,7 @@ class GradReducer:
         for g in self.groups:
             if g.grad_valid:  # compared where the shard is; no host read per group
                 flag |= (~torch.isfinite(g.grad_shard).all()).to(device=flag.device, dtype=flag.dtype)
-        C.all_reduce(self.ctx, flag, op="max", what=f"overflow check ({self._describe_step()})").wait()
+        C.all_reduce(self.world, flag, op="max", what=f"overflow check ({self._describe_step()})").wait()
         overflow = bool(flag.item())  # the fp16 step's one more host read
         if overflow and self.compression is not None:
             self.compression.reset()  # the residuals hold the overflow too: the skipped step drops them
@@ -468,7 +476,7 @@ class GradReducer:
         if not self.num_params:
             return
         flags = flags.to(self.ctx.device)
-        C.all_reduce(self.ctx, flags, op="max", what=f"gradient flags ({self._describe_step()})").wait()
+        C.all_reduce(self.world, flags, op="max", what=f"gradient flags ({self._describe_step()})").wait()
         used = flags.cpu().bool().tolist()
         pending: deque[tuple[ShardGroup, C.Handle, torch.Tensor, list[bool]]] = deque()
 
@@ -476,7 +484,7 @@ class GradReducer:
             g, h, buf, mask = entry
             h.wait()
             if not _narrow(g):
-                buf.mul_(1.0 / self.ctx.world_size)
+                buf.mul_(1.0 / self.world.world_size)
             off = 0
             for p, m in zip(g.params, mask):
                 n = p.numel()
@@ -506,11 +514,11 @@ class GradReducer:
                     buf[off : off + n].copy_(p.grad.reshape(-1))
                 off += n
             if _narrow(g):
-                buf.div_(self.ctx.world_size)
+                buf.div_(self.world.world_size)
             pending.append(
                 (
                     g,
-                    C.all_reduce(self.ctx, buf, op="sum", what=f"gradients of {g.name} ({self._describe_step()})"),
+                    C.all_reduce(self.world, buf, op="sum", what=f"gradients of {g.name} ({self._describe_step()})"),
                     buf,
                     mask,
                 )

@@ -56,6 +56,7 @@ from zero_strategy.runtime.compressed_adam import adam_direction
 from zero_strategy.runtime.engine_state import WholeModelState
 from zero_strategy.runtime.optimizer_set import OptimizerSet, key
 from zero_strategy.runtime.placement import resolve_ratios
+from zero_strategy.runtime.shard_groups import refuse_experts, refuse_modifier_rank, shard_contexts
 from zero_strategy.runtime.torch_clipping import LiveEngines
 from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
 from zero_strategy.runtime.zero3_hooks import Zero3Hooks, refuse_load_state_dict, refuse_sharded_state_dict
@@ -126,7 +127,8 @@ class ZeroEngine(WholeModelState):
         self.module = module
         self.config = config
         first = next(module.parameters(), None)
-        self.ctx = C.make_context(
+        # the whole group; after the setup agreement self.ctx becomes the shard group's (shard_groups.py)
+        self.world = self.ctx = C.make_context(
             process_group,
             config.comm_timeout,
             config.collective_impl,
@@ -179,7 +181,9 @@ class ZeroEngine(WholeModelState):
         owned = {pid: type(e.module).__name__ for e in list(_LIVE) for pid in e._names}
         check_params(named, self.ctx, owned)
         agree_on_setup(self.ctx, config, named)
+        self.ctx, self.replica = shard_contexts(self.world, config, built_sharded=built_sharded)
         self._build(named, policy)
+        refuse_experts(self.replica, self.groups)
         self._master: dict[int, torch.Tensor] = {}
         for g in self.groups:
             for p, m in zip(g.params, g.masters):
@@ -188,7 +192,9 @@ class ZeroEngine(WholeModelState):
             self.groups,
             self.ctx,
             max_in_flight=2 if config.overlap_comm else 0,
-            grad_factor=lambda: 1.0 / (self.ctx.world_size * self.scaler.scale),
+            grad_factor=lambda: 1.0 / (self.world.world_size * self.scaler.scale),
+            replica=self.replica,
+            world=self.world,
             describe_step=self._step_label,
             compression=build_compression(config.compression, self.groups, self.ctx, steps=lambda: self.step_count),
         )
@@ -242,7 +248,7 @@ class ZeroEngine(WholeModelState):
         def sync(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor] = ()) -> None:
             full = [p for p in params if sharded_init_piece(p) is None]  # sharded_init: pieces of one init
             C.broadcast_coalesced(
-                self.ctx, full + list(buffers), what="initial module state", keep_equal=True, on_bucket=peak.mark
+                self.world, full + list(buffers), what="initial module state", keep_equal=True, on_bucket=peak.mark
             )
 
         peak = self.init_peak
@@ -436,7 +442,7 @@ class ZeroEngine(WholeModelState):
         if self._sync_buffers_next and module.training:
             buffers = list(module.buffers())
             if buffers:  # like DDP's broadcast_buffers: rank 0's buffers win
-                C.broadcast_coalesced(self.ctx, buffers, what=f"module buffers ({self._step_label()})")
+                C.broadcast_coalesced(self.world, buffers, what=f"module buffers ({self._step_label()})")
         if self.training_state is TrainingState.IDLE:  # (inside a running backward: a recomputation)
             self._set_training(TrainingState.FORWARD, "forward")
         if torch.is_grad_enabled() and self._sync:
@@ -688,6 +694,7 @@ class ZeroEngine(WholeModelState):
             "gathered_parameters()",
             "use it between steps (parameters are gathered automatically inside forward and backward)",
         )
+        refuse_modifier_rank(self.replica, modifier_rank)
         if modifier_rank is not None and not 0 <= modifier_rank < self.ctx.world_size:
             raise ValueError(
                 f"gathered_parameters(modifier_rank={modifier_rank}): use a rank of the group, 0..{self.ctx.world_size - 1}, or None"

@@ -97,6 +97,7 @@ class Cell:
     # persistent, so the cache cells test the cache alone; more makes the units that fit persistent
     persistent: float | int = 0.0
     ratio: float = 1.0  # offload "ratio": offload_optimizer on the host with this ratio
+    shard_size: int | None = None  # shard groups of this many ranks, replicated across groups (None: flat)
 
 
 # a plain loop's torch.nn.utils clipping over the model's (or the optimizer's) parameters, in the
@@ -182,6 +183,20 @@ def check_tiers(c: Cell, stats: dict[str, int], swap_files: list[str] | None = N
         want_device = stats["residuals"] + stats["params"] + stats["full_grads"]
         if stats["tier_device"] != want_device or host != on_host + stats["param_shards"]:
             raise AssertionError(f"offload param: device bytes {stats['tier_device']} (want {want_device}): {stats}")
+
+
+def check_shard_groups(c: Cell, engine: Any, rank: int, world: int) -> None:
+    """The layout the cell asked for: the shard group's ranks (contiguous), the replica group's
+    (same index in every group), and every bucket's gradient shard cut over the shard group only,
+    so a run that silently stayed flat cannot pass."""
+    s = c.shard_size or world
+    group, replica = list(range(rank - rank % s, rank - rank % s + s)), list(range(rank % s, world, s))
+    if list(engine.ctx.global_ranks) != group or list(engine.replica.global_ranks) != replica:
+        raise AssertionError(f"rank {rank}: shard group {engine.ctx.global_ranks} (want {group}), replica group "
+                             f"{engine.replica.global_ranks} (want {replica})")  # fmt: skip
+    cut = {g.layout.world_size for g in engine.groups}
+    if cut != {s}:
+        raise AssertionError(f"rank {rank}: gradient shards cut over {cut} ranks, want {s}")
 
 
 class Net(nn.Module):
@@ -387,6 +402,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
             compression=CompressionConfig(type="topk", ratio=c.topk, momentum=c.topk_momentum,
                                           momentum_masking=c.topk_masking, **_adam_mode(c)) if c.topk else CompressionConfig(),
             load_balance=LoadBalanceConfig(scores=c.scores) if c.scores else LoadBalanceConfig(),
+            shard_size=c.shard_size,
             memory=MemoryConfig() if cap is None else MemoryConfig(budget=10**9, persistent=c.persistent, cache=cap,
                                                                    working=0.1),
             **(OFFLOADS[c.offload] if c.offload != "ratio" else {"offload_optimizer": {"device": "cpu", "ratio": c.ratio}}),
@@ -438,6 +454,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
         engine = cast(ZeroModule, wrapped).zero_engine
         files = engine.disk.file_paths()
         check_tiers(c, engine.memory_stats(), files)
+        check_shard_groups(c, engine, rank, world)
         if cap is not None and probe is not None:
             probe.step()
             LAST_STATS.clear()
