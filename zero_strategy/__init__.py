@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     )
     from zero_strategy.checkpoint.export import export_full, full_state_dict
     from zero_strategy.checkpoint.loading import load_full_state_dict
+    from zero_strategy.checkpoint.stream import gathered_weights
     from zero_strategy.comm.collectives import CollectiveError, comm_report, comm_stats, reset_comm_stats
     from zero_strategy.comm.profiling import profile
     from zero_strategy.config import ZeroConfig, resolve_overrides
@@ -63,6 +64,7 @@ _PUBLIC: dict[str, str] = {
     "export_full": "zero_strategy.checkpoint.export",
     "full_state_dict": "zero_strategy.checkpoint.export",
     "load_full_state_dict": "zero_strategy.checkpoint.loading",
+    "gathered_weights": "zero_strategy.checkpoint.stream",
     "CollectiveError": "zero_strategy.comm.collectives",
     "comm_report": "zero_strategy.comm.collectives",
     "comm_stats": "zero_strategy.comm.collectives",
@@ -96,6 +98,7 @@ __all__ = [
     "full_grad",
     "full_state_dict",
     "gathered_parameters",
+    "gathered_weights",
     "initialize",
     "load_checkpoint",
     "load_full_state_dict",
