@@ -29,7 +29,7 @@ __all__ = ["check", "export", "main"]
 OFFLOAD_CHOICES = ("none", "cpu", "nvme")
 
 
-def export(checkpoint: str, out: str, dtype: Optional[str] = None) -> str:
+def export(checkpoint: str, out: str, dtype: Optional[str] = None, max_shard_size: Optional[str] = None) -> str:
     """Export a checkpoint directory (its root or a versioned subdirectory) to one file.
 
     Args:
@@ -37,13 +37,16 @@ def export(checkpoint: str, out: str, dtype: Optional[str] = None) -> str:
         out: output file, .safetensors (streamed, default) or .pt.
         dtype: cast floating tensors to fp32, bf16 or fp16, or another name in
             :data:`zero_strategy.config.DTYPES` (default: as saved).
+        max_shard_size: write ``out`` as a directory of safetensors files of at most this
+            size (``5GB``, ``500MB``) and ``model.safetensors.index.json``, as
+            ``save_pretrained`` does (``from_pretrained`` loads it).
     """
     from zero_strategy.checkpoint.export import export_full
     from zero_strategy.config import DTYPES
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
-    path = export_full(checkpoint, out, dtype=DTYPES[dtype] if dtype else None)
+    path = export_full(checkpoint, out, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size)
     print(path)
     return path
 
@@ -96,6 +99,8 @@ def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
     )
     ex.add_argument("out", help="output file, .safetensors (streamed) or .pt")
     ex.add_argument("--dtype", help="cast floating tensors: fp32, bf16 or fp16 (default: as saved)")
+    ex.add_argument("--max-shard-size", help="write OUT as a directory of safetensors files of at most this size "
+                    "(5GB, 500MB) and model.safetensors.index.json, as save_pretrained does")  # fmt: skip
     ck = sub.add_parser("check", help="check a config file: every problem, or the resolved config",
                         description="Check a config file (YAML/JSON, DeepSpeed key names) or a built-in preset: print "
                         "every problem, or the resolved config with the DeepSpeed keys honoured, read but not applied, "
@@ -222,7 +227,7 @@ def _run(ns: argparse.Namespace) -> None:
         bench(ns.model, ns.ranks, ns.steps, ns.warmup, ns.repeats, ns.batch, ns.out, ns.peers, rows,
               ns.update_results, fresh=ns.fresh_processes, launcher=ns.launcher)  # fmt: skip
         return
-    export(ns.checkpoint, ns.out, ns.dtype)
+    export(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,6 +8,10 @@
 
 ``full_state_dict(source)`` gives the same tensors as a dict, from a directory or a live model.
 
+``max_shard_size`` (``"5GB"``, bytes) writes Hugging Face's multi-file layout instead: ``out``
+is a directory that gets ``model-0000k-of-0000n.safetensors`` files and
+``model.safetensors.index.json`` (:mod:`.multi_file`), which ``from_pretrained`` loads.
+
 ``.safetensors`` (default) is streamed: the header is written first (every tensor's shape and
 dtype are known from the checkpoint's metadata), then each tensor is read, reshaped to the
 parameter's original shape and appended, so host memory stays near one tensor.
@@ -29,6 +33,7 @@ from torch import nn
 
 from zero_strategy.api import gathered_parameters
 from zero_strategy.checkpoint.files import SafeFileSystemReader, single_process_quiet
+from zero_strategy.checkpoint.multi_file import parse_size, write_sharded
 from zero_strategy.checkpoint.progress import byte_progress
 from zero_strategy.checkpoint.versions import read_meta
 from zero_strategy.runtime.module import get_engine
@@ -131,26 +136,37 @@ def _live_entries(
 
 
 def export_full(
-    source: str | os.PathLike[str] | nn.Module, out_file: str | os.PathLike[str], dtype: torch.dtype | None = None
+    source: str | os.PathLike[str] | nn.Module,
+    out_file: str | os.PathLike[str],
+    dtype: torch.dtype | None = None,
+    *,
+    max_shard_size: int | str | None = None,
 ) -> str:
-    """Write ``source``'s full state dict to ``out_file`` (``.safetensors`` or ``.pt``)."""
+    """Write ``source``'s full state dict to ``out_file`` (``.safetensors`` or ``.pt``), or,
+    with ``max_shard_size``, to the directory ``out_file`` as several safetensors files of at
+    most that size and their index (returned: the index's path)."""
     out_file = os.fspath(out_file)
     fmt = "pt" if out_file.endswith((".pt", ".pth", ".bin")) else "safetensors"
-    if not isinstance(source, nn.Module):
+    limit = None if max_shard_size is None else parse_size(max_shard_size, what="export_full(max_shard_size)")
+    if limit is not None and (fmt == "pt" or out_file.endswith(".safetensors")):
+        raise ValueError(
+            f"export_full(max_shard_size=...): {out_file!r} is a file name; give the directory to write the "
+            "safetensors files and model.safetensors.index.json into"
+        )
+    if isinstance(source, nn.Module):
+        entries, read = _live_entries(source, dtype)
+        write = get_engine(source).world.rank == 0  # one writer, also with shard groups
+    else:
         entries, read = _checkpoint_entries(os.fspath(source), dtype)
-        if fmt == "pt":
-            torch.save({n: read(n).to(d).reshape(s) for n, s, d in entries}, out_file)
-        else:
-            _write_safetensors(out_file, entries, read)
-        return out_file
-    rank = get_engine(source).world.rank  # one writer, also with shard groups
-    entries, read = _live_entries(source, dtype)
+        write = True
+    if limit is not None:
+        return write_sharded(out_file, entries, read, limit, _write_safetensors, write=write)
     if fmt == "pt":
-        full = {n: read(n).to(d) for n, _, d in entries}
-        if rank == 0:
+        full = {n: read(n).to(d).reshape(s) for n, s, d in entries}
+        if write:
             torch.save(full, out_file)
     else:
-        _write_safetensors(out_file, entries, read, write=rank == 0)
+        _write_safetensors(out_file, entries, read, write=write)
     return out_file
 
 

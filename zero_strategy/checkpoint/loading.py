@@ -1,7 +1,8 @@
 """Loading full weights into a model the engine manages, one tensor at a time.
 
-``load_full_state_dict`` reads a state dict, a ``.safetensors`` file or a ``.pt``/``.bin``
-file parameter by parameter; each rank keeps only its pieces (ZeRO-3) or the full tensors it
+``load_full_state_dict`` reads a state dict, a ``.safetensors`` file, a ``.pt``/``.bin``
+file, or Hugging Face's multi-file layout (a directory or its ``model.safetensors.index.json``,
+:mod:`.multi_file`) parameter by parameter, each file memory-mapped; each rank keeps only its pieces (ZeRO-3) or the full tensors it
 needs (ZeRO-1/2), so a model that no rank can hold whole still loads pretrained weights.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from zero_strategy.checkpoint.multi_file import open_weights
 from zero_strategy.checkpoint.progress import byte_progress
 from zero_strategy.runtime.module import get_engine
 
@@ -21,32 +23,23 @@ __all__ = ["load_full_state_dict"]
 
 def _open_state_dict(
     source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
-) -> tuple[Callable[[str], torch.Tensor], list[str]]:
+) -> tuple[Callable[[str], torch.Tensor], list[str], int]:
     if isinstance(source, Mapping):
-        return (lambda k: source[k]), list(source.keys())
-    path = os.fspath(source)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"load_full_state_dict(): no file at {path!r}")
-    if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        f = safe_open(path, framework="pt")
-        return f.get_tensor, list(f.keys())
-    sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    return (lambda k: sd[k]), list(sd.keys())
+        return (lambda k: source[k]), list(source.keys()), 0
+    return open_weights(os.fspath(source), "load_full_state_dict()")
 
 
 def load_full_state_dict(
     model: nn.Module, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], *, strict: bool = True
 ) -> None:
-    """Load full weights into a model managed by ``initialize``, one tensor at a time; each
+    """Load full weights into a model managed by ``initialize``, one tensor at a time, from a
+    state dict, a weights file, or a multi-file directory (or its index); each
     rank keeps only its pieces (ZeRO-3) or the full tensors it needs (ZeRO-1/2). Not a
     collective: every rank reads the source itself. Reading a large file shows a progress bar
     with bytes/s on rank 0 when standard error is a terminal (:mod:`.progress`)."""
     engine = get_engine(model)
-    get, keys = _open_state_dict(source)
-    path = None if isinstance(source, Mapping) else os.fspath(source)
-    size, name = (os.path.getsize(path), os.path.basename(path)) if path is not None else (0, "")
+    get, keys, size = _open_state_dict(source)
+    name = "" if isinstance(source, Mapping) else os.path.basename(os.path.normpath(os.fspath(source)))
     with byte_progress(size, f"load {name}", rank=engine.ctx.rank) as advance:
 
         def counted(key: str) -> torch.Tensor:
