@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from zero_strategy.comm.profiling import profile
     from zero_strategy.config import ZeroConfig, resolve_overrides
     from zero_strategy.runtime.optimizer import UnknownOptimizerWarning
+    from zero_strategy.runtime.phase_offload import offload_states, reload_states
     from zero_strategy.sharding.construction import sharded_init
     from zero_strategy.sharding.experts import declare_experts, select_experts
     from zero_strategy.sharding.partition import zero_auto_partition
@@ -73,6 +74,8 @@ _PUBLIC: dict[str, str] = {
     "ZeroConfig": "zero_strategy.config",
     "resolve_overrides": "zero_strategy.config",
     "UnknownOptimizerWarning": "zero_strategy.runtime.optimizer",
+    "offload_states": "zero_strategy.runtime.phase_offload",
+    "reload_states": "zero_strategy.runtime.phase_offload",
     "sharded_init": "zero_strategy.sharding.construction",
     "declare_experts": "zero_strategy.sharding.experts",
     "select_experts": "zero_strategy.sharding.experts",
@@ -103,8 +106,10 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "memory_stats",
+    "offload_states",
     "profile",
     "read_checkpoint_object",
+    "reload_states",
     "replace_optimizer",
     "resolve_checkpoint",
     "reset_comm_stats",

@@ -176,6 +176,7 @@ class ZeroEngine(WholeModelState):
             )
 
         self.init_peak = HostPeak()  # the host memory initialize takes (memory_stats' initialize_host_peak)
+        self.phase_offloaded: Any = None  # offload_states / reload_states (phase_offload.py)
         named = list(module.named_parameters(remove_duplicate=True))
         self._names = {id(p): n for n, p in named}
         owned = {pid: type(e.module).__name__ for e in list(_LIVE) for pid in e._names}

@@ -39,6 +39,11 @@ class ZeroModule(_ModuleBase):
         # The nesting of root calls is counted here (not in the hooks), so a hook that raises
         # or a KeyboardInterrupt cannot leave it wrong; the root hooks act at depth 1 only.
         eng = self._zero_engine
+        if eng.phase_offloaded is not None:
+            raise RuntimeError(
+                "a forward after offload_states(model): the model's state is on the host; call "
+                "zero_strategy.reload_states(model) first"
+            )
         depth = eng._root_depth
         eng._root_depth = depth + 1
         try:

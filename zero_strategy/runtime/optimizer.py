@@ -307,6 +307,11 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 def _check_step_call(optimizer: torch.optim.Optimizer, engine: ZeroEngine, args: Any, kwargs: Any) -> None:
     if engine.destroyed:
         raise RuntimeError("optimizer.step(): its model's zero_strategy engine was destroyed; build a new optimizer")
+    if engine.phase_offloaded is not None:
+        raise RuntimeError(
+            "optimizer.step() after offload_states(model): the model's state is on the host; call "
+            "zero_strategy.reload_states(model) first"
+        )
     if optimizer not in engine.opts:
         raise RuntimeError(
             "optimizer.step(): this optimizer was replaced by zero_strategy.replace_optimizer(); step the new one"
