@@ -496,6 +496,27 @@ def test_mics_shard_size_is_our_shard_size(tmp_path):
         ZeroConfig.from_dict(both)
 
 
+def test_zero_hpz_partition_size_is_read(tmp_path):
+    from zero_strategy.config.report import check_file
+
+    d = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True}}
+    with pytest.warns(UserWarning) as record:
+        cfg = ZeroConfig.from_dict(d, source="ds.json")
+    assert cfg.zero_hpz_partition_size == 8 and cfg.explicitly_set("zero_hpz_partition_size")
+    message = next(str(w.message) for w in record if "does not implement" in str(w.message))
+    assert "zero_quantized_weights" in message and "zero_hpz_partition_size" not in message
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(d))
+    assert "zero_optimization.zero_hpz_partition_size" not in dict(check_file(str(path)).ignored)
+    assert ZeroConfig().zero_hpz_partition_size == 1  # DeepSpeed's default: off
+    with pytest.raises(ValueError, match="zero_hpz_partition_size"):
+        ZeroConfig(zero_hpz_partition_size=0)
+    with pytest.raises(ValueError, match="zero_hpz_partition_size needs stage 3"):
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}})
+    with pytest.raises(ValueError, match="zero_hpz_partition_size with zero_strategy.memory"):
+        ZeroConfig(stage=3, zero_hpz_partition_size=2, memory={"budget": "1GiB"})
+
+
 def test_legacy_cpu_offload_means_optimizer_offload():
     cfg = ZeroConfig.from_dict(
         {"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}}

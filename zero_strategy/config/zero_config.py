@@ -229,6 +229,9 @@ class ZeroConfig:
     # shard groups (hybrid sharding, runtime/shard_groups.py): ranks per group that shards the model
     # state, replicated across groups; None: one group of all ranks. DeepSpeed: mics_shard_size
     shard_size: int | None = setting(None, _to_shard_size, ds=_OWN)
+    # ZeRO++ hpZ (sharding/secondary.py): after a unit's forward gather each rank keeps a secondary
+    # shard within groups of this many contiguous ranks, and the backward gathers from it; 1: off
+    zero_hpz_partition_size: int = setting(1, int_rule(1), ds=_ZO)
     # the memory budget and its three tiers, ZeRO-3 (memory.py; its cache: sharding/cache.py)
     memory: MemoryConfig = setting(MemoryConfig(), read=_nested(MemoryConfig, "budget", (str, int, float)), ds=_OWN)
     _explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
@@ -420,6 +423,17 @@ def _conflicts(cfg: ZeroConfig, world_size: int | None, given: Callable[[str], b
             "are views of the parameter rows, so the whole optimizer goes to disk; remove offload_optimizer.ratio, "
             "or offload the parameters to 'cpu'"
         )
+    hpz = cfg.zero_hpz_partition_size
+    if rule(hpz > 1 and cfg.stage != 3, "zero_hpz_partition_size", "stage"):
+        out.append(
+            f"{_ZO}.zero_hpz_partition_size needs stage 3 (got stage {cfg.stage}): it shards the parameters a "
+            "second time for the backward, and at stages 1 and 2 every rank keeps them whole. Use stage 3, or remove it"
+        )
+    if rule(hpz > 1 and cfg.memory.enabled, "zero_hpz_partition_size", "memory"):
+        out.append(
+            f"{_ZO}.zero_hpz_partition_size with {_OWN}.memory is not supported yet: the budget does not count the "
+            "secondary shards; remove one of them"
+        )
     if rule(cfg.compression.enabled and cfg.stage == 3, "compression", "stage"):
         out.append(
             "compression.type='topk' works at ZeRO stages 1 and 2: ZeRO-3 reduces each unit's gradients while its "
@@ -474,7 +488,7 @@ _MICS = "mics_shard_size"  # DeepSpeed's name of shard_size (read by _DeepSpeedR
 _ZERO_BLOCK_LEGACY = ("cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")  # read by _zero_block
 _ZERO_BLOCK_IGNORED = (
     "round_robin_gradients", "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
-    "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
+    "zero_quantized_weights", "zero_quantized_gradients",
     "zero_quantized_nontrainable_weights", "mics_hierarchical_params_gather",
     "memory_efficient_linear", "stage3_module_granularity_threshold", "use_multi_rank_bucket_allreduce",
     "log_trace_cache_warnings",

@@ -74,6 +74,7 @@ from zero_strategy.sharding.members import unit_members
 from zero_strategy.sharding.partition import UnitPolicy, find_units
 from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, sharded_init_piece
 from zero_strategy.sharding.precision import select_precision, select_scaler
+from zero_strategy.sharding.secondary import SecondaryShards, secondary_context
 from zero_strategy.sharding.setup_checks import (
     agree_on_setup,
     check_params,
@@ -183,6 +184,7 @@ class ZeroEngine(WholeModelState):
         check_params(named, self.ctx, owned)
         agree_on_setup(self.ctx, config, named)
         self.ctx, self.replica = shard_contexts(self.world, config, built_sharded=built_sharded)
+        hpz = secondary_context(self.ctx, config)  # hpZ's k-rank group (secondary.py); None: off
         self._build(named, policy)
         refuse_experts(self.replica, self.groups)
         self._master: dict[int, torch.Tensor] = {}
@@ -204,6 +206,7 @@ class ZeroEngine(WholeModelState):
             self.budget = Budget(config.memory, self.ctx, self.params) if config.memory.enabled else None
             if self.budget is not None:
                 self.budget.others = self._other_engines_bytes
+            self.params.use_secondary(SecondaryShards(hpz) if hpz is not None else None)
             settings = Zero3Settings(
                 prefetch=config.prefetch,
                 prefetch_bucket_size=config.stage3_prefetch_bucket_size,

@@ -126,6 +126,10 @@ class UnitScheduler:
             outer = max((f for f in unit_fqns if found.fqn.startswith(f"{f}.")), key=len, default=None)
             tag = by_label[outer].tag if outer is not None and outer in by_label else None
             self.experts_of.setdefault(tag, []).append(x)
+        # hpZ (sharding/secondary.py): the units freed after their forward keep secondary shards
+        self.hpz = storage.secondary
+        self._grad_forward = False  # the model's forward in progress runs with gradients (a backward may follow)
+        self._expert_tags = {x.unit.tag for x in self.experts.values()}
 
     # -- helpers ---------------------------------------------------------------------------
     def _gather(self, u: UnitStorage, position: int | None = None) -> None:
@@ -198,6 +202,15 @@ class UnitScheduler:
                 return False
         return False
 
+    def _keeps_secondary(self, u: UnitStorage) -> bool:
+        """hpZ: does ``u``'s forward gather keep a secondary shard for its backward? Only in a
+        forward with gradients (not inside the backward, not an outside or in-between call), for
+        a unit freed after use (not the root unit or the pinned ones, not persistent, not MoE experts)."""
+        return (
+            self._grad_forward and not self._in_backward and not self._outside and self._between is None
+            and not u.persistent and u is not self.root and u.tag not in self.pinned and u.tag not in self._expert_tags
+        )  # fmt: skip
+
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and self._training and not self._in_backward and not self._outside
 
@@ -249,6 +262,7 @@ class UnitScheduler:
             self._between_pre_forward()
             return
         self._training = training
+        self._grad_forward = torch.is_grad_enabled()
         self._seq = []
         self._on_path = True
         self._step_live = True
@@ -304,6 +318,8 @@ class UnitScheduler:
                 self.checks.check_now()
             if only is None:
                 self._step_live = False
+                if self.hpz is not None:  # no backward follows: the secondary shards are not needed
+                    self.hpz.drop_all()
             for u in self.all_units if only is None else only:  # eval / no_grad: nothing but persistent units stays
                 if pending and u.tag in self.pinned:
                     continue  # pinned during the call: gathered with the root from now on
@@ -393,6 +409,8 @@ class UnitScheduler:
             self._fwd_pos = None
             self.cache.used(u)
             self._gather(u)
+        if self.hpz is not None and u.state is ShardedState.UNSHARDING and self._keeps_secondary(u):
+            self.hpz.want(u)
         u.wait_unshard(self.names)
 
     def post_forward(self, u: UnitStorage) -> None:
@@ -496,6 +514,8 @@ class UnitScheduler:
         self._bwd_pos = None
         self._step_live = False
         self._running = []
+        if self.hpz is not None:
+            self.hpz.drop_all()
         for u in self.all_units:
             if not u.persistent:  # persistent units stay gathered (a backward never changes their values)
                 u.reshard()
@@ -507,6 +527,8 @@ class UnitScheduler:
         self._active = None
         self._bwd_pos = None
         self._step_live = False
+        if self.hpz is not None:  # units whose backward did not gather them
+            self.hpz.drop_all()
         for u in self.all_units:
             self._release(u)
         for x in self.experts.values():

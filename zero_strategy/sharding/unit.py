@@ -50,6 +50,7 @@ from zero_strategy.storage.offload import HOST, OffloadPolicy, OnDevice, OnDisk
 
 if TYPE_CHECKING:
     from zero_strategy.sharding.precision import Precision
+    from zero_strategy.sharding.secondary import SecondaryShards
 
 __all__ = ["ParamStorage", "ReplicatedParams", "ShardedParams", "ShardedState", "UnitDivergence", "UnitStorage"]
 
@@ -339,6 +340,7 @@ class UnitStorage:
         self._handle: C.Handle | None = None
         self._buf: torch.Tensor | None = None
         self._step = ""
+        self.secondary: SecondaryShards | None = None  # hpZ (secondary.py): set by ShardedParams.use_secondary
 
     # -- rows on disk ------------------------------------------------------------------------
     def _attach(self, rows: list[torch.Tensor]) -> None:
@@ -413,14 +415,18 @@ class UnitStorage:
             return
         n, s = self.ctx.world_size, self.layout.shard_numel + TAG
         buf = self.ctx.pool.get(n * s, self.dtype, self.ctx.device)
-        slot = buf.view(n, s)[self.ctx.rank]
-        t = self.row.numel()
-        with self.resident():
-            slot[:t].copy_(self.row)  # cast to the compute dtype (16-bit parameters)
-            slot[t : s - TAG].copy_(self.frozen_row)
-        write_tag(slot, s - TAG, self.tag)
-        self._buf, self._step = buf, step
-        self._handle = C.all_gather(self.ctx, buf, slot, what=f"parameters of {self.name} ({step})")
+        what = f"parameters of {self.name} ({step})"
+        # hpZ: from the secondary shards within the k-rank group, when this rank holds them (secondary.py)
+        handle = self.secondary.gather(self, buf, what) if self.secondary is not None else None
+        if handle is None:
+            slot = buf.view(n, s)[self.ctx.rank]
+            t = self.row.numel()
+            with self.resident():
+                slot[:t].copy_(self.row)  # cast to the compute dtype (16-bit parameters)
+                slot[t : s - TAG].copy_(self.frozen_row)
+            write_tag(slot, s - TAG, self.tag)
+            handle = C.all_gather(self.ctx, buf, slot, what=what)
+        self._buf, self._step, self._handle = buf, step, handle
         self._to(ShardedState.UNSHARDING, "unshard_async")
         self.meter.gathered(self)  # counted from the moment its gather buffer exists
         self.gathers += 1
@@ -448,6 +454,8 @@ class UnitStorage:
                 f.untyped_storage().resize_(nbytes)
                 p.data = f
             self.layout.unpack_full(rows, [f.view(-1) for f in self.full])  # the rank rows, without their tags
+        if self.secondary is not None:  # hpZ: this rank's secondary shard, if the scheduler asked for one
+            self.secondary.keep(self, self._buf)
         self.ctx.pool.put(self._buf)
         self._handle, self._buf = None, None
         self._to(ShardedState.UNSHARDED, "wait_unshard")
@@ -591,6 +599,13 @@ class ShardedParams(ParamStorage):
         self._unit_of_group = {id(u.group): u for u in self.units if u.group is not None}
         self._loading: contextlib.ExitStack | None = None  # inside loading()
         self._loading_unit: UnitStorage | None = None
+        self.secondary: SecondaryShards | None = None  # hpZ (secondary.py)
+
+    def use_secondary(self, secondary: SecondaryShards | None) -> None:
+        """hpZ (``secondary.py``): the units keep secondary shards in ``secondary`` (None: off)."""
+        self.secondary = secondary
+        for u in self.units:
+            u.secondary = secondary
 
     def unit_of(self, p: torch.Tensor) -> tuple[UnitStorage, int] | None:
         return self._where.get(id(p))
@@ -681,6 +696,8 @@ class ShardedParams(ParamStorage):
             u.pull_masters()
             u.version += 1
             u.reshard()
+        if self.secondary is not None:  # stale: the next forward takes new ones
+            self.secondary.drop_all()
         self.refresh_persistent(step)
 
     def refresh_persistent(self, step: str) -> None:

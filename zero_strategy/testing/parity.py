@@ -98,6 +98,7 @@ class Cell:
     persistent: float | int = 0.0
     ratio: float = 1.0  # offload "ratio": offload_optimizer on the host with this ratio
     shard_size: int | None = None  # shard groups of this many ranks, replicated across groups (None: flat)
+    hpz: int = 1  # zero_hpz_partition_size: ZeRO-3's secondary shards within groups of this many ranks (1: off)
 
 
 # a plain loop's torch.nn.utils clipping over the model's (or the optimizer's) parameters, in the
@@ -197,6 +198,28 @@ def check_shard_groups(c: Cell, engine: Any, rank: int, world: int) -> None:
     cut = {g.layout.world_size for g in engine.groups}
     if cut != {s}:
         raise AssertionError(f"rank {rank}: gradient shards cut over {cut} ranks, want {s}")
+
+
+def check_hpz(c: Cell, engine: Any, rank: int, world: int) -> None:
+    """The secondary partition the cell asked for (``zero_hpz_partition_size: k``): groups of
+    ``k`` contiguous ranks inside the shard group, and the most secondary bytes held at once
+    (after a forward) equal to ``1/k`` of the gathered rows of every unit freed after use; none
+    where ``k`` is 1 or the shard group's size (a no-op), and none left after the last step."""
+    if c.stage != 3:
+        return
+    s, k, sec = c.shard_size or world, c.hpz, engine.params.secondary
+    if k in (1, s):
+        if sec is not None:
+            raise AssertionError(f"rank {rank}: zero_hpz_partition_size={k} at shard size {s} must be a no-op")
+        return
+    group = list(range(rank - rank % k, rank - rank % k + k))
+    if sec is None or list(sec.ctx.global_ranks) != group:
+        raise AssertionError(f"rank {rank}: secondary group {sec and sec.ctx.global_ranks} (want {group})")
+    freed = [u for u in engine.zero3.all_units if not u.persistent and u is not engine.zero3.root]
+    want = sum((s // k) * (u.layout.shard_numel + 2) * u.full[0].element_size() for u in freed)  # rows + tags
+    if sec.peak != want or sec.live != 0:
+        raise AssertionError(f"rank {rank}: secondary shards peaked at {sec.peak} bytes (want {want}), "
+                             f"{sec.live} bytes left after the last step")  # fmt: skip
 
 
 class Net(nn.Module):
@@ -402,7 +425,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
             compression=CompressionConfig(type="topk", ratio=c.topk, momentum=c.topk_momentum,
                                           momentum_masking=c.topk_masking, **_adam_mode(c)) if c.topk else CompressionConfig(),
             load_balance=LoadBalanceConfig(scores=c.scores) if c.scores else LoadBalanceConfig(),
-            shard_size=c.shard_size,
+            shard_size=c.shard_size, zero_hpz_partition_size=c.hpz,
             memory=MemoryConfig() if cap is None else MemoryConfig(budget=10**9, persistent=c.persistent, cache=cap,
                                                                    working=0.1),
             **(OFFLOADS[c.offload] if c.offload != "ratio" else {"offload_optimizer": {"device": "cpu", "ratio": c.ratio}}),
@@ -455,6 +478,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
         files = engine.disk.file_paths()
         check_tiers(c, engine.memory_stats(), files)
         check_shard_groups(c, engine, rank, world)
+        check_hpz(c, engine, rank, world)
         if cap is not None and probe is not None:
             probe.step()
             LAST_STATS.clear()
