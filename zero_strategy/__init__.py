@@ -36,7 +36,13 @@ if TYPE_CHECKING:
     from zero_strategy.checkpoint.export import export_full, full_state_dict
     from zero_strategy.checkpoint.loading import load_full_state_dict
     from zero_strategy.checkpoint.stream import gathered_weights
-    from zero_strategy.comm.collectives import CollectiveError, comm_report, comm_stats, reset_comm_stats
+    from zero_strategy.comm.collectives import (
+        CollectiveError,
+        comm_report,
+        comm_stats,
+        comm_stats_by_link,
+        reset_comm_stats,
+    )
     from zero_strategy.comm.profiling import profile
     from zero_strategy.config import ZeroConfig, resolve_overrides
     from zero_strategy.runtime.optimizer import UnknownOptimizerWarning
@@ -69,6 +75,7 @@ _PUBLIC: dict[str, str] = {
     "CollectiveError": "zero_strategy.comm.collectives",
     "comm_report": "zero_strategy.comm.collectives",
     "comm_stats": "zero_strategy.comm.collectives",
+    "comm_stats_by_link": "zero_strategy.comm.collectives",
     "reset_comm_stats": "zero_strategy.comm.collectives",
     "profile": "zero_strategy.comm.profiling",
     "ZeroConfig": "zero_strategy.config",
@@ -94,6 +101,7 @@ __all__ = [
     "clip_grad_norm_",
     "comm_report",
     "comm_stats",
+    "comm_stats_by_link",
     "commit_versioned_save",
     "declare_experts",
     "destroy",

@@ -8,7 +8,8 @@
   [--offload-param nvme] [--model PATH-OR-PRESET]``: model-state bytes per rank, four formulas side by side
   (:mod:`zero_strategy.bench.estimate`)
 - ``zero-strategy bench --model small --ranks 1,2 --steps 5 --out DIR``: the benchmark table (DDP, ZeRO-1/2/3,
-  offload), its JSON and three plots (:mod:`zero_strategy.bench`; ``docs/bench.md``)
+  offload), its JSON and three plots (:mod:`zero_strategy.bench`; ``docs/bench.md``); ``--links 2x2``: bytes per
+  step per link class of the hybrid layouts on emulated nodes (:mod:`zero_strategy.bench.links`)
 - subcommands that front-ends register as ``zero_strategy.commands`` entry points, such as
   ``zero-strategy launch`` from ``accelerate_zero`` (see ``accelerate_zero.launch``); the core
   itself imports no front-end framework.
@@ -200,6 +201,11 @@ def _add_bench(sub: Any) -> None:
                     help="regenerate the marked section of this file (default bench/RESULTS.md), plots in plots/")  # fmt: skip
     be.add_argument("--launcher", default="auto", choices=("auto", "torchrun", "own"),
                     help="how ranks start: torchrun (auto: when torch has it) or zero-strategy's own launcher")  # fmt: skip
+    be.add_argument("--links", nargs="?", const="2x2", metavar="NODESxPER_NODE",
+                    help="instead of the table: NODES x PER_NODE ranks (default 2x2) as emulated nodes, bytes per "
+                    "step per link class (intra/inter node) and step time of flat ZeRO-3, shard groups, hpZ and the "
+                    "quantized modes (those this build has) and FSDP2 HSDP; writes links.md and links.json")  # fmt: skip
+    be.add_argument("--link-modes", help="with --links: a comma subset of zero3,shard,hpz,qwz,qgz,zeropp,fsdp2_hsdp")
 
 
 def _run(ns: argparse.Namespace) -> None:
@@ -222,6 +228,12 @@ def _run(ns: argparse.Namespace) -> None:
 
         if ns.from_json:
             redraw(ns.from_json, ns.out, ns.update_results)
+            return
+        if ns.links:
+            from zero_strategy.bench.command import bench_links
+
+            modes = tuple(m.strip() for m in ns.link_modes.split(",")) if ns.link_modes else None
+            bench_links(ns.links, ns.model, ns.steps, ns.warmup, ns.batch, ns.out, modes, launcher=ns.launcher)
             return
         rows = tuple(r.strip() for r in ns.rows.split(",")) if ns.rows else None
         bench(ns.model, ns.ranks, ns.steps, ns.warmup, ns.repeats, ns.batch, ns.out, ns.peers, rows,

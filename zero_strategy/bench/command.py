@@ -14,7 +14,7 @@ from typing import Any
 
 from zero_strategy.bench.estimate import Setup, count_expert_params, count_model, format_estimate
 
-__all__ = ["bench", "estimate", "machine_info"]
+__all__ = ["bench", "bench_links", "estimate", "machine_info"]
 
 
 def estimate(
@@ -145,6 +145,38 @@ def bench(
     data["command"] = "zero-strategy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     data["summary"] = harness.summarize(data)
     return publish(data, out, update_results)
+
+
+def bench_links(
+    layout: str,
+    model: str,
+    steps: int,
+    warmup: int,
+    batch: int,
+    out: str,
+    modes: tuple[str, ...] | None = None,
+    launcher: str = "auto",
+) -> dict[str, Any]:
+    """``bench --links NODESxPER_NODE``: run :func:`zero_strategy.bench.links.run_links`, write
+    ``out``/links.{md,json} and print the table."""
+    from zero_strategy.bench import links
+
+    nodes, sep, per_node = layout.lower().partition("x")
+    if not (sep and nodes.strip().isdigit() and per_node.strip().isdigit()):
+        raise ValueError(f"bench --links {layout!r}: give NODESxPER_NODE, e.g. 2x2")
+    data = links.run_links(model, int(nodes), int(per_node), steps, warmup, batch, modes, launcher,
+                           log=lambda msg: print(msg, file=sys.stderr, flush=True))  # fmt: skip
+    data["machine"] = machine_info()
+    data["command"] = "zero-strategy " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    data["summary"] = links.summarize_links(data)
+    where = Path(out)
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "links.json").write_text(json.dumps(data, indent=1))
+    text = f"Command: `{data['command']}`\n\n{links.links_markdown(data)}\n"
+    (where / "links.md").write_text(text)
+    print(text)
+    print(f"wrote {where / 'links.md'}, {where / 'links.json'}")
+    return data
 
 
 def redraw(json_path: str, out: str, update_results: str | None = None) -> dict[str, Any]:

@@ -1,14 +1,14 @@
 """Every ``torch.distributed`` call of the engine lives here.
 
 The functions are stateless apart from two process-wide things: the communication counters
-read by :func:`comm_stats`, and a pool of scratch buffers owned by each :class:`CommContext`.
+(:mod:`zero_strategy.comm.counters`, read by :func:`comm_stats`, per link class by
+:func:`comm_stats_by_link`), and a pool of scratch buffers owned by each :class:`CommContext`.
 Each collective returns a :class:`Handle`; ``Handle.wait()`` applies the configured timeout and
 turns a failure (a dead or diverged peer) into a :class:`CollectiveError` that names the
 collective, what it was moving and the rank.
 
-Counting follows the ZeRO paper: a reduce-scatter of a Psi-element tensor counts Psi, an
-all-gather producing Psi elements counts Psi, an all-reduce of Psi counts 2 Psi, a broadcast
-of Psi counts Psi, an all-to-all of Psi (every rank's input) counts Psi.
+Counting follows the ZeRO paper (see ``counters``); each context's ``link`` ("intra": its
+ranks in one node, "inter": across nodes) is decided from its ranks when it is made.
 
 On gloo, ``reduce_scatter_tensor`` is an all-reduce plus copies and ``all_gather_into_tensor``
 allocates a full-size temporary on every call. For those two the ``p2p`` implementation
@@ -29,6 +29,17 @@ import torch
 import torch.distributed as dist
 
 from zero_strategy.comm import profiling as P
+from zero_strategy.comm.counters import (  # re-exported: the counters live in counters.py
+    CACHE_COUNTERS,
+    comm_report,
+    comm_stats,
+    comm_stats_by_link,
+    count,
+    count_cache,
+    link_of,
+    mark_step,
+    reset_comm_stats,
+)
 
 __all__ = [
     "CollectiveError",
@@ -43,8 +54,11 @@ __all__ = [
     "bounded_group",
     "broadcast_coalesced",
     "comm_device",
+    "CACHE_COUNTERS",
     "comm_report",
     "comm_stats",
+    "comm_stats_by_link",
+    "count_cache",
     "group_backends",
     "mark_step",
     "make_context",
@@ -57,95 +71,6 @@ __all__ = [
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out: usually a peer rank died or took another code path."""
-
-
-@dataclass
-class _Counter:
-    calls: int = 0
-    elements: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    exposed_seconds: float = 0.0
-
-
-_STATS: dict[str, _Counter] = {}
-
-
-@dataclass
-class _StepClock:
-    """Optimizer steps marked since the last reset, and their wall time."""
-
-    steps: int = 0
-    seconds: float = 0.0
-    last: float | None = None
-
-
-_STEPS = _StepClock()
-
-
-def _count(kind: str, elements: int, element_size: int, seconds: float, exposed: float) -> None:
-    c = _STATS.setdefault(kind, _Counter())
-    c.calls += 1
-    c.elements += elements
-    c.bytes += elements * element_size
-    c.seconds += seconds
-    c.exposed_seconds += exposed
-
-
-def comm_stats() -> dict[str, dict[str, float]]:
-    """Per collective kind: ``calls``, ``elements`` and ``bytes`` (ZeRO-paper convention),
-    ``seconds`` spent issuing and waiting in this process, and of them ``exposed_seconds``: the
-    host blocked in ``wait`` (communication not hidden behind compute), since the last reset."""
-    return {k: dict(vars(v)) for k, v in _STATS.items()}
-
-
-def mark_step() -> None:
-    """An optimizer step ended (the engine calls it): the time since the previous mark is one step."""
-    now = time.perf_counter()
-    if _STEPS.last is not None:
-        _STEPS.steps += 1
-        _STEPS.seconds += now - _STEPS.last
-    _STEPS.last = now
-
-
-CACHE_COUNTERS = ("cache_hits", "cache_misses", "cache_evictions", "gathers_avoided", "bytes_not_moved")
-_CACHE = dict.fromkeys(CACHE_COUNTERS, 0)
-
-
-def count_cache(kind: str, nbytes: int = 0) -> None:
-    """The ZeRO-3 cache tier (``sharding/cache.py``) served a use (``"hit"``: a gather avoided,
-    ``nbytes`` not moved), needed a gather (``"miss"``) or evicted a unit (``"eviction"``)."""
-    _CACHE[f"cache_{kind}es" if kind == "miss" else f"cache_{kind}s"] += 1
-    if kind == "hit":
-        _CACHE["gathers_avoided"] += 1
-        _CACHE["bytes_not_moved"] += nbytes
-
-
-def comm_report() -> dict[str, float]:
-    """Per optimizer step since the last reset (call it right before the steps to measure):
-    ``step_seconds``, ``exposed_seconds`` (the host blocked on collectives), ``issue_seconds``,
-    ``exposed_pct`` (communication overhead: exposed against step time) and ``bytes``; and the
-    ZeRO-3 cache tier's ``cache_hits``, ``cache_misses``, ``cache_evictions``,
-    ``gathers_avoided`` and ``bytes_not_moved`` (of all engines in this process)."""
-    steps = _STEPS.steps
-    per = 1.0 / steps if steps else float("nan")
-    step_s = _STEPS.seconds
-    exposed = sum(c.exposed_seconds for c in _STATS.values())
-    issued = sum(c.seconds - c.exposed_seconds for c in _STATS.values())
-    return {
-        "steps": steps,
-        "step_seconds": step_s * per,
-        "exposed_seconds": exposed * per,
-        "issue_seconds": issued * per,
-        "exposed_pct": 100.0 * exposed / step_s if step_s else float("nan"),
-        "bytes": sum(c.bytes for c in _STATS.values()) * per,
-    } | {k: v * per for k, v in _CACHE.items()}
-
-
-def reset_comm_stats() -> None:
-    _STATS.clear()
-    _CACHE.update(dict.fromkeys(CACHE_COUNTERS, 0))
-    _STEPS.steps, _STEPS.seconds, _STEPS.last = 0, 0.0, time.perf_counter()  # the clock starts here
 
 
 class _ScratchPool:
@@ -211,6 +136,8 @@ class CommContext:
     # gloo: Work.wait(timeout) costs nothing; on NCCL it blocks the CPU until the collective
     # completes (no overlap), so there the process group's timeout and watchdog bound the wait
     timed_wait: bool = True
+    # "intra" (all ranks in one node) or "inter" (across nodes): the link class its bytes count under
+    link: str = "intra"
 
     @property
     def distributed(self) -> bool:
@@ -298,7 +225,7 @@ def make_context(
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     return CommContext(
         group, dist.get_rank(group), dist.get_world_size(group), timeout, impl, where, global_ranks=ranks,
-        timed_wait=backend != "nccl",
+        timed_wait=backend != "nccl", link=link_of(ranks),
     )  # fmt: skip
 
 
@@ -419,7 +346,8 @@ class Handle:
         if self._finish is not None:
             self._finish()
         self.done = True
-        _count(self.kind, self._elements, self._element_size, self._seconds + time.perf_counter() - t0, exposed)
+        seconds = self._seconds + time.perf_counter() - t0
+        count(self.kind, self._ctx.link, self._elements, self._element_size, seconds, exposed)
 
 
 def _done_handle(ctx: CommContext, kind: str, what: str, elements: int, element_size: int) -> Handle:
