@@ -39,6 +39,7 @@ from zero_strategy.config.blocks import (
     OffloadConfig,
     PrecisionConfig,
     _nested,
+    _to_dtype16,
     _to_reduce_dtype,
 )
 from zero_strategy.config.comm import CompressionConfig, LoadBalanceConfig
@@ -232,6 +233,11 @@ class ZeroConfig:
     # ZeRO++ hpZ (sharding/secondary.py): after a unit's forward gather each rank keeps a secondary
     # shard within groups of this many contiguous ranks, and the backward gathers from it; 1: off
     zero_hpz_partition_size: int = setting(1, int_rule(1), ds=_ZO)
+    # ZeRO-3's forward and backward gathers: fp32 parameters gathered in this 16-bit dtype (half
+    # the bytes; mixed precision, docs/precision.md); None: the compute dtype. sharding/gather_codec.py
+    gather_dtype: torch.dtype | None = setting(None, _to_dtype16, ds=_OWN)
+    # ZeRO++ qwZ: those gathers block-quantized to int8 (comm/quantize.py), dequantized on arrival
+    zero_quantized_weights: bool = setting(False, to_bool, ds=_ZO)
     # the memory budget and its three tiers, ZeRO-3 (memory.py; its cache: sharding/cache.py)
     memory: MemoryConfig = setting(MemoryConfig(), read=_nested(MemoryConfig, "budget", (str, int, float)), ds=_OWN)
     _explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
@@ -282,6 +288,8 @@ class ZeroConfig:
             value = getattr(self, name)
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 value = {k: _DTYPE_NAMES.get(v, v) for k, v in dataclasses.asdict(value).items()}
+            elif isinstance(value, torch.dtype):
+                value = _DTYPE_NAMES[value]
             out[name] = value
         return out
 
@@ -434,6 +442,17 @@ def _conflicts(cfg: ZeroConfig, world_size: int | None, given: Callable[[str], b
             f"{_ZO}.zero_hpz_partition_size with {_OWN}.memory is not supported yet: the budget does not count the "
             "secondary shards; remove one of them"
         )
+    cheap = [n for n in ("gather_dtype", "zero_quantized_weights") if getattr(cfg, n) not in (None, False)]
+    if rule(bool(cheap) and cfg.stage != 3, *cheap, "stage"):
+        out.append(f"{' and '.join(cheap)} change ZeRO-3's parameter gathers and need stage 3 (got stage {cfg.stage}): "
+                   "at stages 1 and 2 the full parameters are the model itself. Use stage 3, or remove them")  # fmt: skip
+    if rule(len(cheap) == 2, *cheap):
+        out.append("gather_dtype and zero_quantized_weights both set the parameter gathers' wire format; give one")
+    low, wire = cfg.precision.param_dtype, cfg.gather_dtype
+    if wire is not None and low is not None and rule(True, "gather_dtype", "precision"):
+        out.append(f"gather_dtype={_DTYPE_NAMES[wire]} with 16-bit parameters "
+                   f"(precision param_dtype={_DTYPE_NAMES[low]}): ZeRO-3 gathers those in {_DTYPE_NAMES[low]} "
+                   "already; remove gather_dtype, or use a mixed precision ('bf16-mixed', '16-mixed')")  # fmt: skip
     if rule(cfg.compression.enabled and cfg.stage == 3, "compression", "stage"):
         out.append(
             "compression.type='topk' works at ZeRO stages 1 and 2: ZeRO-3 reduces each unit's gradients while its "
@@ -488,7 +507,7 @@ _MICS = "mics_shard_size"  # DeepSpeed's name of shard_size (read by _DeepSpeedR
 _ZERO_BLOCK_LEGACY = ("cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")  # read by _zero_block
 _ZERO_BLOCK_IGNORED = (
     "round_robin_gradients", "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
-    "zero_quantized_weights", "zero_quantized_gradients",
+    "zero_quantized_gradients",
     "zero_quantized_nontrainable_weights", "mics_hierarchical_params_gather",
     "memory_efficient_linear", "stage3_module_granularity_threshold", "use_multi_rank_bucket_allreduce",
     "log_trace_cache_warnings",

@@ -62,6 +62,7 @@ from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
 from zero_strategy.runtime.zero3_hooks import Zero3Hooks, refuse_load_state_dict, refuse_sharded_state_dict
 from zero_strategy.sharding.construction import materialize_full
 from zero_strategy.sharding.expert_owners import unit_cuts
+from zero_strategy.sharding.gather_codec import gather_codec
 from zero_strategy.sharding.group import (
     GroupSpec,
     InPlaceMasters,
@@ -274,6 +275,7 @@ class ZeroEngine(WholeModelState):
                 members, named, self.ctx, self.precision, threshold,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
                 row_swap=self.disk.row_swap, fractions=fractions, unit_cuts=cuts, sync=sync, peak=peak,
+                codec=gather_codec(config),
             )  # fmt: skip
             self.params, self.groups = storage, storage.groups
             forget_pieces(built_sharded)  # their pieces live in the unit rows now

@@ -125,6 +125,8 @@ class SecondaryShards:
         block, version = held
         if version != u.version:  # the rows changed since: stale
             return None
+        if block.dtype != out.dtype or block.numel() * self.ctx.world_size != out.numel():
+            return None  # another wire format than the forward gather's (every rank alike)
         self.gathers += 1
         # the block is copied into ``out``'s own row before the call returns, so it may go now
         return C.all_gather(self.ctx, out, block, what=f"{what}, from the secondary shards")

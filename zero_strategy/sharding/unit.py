@@ -30,13 +30,12 @@ from torch import nn
 
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.gather_checks import (
-    TAG,
     GatherChecks,
     UnitDivergence,
     check_unit_count,
     read_tags,
-    write_tag,
 )
+from zero_strategy.sharding.gather_codec import EXACT, GatherCodec
 from zero_strategy.sharding.group import HostMasters, ShardGroup
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.pieces import (
@@ -260,8 +259,10 @@ class UnitStorage:
         fractions: tuple[float, ...] | None = None,
         cuts: tuple[int, ...] | None = None,  # expert owners' boundaries (expert_owners.py)
         peak: HostPeak | None = None,  # counts the host memory the originals free (host_memory.py)
+        codec: GatherCodec = EXACT,  # the forward's and backward's gathers (gather_codec.py)
     ) -> None:
         self.label, self.tag, self.ctx, self.meter = label, tag, ctx, meter
+        self.codec, self._codec = codec, codec  # the configured one, the one of the gather now
         self.checks = checks or GatherChecks({})
         named = list(trainable) + list(frozen)
         self.params = [p for _, p in named]
@@ -396,6 +397,11 @@ class UnitStorage:
         return row[off : off + self.layout.local_numel(i)]
 
     @property
+    def lossy(self) -> bool:
+        """Whether the full parameters now hold a lossy gather's values (rounded or quantized)."""
+        return self.state is not ShardedState.SHARDED and self._codec.lossy
+
+    @property
     def full_bytes(self) -> int:
         return sum(self._numel_bytes)
 
@@ -410,23 +416,24 @@ class UnitStorage:
             SHARDED_TRANSITIONS, self.state, new, where, note="an engine bug: please report it"
         )
 
-    def unshard_async(self, step: str) -> None:
+    def unshard_async(self, step: str, *, exact: bool = False) -> None:
+        """Issue the gather; ``exact`` ignores a lossy codec (the persistent units always do)."""
         if self.state is not ShardedState.SHARDED:
             return
-        n, s = self.ctx.world_size, self.layout.shard_numel + TAG
-        buf = self.ctx.pool.get(n * s, self.dtype, self.ctx.device)
+        codec = EXACT if exact or self.persistent else self.codec
+        n, s = self.ctx.world_size, codec.slot_numel(self.layout.shard_numel)
+        buf = self.ctx.pool.get(n * s, codec.wire_dtype(self.dtype), self.ctx.device)
         what = f"parameters of {self.name} ({step})"
-        # hpZ: from the secondary shards within the k-rank group, when this rank holds them (secondary.py)
-        handle = self.secondary.gather(self, buf, what) if self.secondary is not None else None
+        # hpZ: from the secondary shards within the k-rank group, when this rank holds them (secondary.py);
+        # they hold the forward gather's wire format, so an exact gather of a lossy codec reads the rows
+        hpz = self.secondary is not None and codec is self.codec
+        handle = self.secondary.gather(self, buf, what) if hpz and self.secondary is not None else None
         if handle is None:
             slot = buf.view(n, s)[self.ctx.rank]
-            t = self.row.numel()
             with self.resident():
-                slot[:t].copy_(self.row)  # cast to the compute dtype (16-bit parameters)
-                slot[t : s - TAG].copy_(self.frozen_row)
-            write_tag(slot, s - TAG, self.tag)
+                codec.encode(slot, (self.row, self.frozen_row), self.tag)
             handle = C.all_gather(self.ctx, buf, slot, what=what)
-        self._buf, self._step, self._handle = buf, step, handle
+        self._buf, self._step, self._codec, self._handle = buf, step, codec, handle
         self._to(ShardedState.UNSHARDING, "unshard_async")
         self.meter.gathered(self)  # counted from the moment its gather buffer exists
         self.gathers += 1
@@ -439,10 +446,10 @@ class UnitStorage:
         if self._handle is None or self._buf is None:
             raise AssertionError(f"rank {self.ctx.rank}: {self.name} is UNSHARDING without a gather in flight")
         self._handle.wait()
-        n, s = self.ctx.world_size, self.layout.shard_numel + TAG
-        rows = self._buf.view(n, s)
+        n = self.ctx.world_size
+        rows, digits = self._codec.decode(self._buf.view(n, -1), self.layout.shard_numel)
         try:
-            self.checks.gathered(self, read_tags(rows[:, -TAG:]), self._step)
+            self.checks.gathered(self, read_tags(digits), self._step)
         except UnitDivergence:
             self.ctx.pool.put(self._buf)
             self._handle, self._buf = None, None
@@ -538,6 +545,7 @@ class ShardedParams(ParamStorage):
         unit_cuts: dict[str, tuple[int, ...]] | None = None,
         sync: Callable[[Sequence[nn.Parameter]], None] | None = None,
         peak: HostPeak | None = None,
+        codec: GatherCodec = EXACT,
     ) -> None:
         """One unit per entry of ``members`` (``unit_members``: the units' modules in order,
         then the root unit, label ``<root>``, for the parameters outside every unit; the engine
@@ -588,7 +596,8 @@ class ShardedParams(ParamStorage):
             u = UnitStorage(label, len(self.units) + 1, trainable, frozen, ctx, precision, self.meter,
                             persistence_threshold, group_index=len(self.groups), row_policy=rows,
                             host_masters=host, row_swap=row_swap, checks=self.checks,
-                            fractions=fractions, cuts=(unit_cuts or {}).get(label), peak=peak)  # fmt: skip
+                            fractions=fractions, cuts=(unit_cuts or {}).get(label), peak=peak,
+                            codec=codec)  # fmt: skip
             self.units.append(u)
             if u.group is not None:
                 self.groups.append(u.group)
@@ -629,10 +638,13 @@ class ShardedParams(ParamStorage):
             found = {id(w[0]): w[0] for p in params if (w := self.unit_of(p)) is not None}
             units = [u for u in self.units if id(u) in found]
         was = [u.state for u in units]
+        for u in units:  # a forward's rounded or quantized copy is gathered again, exactly
+            if u.lossy:
+                u.reshard()
         where = f"gathered_parameters ({step})"
         with self.immediate_checks():
             for u in units:
-                u.unshard_async(where)
+                u.unshard_async(where, exact=True)
             for u in units:
                 u.wait_unshard(self.names)
         for u in units:
@@ -729,7 +741,9 @@ class ShardedParams(ParamStorage):
         """Gather every unit and leave its full parameters in the module for good (destroy)."""
         self.checks.deferred = False
         for u in self.units:
-            u.unshard_async(step)
+            if u.lossy:
+                u.reshard()
+            u.unshard_async(step, exact=True)
         for u in self.units:
             u.wait_unshard(self.names)
             self.meter.freed(u)
