@@ -9,12 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from zero_strategy.comm import collectives as C
 from zero_strategy.config import ZeroConfig
 from zero_strategy.offload.swapped_state import base_step
 from zero_strategy.runtime.engine import ZeroEngine, live_engines
 from zero_strategy.runtime.module import get_engine, swap_module_class
 from zero_strategy.runtime.optimizer import bind_optimizer, build_optimizer, check_optimizer
 from zero_strategy.runtime.optimizer_set import check_disjoint, refuse_several
+from zero_strategy.runtime.shard_layout import MeshLayout, take_mesh
 from zero_strategy.sharding.construction import outside_sharded_init
 from zero_strategy.sharding.partition import UnitPolicy
 from zero_strategy.sharding.precision import select_precision
@@ -42,6 +44,7 @@ def initialize(
     config: ConfigLike = None,
     process_group: Any = None,
     policy: UnitPolicy = None,
+    mesh: Any = None,
     **overrides: Any,
 ) -> tuple[nn.Module, Any]:
     """Shard ``optimizer`` (and, with stage 2, gradients) of ``model`` across the ranks of
@@ -63,18 +66,28 @@ def initialize(
     and discriminator) binds them all and returns them, the same objects, as a list: each ``step()``,
     ``zero_grad()`` and ``clip_grad_norm_`` acts on its own optimizer's parameters, as under
     DDP (``runtime/optimizer_set.py``); a parameter in two of them is refused.
+
+    ``mesh``: a ``torch.distributed.device_mesh.DeviceMesh``, as FSDP2's ``fully_shard(mesh=...)``
+    takes it (``shard_size=mesh`` is the same): 2-D, dim 0 replicates and dim 1 shards (shard
+    groups, HSDP), on the mesh's own process groups; 1-D: flat over its group
+    (``runtime/shard_layout.py``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize(model=...): expected a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, "_zero_engine", None) is not None:
         raise RuntimeError("initialize(): this model is already managed by zero_strategy; initialize each model once")
     cfg = ZeroConfig.coerce(config)
+    if overrides.get("shard_size") is not None and C.mesh_groups(overrides["shard_size"]) is not None:
+        if mesh is not None:
+            raise TypeError("initialize(): a DeviceMesh given as both mesh= and shard_size=; pass it once")
+        mesh = overrides.pop("shard_size")
     if overrides:
         from zero_strategy.config import resolve_overrides
 
         cfg = resolve_overrides(cfg, source="initialize() keyword arguments", **overrides)
+    cfg, process_group, layout = take_mesh(mesh, cfg, process_group, "initialize(mesh=...)")
     with outside_sharded_init():  # called inside a sharded_init block: take the pieces as they are
-        return _initialize(model, optimizer, cfg, process_group, policy)
+        return _initialize(model, optimizer, cfg, process_group, policy, layout)
 
 
 def _initialize(
@@ -83,6 +96,7 @@ def _initialize(
     cfg: ZeroConfig,
     process_group: Any,
     policy: UnitPolicy | None,
+    layout: MeshLayout | None = None,
 ) -> tuple[nn.Module, Any]:
     several = isinstance(optimizer, (list, tuple))
     opts = _built(optimizer, model, cfg, "initialize()", stacklevel=5)  # before anything is changed
@@ -91,7 +105,7 @@ def _initialize(
             "initialize(): the model has no parameter with requires_grad=True, so the optimizer has nothing to "
             "train; pass optimizer=None to set it up for evaluation or inference"
         )
-    engine = ZeroEngine(model, cfg, process_group, policy)
+    engine = ZeroEngine(model, cfg, process_group, policy, mesh=layout)
     swap_module_class(model, engine)
     if opts:
         engine.set_optimizers([bind_optimizer(opt, engine) for opt in opts])

@@ -7,6 +7,11 @@ A front-end's defaults ("32-true"/"no", accumulation 1) count as "not given", so
 values then apply; a value given on both sides that differs raises (``resolve_overrides``).
 The front-end runs the accumulation loop itself, so the engine never accumulates on its own.
 Front-end names are the keys of ``zero_strategy.config.FRONTEND_PRECISION``.
+
+Shard groups: a front-end's ``shard_size=`` takes a number, ``"node"`` or a ``DeviceMesh``
+(``split_shard_size``: the mesh goes to ``initialize(mesh=...)``, its shard size into the
+config); Accelerate's ``ParallelismConfig`` maps to ``shard_size = dp_shard_size``
+(``parallelism_shard_size``).
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import torch
 from torch import nn
 
 import zero_strategy as zs
+from zero_strategy.comm.collectives import mesh_groups
 from zero_strategy.config import FRONTEND_PRECISION
 from zero_strategy.runtime.optimizer import engine_of
+from zero_strategy.runtime.shard_layout import mesh_shard_size
 
 __all__ = [
     "accumulation_to_adopt",
@@ -26,7 +33,9 @@ __all__ = [
     "format_precision_flags",
     "frontend_engine_config",
     "optimizer_parameters",
+    "parallelism_shard_size",
     "precision_flags",
+    "split_shard_size",
 ]
 
 
@@ -116,3 +125,31 @@ def frontend_engine_config(cfg: zs.ZeroConfig, *, frontend_clips: bool = False) 
     if frontend_clips:
         changes["gradient_clipping"] = None
     return cfg.replace(**changes)
+
+
+def split_shard_size(value: Any, call: str) -> tuple[Any, Any]:
+    """A front-end's ``shard_size=`` as ``(the config's shard_size, the mesh for initialize)``: a
+    ``DeviceMesh`` gives its shard size (dim 1; checked as ``initialize`` checks it) and itself,
+    anything else (a number, ``"node"``, None) itself and no mesh."""
+    if mesh_groups(value) is None:
+        return value, None
+    return mesh_shard_size(value, call), value
+
+
+def parallelism_shard_size(pc: Any, call: str) -> int | None:
+    """Accelerate's ``ParallelismConfig(dp_replicate_size, dp_shard_size)`` as ``shard_size``:
+    ``dp_shard_size`` when it is above 1 (HSDP: shard groups of that many ranks, replicated
+    ``dp_replicate_size`` times; 1 is Accelerate's default, read as "not given"). Tensor, context
+    and sequence parallelism are refused: the engine shards data parallel only."""
+    if pc is None:
+        return None
+    for name in ("tp_size", "cp_size", "sp_size"):
+        size = getattr(pc, name, None) or 1
+        if size > 1:
+            raise ValueError(
+                f"{call}: ParallelismConfig({name}={size}) is not supported: zero_strategy shards data parallel "
+                f"only. Set {name}=1 and split the ranks as dp_replicate_size x dp_shard_size (shard groups of "
+                "dp_shard_size ranks)"
+            )
+    shard = int(getattr(pc, "dp_shard_size", None) or 1)
+    return shard if shard > 1 else None

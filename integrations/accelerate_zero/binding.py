@@ -57,7 +57,12 @@ from torch import nn
 
 import zero_strategy as zs
 from accelerate_zero._main_only import main_process_only_test
-from zero_strategy.frontend import accumulation_to_adopt, frontend_engine_config, optimizer_parameters
+from zero_strategy.frontend import (
+    accumulation_to_adopt,
+    frontend_engine_config,
+    optimizer_parameters,
+    parallelism_shard_size,
+)
 from zero_strategy.runtime.module import get_engine
 
 __all__ = [
@@ -292,7 +297,8 @@ def _drop_forward_wrapper(model: Any) -> None:
 
 def check_accelerator(accelerator: Any) -> None:
     """Refuse what ``ZeroPlugin.prepare`` cannot run on: not an Accelerator, DeepSpeed/FSDP/
-    Megatron, tensor or context parallelism."""
+    Megatron, tensor or context parallelism (``ParallelismConfig``'s data-parallel sizes are shard
+    groups: ``ZeroPlugin.resolved_config``)."""
     if not isinstance(accelerator, Accelerator):
         raise TypeError(
             f"ZeroPlugin.prepare(accelerator=...): expected an accelerate.Accelerator, got {type(accelerator).__name__}"
@@ -303,11 +309,7 @@ def check_accelerator(accelerator: Any) -> None:
             "with plain data parallelism only (distributed_type NO, MULTI_CPU or MULTI_GPU). Remove the DeepSpeed/FSDP/"
             "Megatron settings from the accelerate config"
         )
-    pc = getattr(accelerator, "parallelism_config", None)
-    if pc is not None and (getattr(pc, "tp_enabled", False) or getattr(pc, "cp_enabled", False)):
-        raise ValueError(
-            "ZeroPlugin.prepare(): tensor or context parallelism is not supported; remove parallelism_config"
-        )
+    parallelism_shard_size(getattr(accelerator, "parallelism_config", None), "ZeroPlugin.prepare()")  # tp/cp refused
 
 
 @contextlib.contextmanager
@@ -376,10 +378,12 @@ def prepare_with_zero(
     pairs: list[tuple[nn.Module, list[torch.optim.Optimizer]]],
     config: zs.ZeroConfig,
     policy: Any,
+    mesh: Any = None,
 ) -> Any:
     """The body of ``ZeroPlugin.prepare(accelerator, *objects)``: ``pairs`` are the models among
     ``objects`` with their optimizers (``pair_models_and_optimizers``), ``config`` is
-    ``ZeroPlugin.resolved_config(accelerator)`` and ``policy`` the plugin's ZeRO-3 units."""
+    ``ZeroPlugin.resolved_config(accelerator)``, ``policy`` the plugin's ZeRO-3 units and
+    ``mesh`` a DeviceMesh given as its ``shard_size``."""
     _refuse_regional_compilation(accelerator)
     steps = accumulation_to_adopt(config, accelerator.gradient_accumulation_steps)
     if steps is not None:
@@ -392,7 +396,7 @@ def prepare_with_zero(
     for model, opts in pairs:
         if accelerator.device_placement and _off_device(model, accelerator.device):
             model.to(accelerator.device)  # only when needed: weights mapped from files would be copied
-        zs.initialize(model, _core_arg(opts), config=engine_config, policy=policy)  # the same objects, bound
+        zs.initialize(model, _core_arg(opts), config=engine_config, policy=policy, mesh=mesh)  # the same objects, bound
         prepared = cast(_AcceleratePrepared, model)
         if config.precision.autocast_dtype is not None:
             # as Accelerate's own mixed precision: the engine autocasts inside forward, the outputs

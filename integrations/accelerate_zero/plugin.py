@@ -27,7 +27,12 @@ from torch import nn
 import zero_strategy as zs
 from zero_strategy import resolve_overrides
 from zero_strategy.config import frontend_precision
-from zero_strategy.frontend import apply_frontend_settings, format_precision_flags
+from zero_strategy.frontend import (
+    apply_frontend_settings,
+    format_precision_flags,
+    parallelism_shard_size,
+    split_shard_size,
+)
 
 __all__ = ["CONFIG_ENV", "ENV_PREFIX", "ZeroPlugin"]
 
@@ -83,11 +88,18 @@ class ZeroPlugin:
         policy: which modules form ZeRO-3 units, passed to ``zero_strategy.initialize``
             (a set of module classes such as ``{GPT2Block}``, or ``(module, name) -> bool``).
         **overrides: ZeroConfig fields given explicitly (``stage=3``); a different value for
-            the same field in the file raises.
+            the same field in the file raises. ``shard_size`` also takes a 2-D
+            ``DeviceMesh`` (dim 0 replicate, dim 1 shard), handed to ``zero_strategy.initialize``.
+
+    ``Accelerator(parallelism_config=ParallelismConfig(dp_replicate_size=R, dp_shard_size=S))``
+    is read as ``shard_size=S`` (tensor/context parallelism is refused).
     """
 
     def __init__(self, config: Any = None, *, policy: Any = None, **overrides: Any) -> None:
         cfg = zs.ZeroConfig.coerce(config)
+        self.mesh: Any = None  # a DeviceMesh given as shard_size
+        if "shard_size" in overrides:
+            overrides["shard_size"], self.mesh = split_shard_size(overrides["shard_size"], "ZeroPlugin(shard_size=...)")
         if overrides:
             cfg = resolve_overrides(cfg, source="ZeroPlugin(...) keyword arguments", **overrides)
         self.config: zs.ZeroConfig = cfg
@@ -132,7 +144,8 @@ class ZeroPlugin:
         "bf16-mixed"; a precision Accelerate itself does not apply, fp16 on a CPU, is "not
         given"), and its ``gradient_accumulation_steps`` must agree with the file's (a
         different value raises). Accelerate's defaults ("no", 1) count as "not given", as
-        Lightning's do: the file's values then apply."""
+        Lightning's do: the file's values then apply. Its ``parallelism_config`` with
+        ``dp_shard_size > 1`` gives ``shard_size`` (a different value in the file raises)."""
         mp = str(accelerator.mixed_precision)
         try:
             name = frontend_precision("accelerate", mp)
@@ -145,7 +158,11 @@ class ZeroPlugin:
             name = None  # Accelerate's DDP path runs this in fp32 here (fp16 needs a GPU): so does the engine
         gas = int(accelerator.gradient_accumulation_steps)
         source = f"Accelerator(mixed_precision={mp!r}, gradient_accumulation_steps={gas})"
-        return apply_frontend_settings(self.config, source=source, precision=name, accumulation=gas)
+        pc = getattr(accelerator, "parallelism_config", None)
+        shard = parallelism_shard_size(pc, "ZeroPlugin.prepare()")
+        if shard is not None:
+            source = f"{source[:-1]}, parallelism_config=ParallelismConfig(dp_shard_size={shard}))"
+        return apply_frontend_settings(self.config, source=source, precision=name, accumulation=gas, shard_size=shard)
 
     def prepare(self, accelerator: Any, *objects: Any) -> Any:
         """Like ``accelerator.prepare(*objects)``, with each model and its optimizer handed to
@@ -155,7 +172,9 @@ class ZeroPlugin:
 
         check_accelerator(accelerator)
         pairs = pair_models_and_optimizers(objects)
-        return prepare_with_zero(accelerator, objects, pairs, self.resolved_config(accelerator), self.policy)
+        return prepare_with_zero(
+            accelerator, objects, pairs, self.resolved_config(accelerator), self.policy, mesh=self.mesh
+        )
 
 
 def pair_models_and_optimizers(objects: tuple[Any, ...]) -> list[tuple[nn.Module, list[torch.optim.Optimizer]]]:

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 import lightning_zero._settings as S
 import zero_strategy as zs
-from zero_strategy.frontend import format_precision_flags, frontend_engine_config
+from zero_strategy.frontend import format_precision_flags, frontend_engine_config, split_shard_size
 from zero_strategy.runtime.optimizer import ZeroOptimizer, engine_of
 
 if TYPE_CHECKING:
@@ -128,8 +128,12 @@ class ZeroParallelMixin(_ParallelStrategyBase):
         policy: Any,
         process_group_backend: Optional[str],
         timeout: Optional[timedelta],
+        shard_size: Any = None,
     ) -> None:
         self.zero_config: zs.ZeroConfig = S.strategy_config(config, stage, offload, caller)
+        # a DeviceMesh goes to initialize(mesh=...), its shard size (or a number, "node") into the config
+        shard, self._zero_mesh = split_shard_size(shard_size, f"{caller}(shard_size=...)")
+        self.zero_config = zs.resolve_overrides(self.zero_config, source=f"{caller}(shard_size=...)", shard_size=shard)
         self._policy = policy
         self._process_group_backend = process_group_backend
         self._timeout = timeout

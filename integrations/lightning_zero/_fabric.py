@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 import zero_strategy as zs
@@ -95,6 +96,7 @@ def build(ns: str) -> tuple[type, type]:
             checkpoint_io: Any = None,
             precision: Any = None,
             offload: Optional[Mapping[str, Any]] = None,
+            shard_size: Union[int, str, DeviceMesh, None] = None,
             # Fabric's DeepSpeedStrategy arguments (lightning_zero._deepspeed_args); None: not given
             zero_optimization: Optional[bool] = None,
             remote_device: Optional[str] = None,
@@ -144,7 +146,9 @@ def build(ns: str) -> tuple[type, type]:
                 checkpoint_io=checkpoint_io,
                 precision=precision,
             )
-            self._zero_init("ZeroFabricStrategy", config, stage, offload, policy, process_group_backend, timeout)
+            self._zero_init(
+                "ZeroFabricStrategy", config, stage, offload, policy, process_group_backend, timeout, shard_size
+            )
             self.zero_config = apply_deepspeed_arguments(self.zero_config, deepspeed, "ZeroFabricStrategy")
             self.load_full_weights = bool(load_full_weights)
             self._num_nodes = 1
@@ -197,7 +201,9 @@ def build(ns: str) -> tuple[type, type]:
         def _initialize(self, module: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
             # Fabric has no clipping or accumulation arguments: the engine applies the file's clipping
             engine_config = self._zero_apply_arguments("Fabric(precision=...)", precision=self.precision.precision)
-            module, optimizer = zs.initialize(module, optimizer, config=engine_config, policy=self._policy)
+            module, optimizer = zs.initialize(
+                module, optimizer, config=engine_config, policy=self._policy, mesh=self._zero_mesh
+            )
             self._zero_bind_precision(self.precision)
             return module, optimizer
 

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 import zero_strategy as zs
@@ -95,6 +96,9 @@ def build(ns: str) -> tuple[type, type]:
             process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by device).
             timeout: the process group's timeout.
             offload: ``{"offload_optimizer": {...}, "offload_param": {...}}`` blocks over the config's.
+            shard_size: shard groups (hybrid sharding, HSDP): ranks per group, ``"node"`` (one group
+                per node, from ``LOCAL_WORLD_SIZE``), or a 2-D ``DeviceMesh`` (dim 0 replicate, dim 1
+                shard; built after the process group, e.g. under torchrun). None: the config's.
 
         Lightning's ``DeepSpeedStrategy`` arguments are taken too (``offload_optimizer=True``,
         ``allgather_bucket_size=...``, ``loss_scale_window=...``, ...): those that mean the same
@@ -123,6 +127,7 @@ def build(ns: str) -> tuple[type, type]:
             checkpoint_io: Any = None,
             precision_plugin: Any = None,
             offload: Optional[Mapping[str, Any]] = None,
+            shard_size: Union[int, str, DeviceMesh, None] = None,
             # DeepSpeedStrategy's arguments (lightning_zero._deepspeed_args); None: not given
             zero_optimization: Optional[bool] = None,
             remote_device: Optional[str] = None,
@@ -174,7 +179,7 @@ def build(ns: str) -> tuple[type, type]:
             )
             if state_dict_type not in ("sharded", "full"):
                 raise ValueError(f"ZeroStrategy(state_dict_type={state_dict_type!r}): use 'sharded' or 'full'")
-            self._zero_init("ZeroStrategy", config, stage, offload, policy, process_group_backend, timeout)
+            self._zero_init("ZeroStrategy", config, stage, offload, policy, process_group_backend, timeout, shard_size)
             self.zero_config = apply_deepspeed_arguments(self.zero_config, deepspeed, "ZeroStrategy")
             self.load_full_weights = bool(load_full_weights)  # a file is loaded as full weights either way
             self.state_dict_type = state_dict_type
@@ -247,7 +252,11 @@ def build(ns: str) -> tuple[type, type]:
                 self.model_to_device()
                 # validate/test/predict: no optimizer, as DDP
                 zs.initialize(
-                    self.model, self._zero_optimizers() if fitting else None, config=wanted, policy=self._policy
+                    self.model,
+                    self._zero_optimizers() if fitting else None,
+                    config=wanted,
+                    policy=self._policy,
+                    mesh=self._zero_mesh,
                 )
             else:
                 current = get_engine(self.model).config

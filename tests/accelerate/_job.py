@@ -10,6 +10,9 @@
   ``accelerator.save_state`` at optimizer step ``SAVE_AT`` into ``$ACCEL_JOB_CKPT/zero<stage>``.
   With ``ACCEL_JOB_HF=1`` also a GPT-2 from transformers (DDP, then ZeRO-3 with
   ``policy={GPT2Block}``), saved with ``save_pretrained`` and reloaded with ``from_pretrained``.
+  Then ZeroPlugin with shard groups, ``shard_size=1`` at stage 3 (``shard1``; not saved).
+  (Accelerate refuses a ``ParallelismConfig`` on CPU processes, so its mapping to
+  ``shard_size`` is tested in test_plugin_config.py.)
 - ``resume``: for every stage, a fresh model loads ``$ACCEL_JOB_CKPT/zero<stage>`` with
   ``accelerator.load_state`` and continues from ``SAVE_AT``.
 - ``env``: ``ZeroPlugin.from_env()`` (``ZERO_STRATEGY_CONFIG`` set by ``zero-strategy launch``).
@@ -71,9 +74,10 @@ def build(mode: str, mixed: str | None = None) -> tuple[Accelerator, Any, Any, A
     elif mode == "env":
         model, opt, sched, loader = ZeroPlugin.from_env().prepare(acc, model, opt, sched, loader)
     else:
-        stage = int(mode[-1])
+        stage = 3 if mode == "shard1" else int(mode[-1])
+        shard = {"shard_size": 1} if mode == "shard1" else {}  # groups of one rank, replicated: a 2 x 1 layout
         plugin = ZeroPlugin({"zero_optimization": {"stage": stage, "reduce_bucket_size": 700,
-                                                   "stage3_param_persistence_threshold": 0}})  # fmt: skip
+                                                   "stage3_param_persistence_threshold": 0}}, **shard)  # fmt: skip
         model, opt, sched, loader = plugin.prepare(acc, model, opt, sched, loader)
     return acc, model, opt, sched, loader
 
@@ -125,9 +129,12 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def job_train(out: dict[str, Any]) -> None:
     ckpt = os.environ.get("ACCEL_JOB_CKPT")
     ref_weights: dict[str, torch.Tensor] = {}
-    for mode in ("ddp", "zero1", "zero2", "zero3"):
+    for mode in ("ddp", "zero1", "zero2", "zero3", "shard1"):
         acc, model, opt, sched, loader = build(mode)
-        save_dir = os.path.join(ckpt, mode) if ckpt and mode != "ddp" else None
+        save_dir = os.path.join(ckpt, mode) if ckpt and mode.startswith("zero") else None
+        if mode == "shard1":  # the shard groups the engine got
+            engine = model.zero_engine
+            out[f"{mode}_layout"] = [engine.config.shard_size, engine.ctx.world_size, engine.replica.world_size]
         res = train(acc, model, opt, sched, 0, save_dir)
         res["eval"] = evaluate(acc, model, loader)
         weights = final_weights(acc, model)

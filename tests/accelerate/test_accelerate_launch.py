@@ -161,6 +161,16 @@ def test_zero_plugin_matches_accelerate_ddp(trained: dict[str, Any], stage: int)
     assert not (version / "model.safetensors").exists()
 
 
+def test_shard_groups_from_the_plugin_match_ddp(trained: dict[str, Any]) -> None:
+    """``ZeroPlugin(shard_size=1)`` (2 x 1: groups of one rank, replicated): the engine's layout, DDP's numbers."""
+    r0 = trained["ranks"][0]
+    assert r0["shard1_layout"] == [1, 1, 2]
+    zero, ddp = r0["shard1"], r0["ddp"]
+    for key in ("losses", "norms", "eval"):
+        assert rel_diff(zero[key], ddp[key]) < REL, key
+    assert zero["weights_max_diff"] < 1e-5
+
+
 @pytest.mark.parametrize("world", [1, 3])
 def test_save_state_on_2_load_state_on_other_world_sizes(trained: dict[str, Any], world: int) -> None:
     ranks = run_launch(trained["tmp"], "resume", world, env={"ACCEL_JOB_CKPT": str(trained["ckpt"])})

@@ -127,6 +127,25 @@ def test_accelerator_settings_map_onto_the_engine(tmp_path: Path) -> None:
         ZeroPlugin().resolved_config(fake_accelerator("fp8"))
 
 
+def test_shard_size_and_parallelism_config_reach_the_engine_config() -> None:
+    from accelerate import ParallelismConfig
+
+    assert ZeroPlugin(shard_size=2).config.shard_size == 2
+    assert ZeroPlugin.from_env(environ={"ZERO_STRATEGY_SHARD_SIZE": "node"}).config.shard_size == "node"
+    acc = fake_accelerator()
+    acc.parallelism_config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=4)  # HSDP: groups of 4, 2 replicas
+    assert ZeroPlugin(stage=3).resolved_config(acc).shard_size == 4
+    with pytest.raises(
+        ValueError, match=r"shard_size=2 from the config conflicts with shard_size=4 from .*ParallelismConfig"
+    ):
+        ZeroPlugin(shard_size=2).resolved_config(acc)
+    acc.parallelism_config = ParallelismConfig(dp_replicate_size=2)  # dp_shard_size 1: not given
+    assert ZeroPlugin(shard_size=2).resolved_config(acc).shard_size == 2
+    acc.parallelism_config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(tp_size=2\) is not supported"):
+        ZeroPlugin().resolved_config(acc)
+
+
 def test_prepare_pairs_each_model_with_its_optimizer() -> None:
     model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

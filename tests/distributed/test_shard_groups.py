@@ -20,11 +20,17 @@ CELLS: list[dict] = [
     {"stage": 3, "persist": 0, "accum": "no_sync", "optim": "adagrad", "impl": "native"},
     {"stage": 3, "persist": 0, "shard_size": 1},  # one rank per group: reduced by the all-reduce alone
     {"stage": 2, "shard_size": 4},  # one group of all ranks: the flat layout
+    {"stage": 3, "persist": 0, "accum": "no_sync", "mesh": "2x2"},  # a 2-D DeviceMesh: its own process groups
+    {"stage": 2, "mesh": "2x2t"},  # a mesh whose shard groups are {0, 2} and {1, 3}, not contiguous blocks
+    {"stage": 3, "persist": 0, "shard_size": "node"},  # LOCAL_WORLD_SIZE=2 (set below): two "nodes" of 2
 ]
 
 
 def _worker(rank: int, world: int, root: str) -> int:
+    import warnings
+
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     import zero_strategy as zs
     from zero_strategy.testing import run_subtests
@@ -33,7 +39,26 @@ def _worker(rank: int, world: int, root: str) -> int:
     def one(**kw) -> None:
         compare(Cell(dtype="float32", steps=4, **{"shard_size": 2, **kw}), rank, world)
 
+    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank % 2))  # as torchrun on 2 nodes of 2
     run_subtests(one, CELLS, label="shard groups, 4 ranks as 2 x 2")
+    # "node" where the layout does not divide the world: flat, with the reason
+    os.environ["LOCAL_WORLD_SIZE"] = "3"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flat, _ = zs.initialize(Net(Cell()), None, config=zs.ZeroConfig(stage=1, shard_size="node"))
+    if flat.zero_engine.ctx.world_size != 4 or not any(
+        "does not divide the world size 4" in str(w.message) for w in caught
+    ):
+        raise AssertionError(f"shard_size='node' with LOCAL_WORLD_SIZE=3: {[str(w.message) for w in caught]}")
+    # a mesh whose replicate groups pair different pieces is refused on every rank, naming the fix
+    bad = DeviceMesh("cpu", torch.tensor([[0, 3], [2, 1]]), mesh_dim_names=("replicate", "shard"))
+    try:
+        zs.initialize(Net(Cell()), None, mesh=bad)
+    except ValueError as e:
+        if "init_device_mesh(device, (2, 2)" not in str(e):
+            raise AssertionError(f"the refusal does not name the fix: {e}") from e
+    else:
+        raise AssertionError("a mesh with mismatched replicate groups was not refused")
     # the sharded checkpoint layout is cut over all ranks: refused, naming the way out
     torch.manual_seed(0)
     model = Net(Cell())

@@ -520,6 +520,24 @@ def _fabric_worker(rank: int, world: int, root: str) -> dict:
         resumed, _ = [], []
         train(fabric2, model2, opt2, range(state["step"], 6), resumed, _)
         out[name] = {"losses": losses, "norms": norms, "resumed": resumed, "step": state["step"]}
+    # shard groups through the strategy: a DeviceMesh (the launcher made the process group) and a
+    # number, here groups of one rank replicated over both (a 2 x 1 layout; saving is refused with them)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for name, kwargs in (
+        ("zero3_mesh", {"stage": 3, "shard_size": mesh}),
+        ("zero2_shard1", {"stage": 2, "shard_size": 1}),
+    ):
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=lightning_zero.ZeroFabricStrategy(**kwargs))
+        fabric.launch()
+        model = _gpt()
+        model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        engine = model.zero_engine
+        assert (engine.config.shard_size, engine.ctx.world_size, engine.replica.world_size) == (1, 1, world)
+        losses, norms = [], []
+        train(fabric, model, opt, range(6), losses, norms)
+        out[name] = {"losses": losses, "norms": norms}
     return out
 
 
@@ -533,6 +551,9 @@ def test_fabric_matches_ddp_and_resumes(launch, tmp_path) -> None:
         for key in ("losses", "norms"):
             assert_close(got[key], ref[key], rtol=1e-6, what=f"Fabric {name} {key}")
         assert_close(got["resumed"], got["losses"][6:], rtol=1e-6, what=f"Fabric {name} resumed losses")
+    for name in ("zero3_mesh", "zero2_shard1"):  # shard groups: DDP's numbers
+        for key in ("losses", "norms"):
+            assert_close(res[name][key], ref[key], rtol=1e-6, what=f"Fabric {name} {key}")
 
 
 def test_errors_name_the_setting_and_the_fix(tmp_path) -> None:
@@ -555,6 +576,14 @@ def test_errors_name_the_setting_and_the_fix(tmp_path) -> None:
         lightning_zero.ZeroStrategy(config=str(cfg), stage=3)
     with pytest.raises(ValueError, match="state_dict_type"):
         lightning_zero.ZeroStrategy(state_dict_type="whole")
+    # shard groups: a number or "node" reaches the config the engine gets (a mesh: the Fabric launch)
+    for cls in (lightning_zero.ZeroStrategy, lightning_zero.ZeroFabricStrategy):
+        assert cls(stage=3, shard_size="node").zero_config.shard_size == "node"
+        assert cls(shard_size=2).zero_config.shard_size == 2
+        with pytest.raises(
+            ValueError, match=r"shard_size=2 from the config conflicts with shard_size=4 from \w+\(shard_size"
+        ):
+            cls(config={"zero_optimization": {"mics_shard_size": 2}}, shard_size=4)
     with pytest.raises(ValueError, match="precision='64-true' is not supported"):
         pl.Trainer(strategy="zero2", accelerator="cpu", precision="64-true")
     # importing again registers nothing twice

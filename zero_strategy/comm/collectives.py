@@ -62,6 +62,7 @@ __all__ = [
     "group_backends",
     "mark_step",
     "make_context",
+    "mesh_groups",
     "reduce_scatter",
     "reset_comm_stats",
     "solo_context",
@@ -281,6 +282,16 @@ def split_groups(ctx: CommContext, shard_size: int) -> tuple[dist.ProcessGroup, 
             _SPLIT[ranks] = made
         out.append(made[1])
     return out[0], out[1]
+
+
+def mesh_groups(mesh: Any) -> list[dist.ProcessGroup] | None:
+    """This rank's process group along each dim of ``mesh``, in dim order, when it is a
+    ``torch.distributed.device_mesh.DeviceMesh`` (None otherwise). Made by the mesh: no collective."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # a torch built without distributed support
+        return None
+    return [mesh.get_group(d) for d in range(mesh.ndim)] if isinstance(mesh, DeviceMesh) else None
 
 
 def solo_context(ctx: CommContext) -> CommContext:

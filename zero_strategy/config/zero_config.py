@@ -106,17 +106,28 @@ def _layer_bytes(value: Any, where: str) -> int:
     return int(n)
 
 
-def _to_shard_size(value: Any, where: str) -> int | None:
-    """Ranks per shard group (runtime/shard_groups.py); None or -1 (DeepSpeed's "off"): one group of all ranks."""
+NODE_SHARD_SIZE = "node"  # shard_size: one shard group per node (LOCAL_WORLD_SIZE; runtime/shard_layout.py)
+
+
+def _to_shard_size(value: Any, where: str) -> int | str | None:
+    """Ranks per shard group (runtime/shard_groups.py); None or -1 (DeepSpeed's "off"): one group of all
+    ranks; "node": one group per node of the launcher's layout (resolved by initialize)."""
     if value is None:
         return None
+    if isinstance(value, str) and value.strip().lower() == NODE_SHARD_SIZE:
+        return NODE_SHARD_SIZE
+    if type(value).__name__ == "DeviceMesh":  # not a config value: it holds process groups
+        raise TypeError(
+            f"{where}: a DeviceMesh is not a config value (a config is a file or a dict); pass it to "
+            "zero_strategy.initialize(model, optimizer, mesh=mesh) (or shard_size=mesh there, or to the front-end)"
+        )
     n = to_int(value, where, minimum=None)
     if n == -1:
         return None
     if n < 1:
         raise ValueError(
             f"{where}: {n} is not a shard size; give the number of ranks in each shard group (a divisor of the "
-            "world size), or -1 / None to shard over all ranks"
+            f"world size), {NODE_SHARD_SIZE!r} for one group per node, or -1 / None to shard over all ranks"
         )
     return n
 
@@ -228,8 +239,9 @@ class ZeroConfig:
         LoadBalanceConfig(), read=_nested(LoadBalanceConfig, "preset", (str,)), ds=_OWN
     )
     # shard groups (hybrid sharding, runtime/shard_groups.py): ranks per group that shards the model
-    # state, replicated across groups; None: one group of all ranks. DeepSpeed: mics_shard_size
-    shard_size: int | None = setting(None, _to_shard_size, ds=_OWN)
+    # state, replicated across groups; None: one group of all ranks; "node": one group per node (the
+    # launcher's LOCAL_WORLD_SIZE, runtime/shard_layout.py). DeepSpeed: mics_shard_size
+    shard_size: int | str | None = setting(None, _to_shard_size, ds=_OWN)
     # ZeRO++ hpZ (sharding/secondary.py): after a unit's forward gather each rank keeps a secondary
     # shard within groups of this many contiguous ranks, and the backward gathers from it; 1: off
     zero_hpz_partition_size: int = setting(1, int_rule(1), ds=_ZO)

@@ -116,9 +116,8 @@ class ZeroEngine(WholeModelState):
     offload_optimizer: OffloadPolicy  # where masters, their gradients and the optimizer state live
     offload_params: OffloadPolicy  # where ZeRO-3's persistent rows live
 
-    def __init__(
-        self, module: nn.Module, config: ZeroConfig, process_group: Any = None, policy: UnitPolicy = None
-    ) -> None:
+    def __init__(self, module: nn.Module, config: ZeroConfig, process_group: Any = None,
+                 policy: UnitPolicy = None, mesh: Any = None) -> None:  # fmt: skip
         for message in not_applied_settings(config):
             if message not in _WARNED:  # once per setting and process
                 _WARNED.add(message)
@@ -184,7 +183,7 @@ class ZeroEngine(WholeModelState):
         owned = {pid: type(e.module).__name__ for e in list(_LIVE) for pid in e._names}
         check_params(named, self.ctx, owned)
         agree_on_setup(self.ctx, config, named)
-        self.ctx, self.replica = shard_contexts(self.world, config, built_sharded=built_sharded)
+        self.ctx, self.replica = shard_contexts(self.world, config, built_sharded=built_sharded, mesh=mesh)
         hpz = secondary_context(self.ctx, config)  # hpZ's k-rank group (secondary.py); None: off
         self._build(named, policy)
         refuse_experts(self.replica, self.groups)

@@ -27,6 +27,7 @@ from typing import Any
 
 from zero_strategy.comm import collectives as C
 from zero_strategy.config import ZeroConfig
+from zero_strategy.runtime.shard_layout import MeshLayout, mesh_groups_over, resolve_shard_size
 
 __all__ = ["refuse_checkpoint", "refuse_modifier_rank", "shard_contexts", "valid_shard_sizes"]
 
@@ -54,12 +55,13 @@ def _unsupported(config: ZeroConfig, built_sharded: bool) -> list[str]:
 
 
 def shard_contexts(
-    world: C.CommContext, config: ZeroConfig, *, built_sharded: bool
+    world: C.CommContext, config: ZeroConfig, *, built_sharded: bool, mesh: MeshLayout | None = None
 ) -> tuple[C.CommContext, C.CommContext]:
-    """The shard group's and the replica group's contexts for ``config.shard_size`` over
-    ``world``'s ranks (flat: ``world`` and a one-rank context). Collective over ``world`` when
-    the layout is not flat; call it after the setup agreement (every rank has this config)."""
-    size, n = config.shard_size, world.world_size
+    """The shard group's and the replica group's contexts for ``config.shard_size`` (or a 2-D
+    ``mesh``'s own groups, runtime/shard_layout.py) over ``world``'s ranks (flat: ``world`` and a
+    one-rank context). Collective over ``world`` when the layout is not flat or the size is
+    ``"node"``; call it after the setup agreement (every rank has this config)."""
+    size, n = resolve_shard_size(world, config), world.world_size
     if size is None or size == n:
         return world, C.solo_context(world)
     if n % size:
@@ -71,7 +73,7 @@ def shard_contexts(
     problems = _unsupported(config, built_sharded)
     if problems:
         raise ValueError(f"initialize(): shard_size={size} does not work yet with: " + "; ".join(problems))
-    shard_pg, replica_pg = C.split_groups(world, size)
+    shard_pg, replica_pg = C.split_groups(world, size) if mesh is None else mesh_groups_over(mesh, world)
     make = [
         C.make_context(pg, config.comm_timeout, config.collective_impl, world.device) for pg in (shard_pg, replica_pg)
     ]

@@ -97,8 +97,9 @@ class Cell:
     # persistent, so the cache cells test the cache alone; more makes the units that fit persistent
     persistent: float | int = 0.0
     ratio: float = 1.0  # offload "ratio": offload_optimizer on the host with this ratio
-    shard_size: int | None = None  # shard groups of this many ranks, replicated across groups (None: flat)
+    shard_size: int | str | None = None  # shard groups of this many ranks, replicated across groups (None: flat)
     hpz: int = 1  # zero_hpz_partition_size: ZeRO-3's secondary shards within groups of this many ranks (1: off)
+    mesh: str = ""  # "RxS": initialize(mesh=) a 2-D DeviceMesh of R replicas x S shards; "RxSt": its rows are columns
 
 
 # a plain loop's torch.nn.utils clipping over the model's (or the optimizer's) parameters, in the
@@ -190,8 +191,10 @@ def check_shard_groups(c: Cell, engine: Any, rank: int, world: int) -> None:
     """The layout the cell asked for: the shard group's ranks (contiguous), the replica group's
     (same index in every group), and every bucket's gradient shard cut over the shard group only,
     so a run that silently stayed flat cannot pass."""
-    s = c.shard_size or world
-    group, replica = list(range(rank - rank % s, rank - rank % s + s)), list(range(rank % s, world, s))
+    rows = mesh_rows(c, world)
+    group = sorted(next(row for row in rows if rank in row))
+    replica = sorted(next(col for col in zip(*rows) if rank in col))
+    s = len(group)
     if list(engine.ctx.global_ranks) != group or list(engine.replica.global_ranks) != replica:
         raise AssertionError(f"rank {rank}: shard group {engine.ctx.global_ranks} (want {group}), replica group "
                              f"{engine.replica.global_ranks} (want {replica})")  # fmt: skip
@@ -207,7 +210,7 @@ def check_hpz(c: Cell, engine: Any, rank: int, world: int) -> None:
     where ``k`` is 1 or the shard group's size (a no-op), and none left after the last step."""
     if c.stage != 3:
         return
-    s, k, sec = c.shard_size or world, c.hpz, engine.params.secondary
+    s, k, sec = engine.ctx.world_size, c.hpz, engine.params.secondary  # the shard group's size
     if k in (1, s):
         if sec is not None:
             raise AssertionError(f"rank {rank}: zero_hpz_partition_size={k} at shard size {s} must be a no-op")
@@ -220,6 +223,28 @@ def check_hpz(c: Cell, engine: Any, rank: int, world: int) -> None:
     if sec.peak != want or sec.live != 0:
         raise AssertionError(f"rank {rank}: secondary shards peaked at {sec.peak} bytes (want {want}), "
                              f"{sec.live} bytes left after the last step")  # fmt: skip
+
+
+def mesh_rows(c: Cell, world: int) -> list[list[int]]:
+    """The shard groups (rows; their columns are the replica groups) that cell ``c`` asks for."""
+    if c.mesh:
+        replicas, shard = (int(k) for k in c.mesh.rstrip("t").split("x"))
+        grid = (
+            torch.arange(world).view(shard, replicas).T
+            if c.mesh.endswith("t")
+            else torch.arange(world).view(replicas, shard)
+        )
+        return grid.tolist()
+    s = int(os.environ["LOCAL_WORLD_SIZE"]) if c.shard_size == "node" else int(c.shard_size or world)
+    return [list(range(g, g + s)) for g in range(0, world, s)]
+
+
+def _device_mesh(c: Cell, world: int) -> Any:
+    if not c.mesh:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.tensor(mesh_rows(c, world)), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 class Net(nn.Module):
@@ -430,7 +455,7 @@ def _train(c: Cell, mode: str, rank: int, world: int) -> tuple[list[float], list
                                                                    working=0.1),
             **(OFFLOADS[c.offload] if c.offload != "ratio" else {"offload_optimizer": {"device": "cpu", "ratio": c.ratio}}),
         )  # fmt: skip
-        zero_model, zero_opt = zs.initialize(model, opt, config=cfg, policy=policy)
+        zero_model, zero_opt = zs.initialize(model, opt, config=cfg, policy=policy, mesh=_device_mesh(c, world))
         probe = GatheredProbe(zero_model) if cap is not None else None
         if zero_opt is None:
             raise AssertionError("initialize() returned no optimizer although it was given one")
