@@ -19,6 +19,11 @@ variable set:
   Accelerator, so a bad file or variable fails at the first ``prepare``.
 - An optimizer prepared in a later call than its model is refused: the engine shards the
   optimizer as it takes the model, so both must come in one call.
+- ``accelerator.prepare_model(model, evaluation_mode=True)`` at ZeRO-3 (how TRL's trainers
+  prepare a ``ref_model`` or reward model outside DeepSpeed and FSDP) hands a fresh model to the
+  engine without an optimizer, so its memory is sharded too, as DeepSpeed's inference ZeRO-3
+  engine does (TRL's ``prepare_deepspeed``); a ``Trainer``'s own model (its ``evaluate()``
+  before ``train()``) and every model below ZeRO-3 keep Accelerate's plain evaluation prepare.
 - **Never silently DDP**: a model that Accelerate still wraps in ``DistributedDataParallel``
   (``accelerator.prepare_model(model)`` called directly, for example) raises, naming the call.
 
@@ -138,8 +143,10 @@ def _wrap(module: ModuleType) -> None:
 
     @functools.wraps(original_prepare_model)
     def prepare_model(self: Any, model: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
-        from accelerate_zero._routing import refuse_ddp
+        from accelerate_zero._routing import prepare_for_evaluation, refuse_ddp
 
+        if evaluation_mode and requested() and prepare_for_evaluation(self, model):
+            return model  # sharded by the engine without an optimizer (a ZeRO-3 reference model)
         result = original_prepare_model(self, model, device_placement, evaluation_mode)
         if requested():
             refuse_ddp(result, "accelerator.prepare_model(model)")

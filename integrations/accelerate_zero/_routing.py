@@ -20,9 +20,10 @@ from accelerate_zero.plugin import CONFIG_ENV as REQUEST_ENV
 from accelerate_zero.plugin import ZeroPlugin
 from zero_strategy.runtime.optimizer import engine_of
 
-__all__ = ["prepare_routed", "refuse_ddp"]
+__all__ = ["TRAINER_ATTR", "prepare_for_evaluation", "prepare_routed", "refuse_ddp"]
 
 _PLUGIN_ATTR = "_zero_autostart_plugin"
+TRAINER_ATTR = "_zero_trainer"  # a weak reference to the Trainer that built the Accelerator (accelerate_zero.trainer)
 
 
 def _ddp_inside(model: Any) -> nn.parallel.DistributedDataParallel | None:
@@ -156,6 +157,32 @@ def _take_back_evaluation_only(objects: tuple[Any, ...]) -> None:
             ):  # Accelerate's autocast around forward: the engine applies its own
                 model.__dict__.pop("forward", None)
                 model.__dict__.pop("_original_forward", None)
+
+
+def prepare_for_evaluation(accelerator: Any, model: Any) -> bool:
+    """``accelerator.prepare_model(model, evaluation_mode=True)`` under the hook: at ZeRO-3 a
+    fresh model that is not a ``Trainer``'s own goes to the engine without an optimizer
+    (``zero_strategy.initialize(model, None)``), so each rank holds only its shards, and True is
+    returned. TRL prepares its ``ref_model`` (and reward models) so outside DeepSpeed and FSDP;
+    under DeepSpeed it builds an inference ZeRO-3 engine at stage 3 and keeps the model whole
+    below (stage 0), which this follows. A ``Trainer``'s own model (``evaluate()`` before
+    ``train()``) is trained later: it keeps Accelerate's plain prepare (False), and so does any
+    model below ZeRO-3, or one already prepared, wrapped or on another engine."""
+    if not isinstance(model, nn.Module) or getattr(model, "_is_accelerate_prepared", False):
+        return False
+    if getattr(model, "_zero_engine", None) is not None or _ddp_inside(model) is not None:
+        return False
+    trainer_ref = accelerator.__dict__.get(TRAINER_ATTR)
+    trainer = trainer_ref() if trainer_ref is not None else None
+    own = getattr(trainer, "model", None)
+    if own is not None and (model is own or model in set(own.modules())):
+        return False
+    plugin = _plugin(accelerator)
+    if int(plugin.config.stage) != 3:
+        return False
+    plugin.prepare(accelerator, model)
+    _watch_models_without_optimizer(accelerator)
+    return True
 
 
 def prepare_routed(

@@ -39,6 +39,7 @@ import contextlib
 import functools
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 
 import zero_strategy as zs
+from accelerate_zero._routing import TRAINER_ATTR
 from accelerate_zero.plugin import CONFIG_ENV
 from zero_strategy.runtime.module import get_engine
 
@@ -138,6 +140,8 @@ def wrap_trainer(module: ModuleType) -> None:
             refuse_other_engines(self.args)
         original(self)
         if _requested():
+            # prepare_model(evaluation_mode=True) shards a second model (TRL's ref_model), not this one
+            self.accelerator.__dict__[TRAINER_ATTR] = weakref.ref(self)
             refuse_other_engines(self.args, deepspeed_enabled=self.is_deepspeed_enabled,
                                  fsdp_enabled=self.is_fsdp_enabled)  # fmt: skip
 

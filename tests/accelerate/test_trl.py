@@ -1,4 +1,5 @@
-"""TRL's ``SFTTrainer`` and ``DPOTrainer`` (with and without a ``ref_model``) with a LoRA adapter,
+"""TRL's ``SFTTrainer`` and ``DPOTrainer`` (with and without a ``ref_model``) and the plain ``Trainer``
+with a ``get_peft_model`` model, each with a LoRA adapter,
 unmodified, under ``zero-strategy launch`` at ZeRO-2 and ZeRO-3 (units really freed), against
 the Trainer's own DDP.
 
@@ -24,7 +25,7 @@ from zero_strategy.testing import assert_close
 
 JOBS = Path(__file__).with_name("_trl_jobs.py")
 CONFIGS = Path(__file__).parents[2] / "configs"
-KINDS = ("sft", "dpo", "dpo-ref")
+KINDS = ("sft", "dpo", "dpo-ref", "peft")
 REL = 1e-5  # fp32: per logged value against DDP
 
 
@@ -63,3 +64,39 @@ def test_trl_trainers_with_lora_train_on_the_engine_as_under_ddp(
     assert sorted(have) == sorted(want) and want
     for name, value in want.items():  # assert_close fails on NaN/inf: the adapter is finite, as DDP's
         assert_close(have[name], value, rtol=1e-5, atol=1e-6, what=f"{kind} {mode}: {name}")
+
+
+def test_dpo_reference_model_is_sharded_at_zero3(trl_runs: dict[str, Any]) -> None:
+    """TRL prepares a ``ref_model`` with ``accelerator.prepare_model(ref, evaluation_mode=True)``
+    (no DeepSpeed, no FSDP): at ZeRO-3 it goes to the engine without an optimizer, so each rank
+    holds about 1/world of its parameters (units freed); DDP and ZeRO-2 keep it whole, as
+    DeepSpeed's stage-0 reference does below ZeRO-3."""
+    jobs = trl_runs["jobs"]
+    full = jobs["dpo-ref-ddp"]["ref_full"]
+    for mode in ("ddp", "zero2"):
+        got = jobs[f"dpo-ref-{mode}"]
+        assert got["ref_stage"] is None and got["ref_held"] == [full, full], (mode, got)
+    got = jobs["dpo-ref-zero3"]
+    assert got["ref_stage"] == 3 and got["ref_full"] == full, got
+    world = len(got["ref_held"])
+    for held in got["ref_held"]:  # the rows of every unit, padded to a multiple of the world
+        assert abs(held - full / world) <= 0.02 * full, (held, full, got)
+
+
+def test_peft_model_saves_its_adapter_only_at_zero3(trl_runs: dict[str, Any]) -> None:
+    """The plain ``Trainer`` with ``get_peft_model``: ``save_model`` (compared with DDP above)
+    writes the adapter's tensors alone; ``save_pretrained(dir)`` as it is raises at ZeRO-3
+    naming the fix (DeepSpeed would write an empty adapter), and that fix,
+    ``save_pretrained(dir, state_dict=accelerator.get_state_dict(model))``, writes DDP's values."""
+    out, jobs = trl_runs["out"], trl_runs["jobs"]
+    want = _adapter(out / "peft-ddp")
+    assert want and all("lora_" in name for name in want), sorted(want)
+    assert jobs["peft-ddp"]["bare_save_error"] is None and jobs["peft-zero2"]["bare_save_error"] is None
+    error = jobs["peft-zero3"]["bare_save_error"]
+    assert error and "state_dict=" in error and "get_state_dict" in error, error
+    assert not (out / "peft-zero3" / "bare" / "adapter_model.safetensors").exists()
+    for mode in ("ddp", "zero2", "zero3"):
+        have = _adapter(out / f"peft-{mode}" / "plain")
+        assert sorted(have) == sorted(want), (mode, sorted(have))
+        for name, value in want.items():
+            assert_close(have[name], value, rtol=1e-5, atol=1e-6, what=f"peft {mode} save_pretrained: {name}")

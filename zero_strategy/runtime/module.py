@@ -7,7 +7,9 @@ ZeRO-3 model with ``generate`` gets :class:`ZeroGenerationModule`, whose ranks g
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
+from types import MethodType
 from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
@@ -93,6 +95,30 @@ def swap_module_class(module: nn.Module, engine: ZeroEngine) -> None:
     generates = engine.zero3 is not None and callable(getattr(type(module), "generate", None))
     swap_class(module, ZeroGenerationModule if generates else ZeroModule)
     cast(ZeroModule, module)._zero_engine = engine  # the swapped class carries ZeroModule's attributes
+    _autocast_instance_forward(module, engine)
+
+
+def _autocast_instance_forward(module: nn.Module, engine: ZeroEngine) -> None:
+    """A ``forward`` set on the instance (TRL's ``add_fused_lm_head`` assigns ``model.forward``)
+    shadows :meth:`ZeroModule.forward` and so its autocast: the model would run in fp32 where
+    DDP under Accelerate's autocast runs in bf16. It is wrapped in the same precision context,
+    kept a bound method (front-ends read ``model.forward.__func__``); ``destroy`` restores it."""
+    own = module.__dict__.get("forward")
+    if own is None or engine.precision.autocast_dtype is None:
+        return
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with engine.precision.forward_context(engine.ctx.device.type):
+            return own(*args, **kwargs)
+
+    wrapped = MethodType(functools.wraps(own)(forward), module)
+    module.__dict__["forward"] = wrapped
+
+    def restore() -> None:
+        if module.__dict__.get("forward") is wrapped:
+            module.__dict__["forward"] = own
+
+    engine.on_destroy(restore)
 
 
 def get_engine(module: nn.Module) -> ZeroEngine:

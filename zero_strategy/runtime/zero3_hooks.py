@@ -221,6 +221,9 @@ def refuse_sharded_state_dict(
                 f"state_dict() of a ZeRO-3 model: '{name}' is sharded (this rank holds only a piece), so "
                 "its value would be a placeholder. Use zero_strategy.full_state_dict(model) (a collective: call "
                 "it on every rank; Accelerate: accelerator.get_state_dict(model)), or call state_dict() inside "
-                "`with zero_strategy.gathered_parameters(model):` on every rank"
+                "`with zero_strategy.gathered_parameters(model):` on every rank. Hugging Face and PEFT "
+                "save_pretrained (which calls state_dict(); PEFT keeps the adapter's entries only): on every rank "
+                "`model.save_pretrained(dir, state_dict=accelerator.get_state_dict(model), "
+                "is_main_process=accelerator.is_main_process)`, or with state_dict=zero_strategy.full_state_dict(model)"
             )
         state_dict[name] = value.clone()
