@@ -133,8 +133,8 @@ def _file_ranges(path: str) -> tuple[Ranges, dict[str, tuple[torch.Size, torch.d
             return f.get_tensor(key).reshape(-1)[lo:hi].clone()
         row = shape[1:].numel()  # the rows that hold elements lo:hi, read alone from the map
         first, last = lo // row, -(-hi // row)
-        rows = f.get_slice(key)[first:last]
-        return rows.reshape(-1)[lo - first * row : hi - first * row].clone()
+        rows = f.get_slice(key)[first:last]  # a copy of those rows alone: no second copy of the piece
+        return rows.reshape(-1)[lo - first * row : hi - first * row]
 
     return read, meta
 

@@ -40,8 +40,9 @@ from torch import nn
 from zero_strategy.checkpoint.multi_file import open_ranges
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.construction import active_context, sharded_init, suspended_sharded_init
-from zero_strategy.sharding.pieces import local_range, placeholder, record_piece
+from zero_strategy.sharding.pieces import local_range, placeholder, record_piece, recorded
 from zero_strategy.sharding.setup_checks import persistent_buffers
+from zero_strategy.storage.host_memory import HostPeak
 
 __all__ = ["from_pretrained", "sharded_from_pretrained"]
 
@@ -206,6 +207,7 @@ def _load(model: Any, read: Any, meta: dict, ctx: C.CommContext, call: str, igno
     """Cut every meta parameter into its piece read from the files; buffers and what the files
     lack get Transformers' own initialisation (then cut)."""
     keys, used = set(meta), set[str]()
+    trim = HostPeak()  # freed host memory is returned to the OS every few MB (malloc_trim)
     prefix = getattr(model, "base_model_prefix", "") or ""
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
@@ -236,7 +238,11 @@ def _load(model: Any, read: Any, meta: dict, ctx: C.CommContext, call: str, igno
             continue
         used.update(k for _, k in found)
         lo, hi = local_range(p.numel(), ctx)
-        new = _cut(p, read(found[0][1], lo, hi), ctx)
+        rows = read(found[0][1], lo, hi)
+        new = _cut(p, rows, ctx)
+        if recorded(new).piece.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr():  # type: ignore[union-attr]
+            trim.released(rows.untyped_storage().nbytes())  # converted (dtype): the read rows go back to the OS
+        del rows
         new._is_hf_initialized = True  # type: ignore[attr-defined]  # Transformers' mark: its init skips it
         for n in names[pid]:
             _set(model, n, new, buffer=False)
