@@ -27,16 +27,16 @@ __all__ = ["SWITCH_ENV", "built_in_pieces", "wrap_from_pretrained"]
 
 SWITCH_ENV = "ZERO_SHARDED_FROM_PRETRAINED"
 _MARK = "_zero_strategy_sharded"
-_PLACES = ("device_map", "quantization_config", "tp_plan", "device_mesh", "state_dict", "gguf_file", "load_in_8bit",
-           "load_in_4bit", "from_tf", "from_flax")  # fmt: skip
 
 
 def _sharded_load_wanted(kwargs: dict[str, Any]) -> bool:
-    from accelerate_zero._autostart import requested
+    from accelerate_zero.plugin import CONFIG_ENV
 
-    if not requested() or os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not os.environ.get(CONFIG_ENV) or os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    if any(kwargs.get(k) is not None for k in _PLACES):
+    from zero_strategy.checkpoint.pretrained import PLACING_ARGUMENTS
+
+    if any(kwargs.get(k) is not None for k in PLACING_ARGUMENTS):
         return False
     from accelerate_zero.plugin import ZeroPlugin
 

@@ -44,10 +44,10 @@ from zero_strategy.sharding.pieces import local_range, placeholder, record_piece
 from zero_strategy.sharding.setup_checks import persistent_buffers
 from zero_strategy.storage.host_memory import HostPeak
 
-__all__ = ["from_pretrained", "sharded_from_pretrained"]
+__all__ = ["PLACING_ARGUMENTS", "from_pretrained", "sharded_from_pretrained"]
 
 # from_pretrained arguments that place, convert or quantize the weights themselves: no sharded load
-_REFUSED = ("device_map", "quantization_config", "tp_plan", "device_mesh", "state_dict", "gguf_file", "load_in_8bit",
+PLACING_ARGUMENTS = ("device_map", "quantization_config", "tp_plan", "device_mesh", "state_dict", "gguf_file", "load_in_8bit",
             "load_in_4bit", "from_tf", "from_flax")  # fmt: skip
 # arguments of the download and the config, which a local directory does not need
 _HUB = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code",
@@ -148,7 +148,7 @@ def from_pretrained(
     ``initialize`` with the same process group (``process_group``; inside a ``sharded_init``
     block, that block's): it must be ZeRO-3 over those ranks, without shard groups."""
     call = f"zero_strategy.from_pretrained({getattr(model_class, '__name__', model_class)})"
-    refused = [k for k in _REFUSED if kwargs.get(k) is not None]
+    refused = [k for k in PLACING_ARGUMENTS if kwargs.get(k) is not None]
     if refused or model_args:
         what = refused or ["positional model arguments"]
         raise ValueError(
