@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     )
     from zero_strategy.checkpoint.export import export_full, full_state_dict
     from zero_strategy.checkpoint.loading import load_full_state_dict
+    from zero_strategy.checkpoint.pretrained import from_pretrained, sharded_from_pretrained
     from zero_strategy.checkpoint.stream import gathered_weights
     from zero_strategy.comm.collectives import (
         CollectiveError,
@@ -71,6 +72,8 @@ _PUBLIC: dict[str, str] = {
     "export_full": "zero_strategy.checkpoint.export",
     "full_state_dict": "zero_strategy.checkpoint.export",
     "load_full_state_dict": "zero_strategy.checkpoint.loading",
+    "from_pretrained": "zero_strategy.checkpoint.pretrained",
+    "sharded_from_pretrained": "zero_strategy.checkpoint.pretrained",
     "gathered_weights": "zero_strategy.checkpoint.stream",
     "CollectiveError": "zero_strategy.comm.collectives",
     "comm_report": "zero_strategy.comm.collectives",
@@ -107,6 +110,7 @@ __all__ = [
     "destroy",
     "export_full",
     "full_grad",
+    "from_pretrained",
     "full_state_dict",
     "gathered_parameters",
     "gathered_weights",
@@ -124,6 +128,7 @@ __all__ = [
     "resolve_overrides",
     "save_checkpoint",
     "select_experts",
+    "sharded_from_pretrained",
     "sharded_init",
     "zero_auto_partition",
 ]

@@ -32,7 +32,9 @@ the models it hands back to ``accelerator.prepare`` are already prepared and pas
 
 The same hook wraps the Hugging Face ``Trainer`` when ``transformers.trainer`` is imported: its
 ``accelerator.prepare(model, optimizer)`` is routed as above, and its checkpoint methods are
-replaced by ones that every rank runs (``accelerate_zero.trainer``).
+replaced by ones that every rank runs (``accelerate_zero.trainer``). At ZeRO-3 it also wraps
+``PreTrainedModel.from_pretrained`` when ``transformers.modeling_utils`` is imported, so the
+model is built in pieces read from its files (``accelerate_zero._pretrained``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ REQUEST_ENV = "ZERO_STRATEGY_CONFIG"  # the same variable ZeroPlugin.from_env re
 PTH_NAME = "zero_strategy_accelerate.pth"  # the start-up line, installed beside the packages
 _TARGET = "accelerate.accelerator"
 _TRAINER = "transformers.trainer"  # wrapped by accelerate_zero.trainer.wrap_trainer
+_MODELING = "transformers.modeling_utils"  # from_pretrained, by accelerate_zero._pretrained
 _MARK = "_zero_strategy_autostart"
 
 
@@ -71,7 +74,7 @@ def install() -> None:
     """Wrap ``Accelerator.prepare``/``prepare_model`` now if accelerate is imported, else when it
     is. Idempotent (a venv's ``lib64`` link makes Python read the ``.pth`` twice)."""
     pending = False
-    for name, attr in ((_TARGET, "Accelerator"), (_TRAINER, "Trainer")):
+    for name, attr in ((_TARGET, "Accelerator"), (_TRAINER, "Trainer"), (_MODELING, "PreTrainedModel")):
         module = sys.modules.get(name)
         if module is not None and hasattr(module, attr):
             _patch(name, module)
@@ -84,6 +87,10 @@ def install() -> None:
 def _patch(name: str, module: ModuleType) -> None:
     if name == _TARGET:
         _wrap(module)
+    elif name == _MODELING:  # at ZeRO-3 the model is built in pieces (accelerate_zero._pretrained)
+        from accelerate_zero._pretrained import wrap_from_pretrained
+
+        wrap_from_pretrained(module)
     else:  # the Trainer's wrappers import torch and the engine: loaded only when transformers.trainer is
         from accelerate_zero.trainer import wrap_trainer
 
@@ -98,7 +105,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in (_TARGET, _TRAINER):
+        if fullname not in (_TARGET, _TRAINER, _MODELING):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -143,10 +150,13 @@ def _wrap(module: ModuleType) -> None:
 
     @functools.wraps(original_prepare_model)
     def prepare_model(self: Any, model: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
-        from accelerate_zero._routing import prepare_for_evaluation, refuse_ddp
+        from accelerate_zero._pretrained import built_in_pieces
+        from accelerate_zero._routing import prepare_for_evaluation, prepare_routed, refuse_ddp
 
         if evaluation_mode and requested() and prepare_for_evaluation(self, model):
             return model  # sharded by the engine without an optimizer (a ZeRO-3 reference model)
+        if requested() and built_in_pieces(model):  # pieces cannot run as a plain module: the engine takes it
+            return prepare_routed(self, (model,), device_placement, original_prepare)
         result = original_prepare_model(self, model, device_placement, evaluation_mode)
         if requested():
             refuse_ddp(result, "accelerator.prepare_model(model)")

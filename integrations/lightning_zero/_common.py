@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -187,9 +188,12 @@ class ZeroParallelMixin(_ParallelStrategyBase):
 
     def _zero_sharded_init(self) -> contextlib.AbstractContextManager:
         """Where modules are built (``configure_model``, ``fabric.init_module()``): at stage 3
-        each module is cut into shards as its ``__init__`` returns, so no rank holds the whole model."""
+        each module is cut into shards as its ``__init__`` returns, so no rank holds the whole model;
+        with transformers imported, ``from_pretrained`` inside builds in pieces read from the files."""
         if self.zero_config.stage != 3:
             return contextlib.nullcontext()
+        if "transformers" in sys.modules:  # imported by the user's code: from_pretrained is routed too
+            return zs.sharded_from_pretrained(comm_timeout=self.zero_config.comm_timeout)
         return zs.sharded_init(comm_timeout=self.zero_config.comm_timeout)
 
     @property

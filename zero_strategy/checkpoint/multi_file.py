@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SAFE_INDEX", "open_weights", "parse_size", "shard_plan", "write_sharded"]
+__all__ = ["SAFE_INDEX", "open_ranges", "open_weights", "parse_size", "shard_plan", "write_sharded"]
 
 SAFE_INDEX = "model.safetensors.index.json"
 _BIN_INDEX = "pytorch_model.bin.index.json"
@@ -33,6 +33,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
 Getter = Callable[[str], torch.Tensor]
+Ranges = Callable[[str, int, int], torch.Tensor]  # (name, lo, hi) -> elements lo:hi of the flattened tensor
 
 
 def parse_size(size: int | str, *, what: str) -> int:
@@ -80,9 +81,8 @@ def _open_index(path: str, call: str) -> tuple[Getter, list[str]]:
     return get, list(weight_map)
 
 
-def open_weights(path: str, call: str) -> tuple[Getter, list[str], int]:
-    """A getter for each tensor of ``path`` (a file, an index, or a directory holding one),
-    the tensor names, and the bytes of the files (for a progress bar)."""
+def _resolve(path: str, call: str) -> str:
+    """The weights file or index that ``path`` (a file, an index, or a directory) names."""
     if os.path.isdir(path):
         found = [c for c in _DIR_CANDIDATES if os.path.exists(os.path.join(path, c))]
         if not found:
@@ -93,6 +93,13 @@ def open_weights(path: str, call: str) -> tuple[Getter, list[str], int]:
         path = os.path.join(path, found[0])
     if not os.path.exists(path):
         raise FileNotFoundError(f"{call}: no file at {path!r}")
+    return path
+
+
+def open_weights(path: str, call: str) -> tuple[Getter, list[str], int]:
+    """A getter for each tensor of ``path`` (a file, an index, or a directory holding one),
+    the tensor names, and the bytes of the files (for a progress bar)."""
+    path = _resolve(path, call)
     if path.endswith(".index.json"):
         get, keys = _open_index(path, call)
         with open(path) as f:
@@ -101,6 +108,57 @@ def open_weights(path: str, call: str) -> tuple[Getter, list[str], int]:
         return get, keys, size
     get, keys = _open_file(path)
     return get, keys, os.path.getsize(path)
+
+
+_SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool}  # fmt: skip
+
+
+def _file_ranges(path: str) -> tuple[Ranges, dict[str, tuple[torch.Size, torch.dtype]]]:
+    if not path.endswith(".safetensors"):  # a torch file, memory-mapped: a slice touches only its pages
+        sd = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return (lambda k, lo, hi: sd[k].reshape(-1)[lo:hi].clone()), {k: (v.shape, v.dtype) for k, v in sd.items()}
+    from safetensors import safe_open
+
+    f = safe_open(path, framework="pt")
+    meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for k in f.keys():
+        sl = f.get_slice(k)
+        meta[k] = (torch.Size(sl.get_shape()), _SAFE_DTYPES.get(sl.get_dtype(), torch.float32))
+
+    def read(key: str, lo: int, hi: int) -> torch.Tensor:
+        shape = meta[key][0]
+        if len(shape) == 0 or hi <= lo:
+            return f.get_tensor(key).reshape(-1)[lo:hi].clone()
+        row = shape[1:].numel()  # the rows that hold elements lo:hi, read alone from the map
+        first, last = lo // row, -(-hi // row)
+        rows = f.get_slice(key)[first:last]  # a copy of those rows alone: no second copy of the piece
+        return rows.reshape(-1)[lo - first * row : hi - first * row]
+
+    return read, meta
+
+
+def open_ranges(path: str, call: str) -> tuple[Ranges, dict[str, tuple[torch.Size, torch.dtype]]]:
+    """A reader of element ranges of each tensor of ``path`` (a file, an index, or a directory
+    holding one), and each tensor's shape and dtype: a rank reads just the rows that hold its
+    piece, from a memory map (a safetensors slice), never the whole tensor."""
+    path = _resolve(path, call)
+    if not path.endswith(".index.json"):
+        return _file_ranges(path)
+    with open(path) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{call}: {path!r} has no 'weight_map'; give a Hugging Face index file or a weights file")
+    root = os.path.dirname(path)
+    readers: dict[str, Ranges] = {}
+    meta: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for file in dict.fromkeys(weight_map.values()):
+        if not os.path.exists(os.path.join(root, file)):
+            raise FileNotFoundError(f"{call}: {path!r} names a file that is not beside it: {file!r}")
+        readers[file], file_meta = _file_ranges(os.path.join(root, file))
+        meta.update({k: v for k, v in file_meta.items() if weight_map.get(k) == file})
+    return (lambda k, lo, hi: readers[weight_map[k]](k, lo, hi)), meta
 
 
 def _nbytes(shape: list[int], dtype: torch.dtype) -> int:

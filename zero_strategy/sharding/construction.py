@@ -44,7 +44,7 @@ from zero_strategy.sharding.pieces import (
     take_record,
 )
 
-__all__ = ["materialize_full", "outside_sharded_init", "sharded_init"]
+__all__ = ["active_context", "materialize_full", "outside_sharded_init", "sharded_init", "suspended_sharded_init"]
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -104,6 +104,7 @@ class _Construction(TorchFunctionMode):
         self.sharded: dict[int, Piece] = {}  # placeholder address -> the piece it stands for
         self.frames: list[list[nn.Parameter]] = [[]]  # parameters kept whole, per running __init__
         self.paused = False  # our own bookkeeping runs without the mode
+        self.suspended = False  # modules built now are left whole (suspended_sharded_init)
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
@@ -256,6 +257,24 @@ def outside_sharded_init() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def suspended_sharded_init() -> Iterator[None]:
+    """Inside, the open ``sharded_init`` blocks are off: modules are built as outside them (a
+    sharded ``from_pretrained`` builds on the meta device and cuts the pieces itself)."""
+    with contextlib.ExitStack() as stack:
+        for state in _ACTIVE:
+            state.flush()
+            stack.enter_context(state.pause())
+            was, state.suspended = state.suspended, True
+            stack.callback(setattr, state, "suspended", was)
+        yield
+
+
+def active_context() -> C.CommContext | None:
+    """The group of the innermost open ``sharded_init`` block (None outside every block)."""
+    return _ACTIVE[-1].ctx if _ACTIVE else None
+
+
 def _all_module_classes() -> list[type[nn.Module]]:
     seen: list[type[nn.Module]] = []
     stack: list[type[nn.Module]] = [nn.Module]
@@ -284,7 +303,7 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
             return
 
         def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-            if type(self).__init__ is not __init__:  # a base class's part of a derived __init__
+            if type(self).__init__ is not __init__ or state.suspended:  # a base class's part of a derived __init__
                 orig(self, *args, **kwargs)
                 return
             with state.frame():
@@ -306,6 +325,8 @@ def sharded_init(*, process_group: Any = None, comm_timeout: float | None = None
         wrap(cls)
 
     def apply(self: _M, fn: Callable[[nn.Module], None]) -> _M:
+        if state.suspended:
+            return orig_apply(self, fn)
         for child in self.children():
             child.apply(fn)
         with state.frame(), state.materialized(self):

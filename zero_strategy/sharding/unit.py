@@ -41,6 +41,7 @@ from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.pieces import (
     piece_of,
     placeholder,
+    take_record,
 )
 from zero_strategy.sharding.states import SHARDED_TRANSITIONS, ShardedState, check_transition
 from zero_strategy.storage.disk_rows import DiskRows, RowSwap
@@ -301,6 +302,10 @@ class UnitStorage:
                     host_pieces.append(host_masters.copy_of(mine, master_dtype))
                 del mine
                 held = p.data.untyped_storage().nbytes() if p.device.type == "cpu" else 0
+                built = take_record(p)  # a sharded_init piece: in the row now, freed before the next one
+                if built is not None and built.piece.device.type == "cpu":
+                    held = built.piece.untyped_storage().nbytes()
+                del built
                 p.data = placeholder(p.shape, self.dtype, ctx.device)
                 if peak is not None:
                     peak.released(held)
