@@ -44,7 +44,7 @@ def _model(vocab: int) -> Any:
     cfg = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=1,
                      eos_token_id=1, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
     torch.manual_seed(0)
-    return GPT2LMHeadModel(cfg)
+    return _as_a_script_loads_it(GPT2LMHeadModel(cfg))
 
 
 def _llama(vocab: int) -> Any:
@@ -55,7 +55,19 @@ def _llama(vocab: int) -> Any:
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,
                       bos_token_id=1, eos_token_id=1, attention_dropout=0.0)  # fmt: skip
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    return _as_a_script_loads_it(LlamaForCausalLM(cfg))
+
+
+def _as_a_script_loads_it(model: Any) -> Any:
+    """Saved, then loaded with ``AutoModelForCausalLM.from_pretrained`` as a TRL script loads its
+    ``model_name_or_path`` (under the launcher at ZeRO-3: the sharded load, issue 33 item 1)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        return AutoModelForCausalLM.from_pretrained(d)
 
 
 def _param_bytes(model: Any) -> int:
