@@ -169,6 +169,9 @@ class UnitScheduler:
             if direction > 0
             else range(position - 1, max(-1, position - 1 - depth), -1)
         )
+        beyond = position + direction * (depth + 1)  # rows on disk: read in the background ahead of the gathers
+        if 0 <= beyond < len(tags) and (far := self.all_units[tags[beyond] - 1].disk) is not None:
+            far.read_ahead()
         cap, budget = self.settings.max_live_parameters, self.settings.prefetch_bucket_size
         ahead = 0  # elements this prefetch gathers
         here = self._use_index(position, direction)
@@ -506,6 +509,7 @@ class UnitScheduler:
             x.release()
 
     def abort_backward(self) -> None:
+        self._drop_reads()
         for x in self.experts.values():
             x.forget()
         self._close_ranges("backward")
@@ -520,8 +524,15 @@ class UnitScheduler:
             if not u.persistent:  # persistent units stay gathered (a backward never changes their values)
                 u.reshard()
 
+    def _drop_reads(self) -> None:
+        """Rows read ahead from disk and not used (the step took another path): their slabs go."""
+        for u in self.all_units:
+            if u.disk is not None:
+                u.disk.drop_ahead()
+
     def end_of_backward(self) -> None:
         """After the gradient schedule reduced what was left: free the units, adopt the order."""
+        self._drop_reads()
         self._close_ranges("backward")
         self._in_backward = False
         self._active = None

@@ -22,8 +22,15 @@ most ``buffer_size`` elements, and DeepSpeed's ``buffer_size: 1e9`` does not bec
 buffer: a slab is as large as one unit's rows. Checkpoints read the rows through memory maps
 (:meth:`DiskRows.mapped`), never all of them in memory at once.
 
-Reads are synchronous, just before each gather is issued (the gather prefetch decides when);
-reading ahead in the background is left for later.
+Reading ahead: when the ZeRO-3 scheduler prefetches gathers, it also asks the next unit's
+rows to be read in the background (:meth:`DiskRows.read_ahead`): one reader thread per engine
+(``os.preadv`` releases the GIL, so the read runs while the current unit computes). The unit's
+gather then finds its rows read (``resident`` waits for the read if it is still running) and
+issues at once. A read ahead that nothing uses is dropped at the end of the step
+(:meth:`RowSwap.drop_ahead`), and before a checkpoint maps the file. All writes run on the
+caller's thread and only while the rows are resident, which a pending read ahead never is, so a
+read ahead never races a write of its file. It costs one more slab of the unit's size
+(``swap_buffers``). ``ZERO_STRATEGY_DISK_READ_AHEAD=0`` turns it off (to measure it).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -57,7 +65,21 @@ class RowSwap:
         self.files: list[DiskFile] = []
         self._free: list[torch.Tensor] = []
         self.allocated = 0  # bytes of all slabs alive, in use or free
+        self.read_ahead = os.environ.get("ZERO_STRATEGY_DISK_READ_AHEAD", "1") != "0"
+        self._reader: ThreadPoolExecutor | None = None
+        self.ahead: list[DiskRows] = []  # rows with a read ahead pending or done, not yet used
+        self.reads = {"ahead": 0, "inline": 0}  # reads of rows: in the background, or on the caller's thread
         self._finalizer = weakref.finalize(self, _close, self.files)
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]:
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_strategy-disk-read")
+        return self._reader.submit(fn)
+
+    def drop_ahead(self) -> None:
+        """Drop every read ahead that was not used (waiting for those still running)."""
+        for rows in list(self.ahead):
+            rows.drop_ahead()
 
     def take(self, nbytes: int) -> torch.Tensor:
         """An aligned uint8 slab of at least ``nbytes`` (block-rounded)."""
@@ -90,6 +112,10 @@ class RowSwap:
 
     def close(self) -> None:
         """Close and delete the files (the engine removes the directory)."""
+        self.drop_ahead()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
         self._finalizer()
         self._free.clear()
         self.allocated = 0
@@ -138,6 +164,7 @@ class DiskRows:
         self.users = 0
         self.dirty = False
         self._slab: torch.Tensor | None = None
+        self._ahead: tuple[torch.Tensor, Future[None]] | None = None  # a read ahead: its slab and its read
         slab = swap.take(self.file.nbytes)
         try:
             for view, t in zip(self._views(slab), tensors):
@@ -155,10 +182,8 @@ class DiskRows:
         written back when the last user leaves. ``overwrite``: the index of a row the block
         writes whole, which is then not read (it starts zeroed)."""
         if self.users == 0:
-            self.file.check_size()
-            slab = self.swap.take(self.file.nbytes)
+            slab = self._take_read(overwrite)
             try:
-                self._read(slab, skip=overwrite)
                 self._slab = slab
                 self.attach(self._views(slab))
             except BaseException:
@@ -184,6 +209,54 @@ class DiskRows:
                     self._slab = None
                     self.swap.give(current)
 
+    def read_ahead(self) -> None:
+        """Start reading the rows in the background, unless they are in memory or on their way."""
+        if not self.swap.read_ahead or self.users or self._ahead is not None:
+            return
+        self.file.check_size()
+        slab = self.swap.take(self.file.nbytes)
+        self._ahead = (slab, self.swap.submit(lambda: self._io(slab, reading=True)))
+        self.swap.ahead.append(self)
+        self.swap.reads["ahead"] += 1
+
+    def drop_ahead(self) -> None:
+        """Forget a read ahead (waiting for it if it still runs): its slab goes back."""
+        if self._ahead is None:
+            return
+        slab, read = self._ahead
+        self._ahead = None
+        self.swap.ahead.remove(self)
+        try:
+            read.result()
+        except OSError:
+            pass  # its error is the next (inline) read's to raise
+        self.swap.give(slab)
+
+    def _take_read(self, overwrite: int | None) -> torch.Tensor:
+        """A slab holding the rows: the read ahead's (waited for), or read now."""
+        if self._ahead is not None:
+            slab, read = self._ahead
+            self._ahead = None
+            self.swap.ahead.remove(self)
+            try:
+                read.result()
+            except BaseException:
+                self.swap.give(slab)
+                raise
+            if overwrite is not None:  # written whole by the caller: starts zeroed, as an inline read leaves it
+                lo = self.offsets[overwrite]
+                slab[lo : lo + _round_up(self.nbytes[overwrite])].zero_()
+            return slab
+        self.file.check_size()
+        slab = self.swap.take(self.file.nbytes)
+        try:
+            self._read(slab, skip=overwrite)
+        except BaseException:
+            self.swap.give(slab)
+            raise
+        self.swap.reads["inline"] += 1
+        return slab
+
     def _read(self, slab: torch.Tensor, *, skip: int | None) -> None:
         """The file into ``slab``, except row ``skip`` (zeroed instead: its padding stays zero)."""
         if skip is None:
@@ -199,6 +272,7 @@ class DiskRows:
         into) them without holding them in memory."""
         if self.users:
             raise RuntimeError(f"the rows of {self.name} are in use; checkpoints map them between steps")
+        self.drop_ahead()
         self.file.check_size()
         whole = torch.from_file(self.file.path, shared=writable, size=self.file.nbytes, dtype=torch.uint8)
         yield self._views(whole)
