@@ -8,8 +8,6 @@ cannot pass. A 3-rank launch refuses a shard size that does not divide the world
 
 from __future__ import annotations
 
-import os
-
 CELLS: list[dict] = [
     {"stage": 1, "optim": "adam"},
     {"stage": 1, "accum": "no_sync", "clip": 0.05, "optim": "sgd"},
@@ -24,8 +22,6 @@ CELLS: list[dict] = [
 
 
 def _worker(rank: int, world: int, root: str) -> int:
-    import torch
-
     import zero_strategy as zs
     from zero_strategy.testing import run_subtests
     from zero_strategy.testing.parity import Cell, Net, compare
@@ -34,22 +30,6 @@ def _worker(rank: int, world: int, root: str) -> int:
         compare(Cell(dtype="float32", steps=4, **{"shard_size": 2, **kw}), rank, world)
 
     run_subtests(one, CELLS, label="shard groups, 4 ranks as 2 x 2")
-    # the sharded checkpoint layout is cut over all ranks: refused, naming the way out
-    torch.manual_seed(0)
-    model = Net(Cell())
-    model, opt = zs.initialize(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), config=zs.ZeroConfig(stage=2, shard_size=2)
-    )
-    for call in (lambda: zs.save_checkpoint(root, model, opt), lambda: zs.load_checkpoint(root, model, opt)):
-        try:
-            call()
-        except NotImplementedError as e:
-            if "export_full" not in str(e):
-                raise AssertionError(f"the refusal does not name export_full: {e}") from e
-        else:
-            raise AssertionError("a checkpoint with shard groups was not refused")
-    if os.listdir(root):
-        raise AssertionError(f"a refused save wrote {os.listdir(root)}")
     # a setting that does not work with shard groups yet is refused on every rank, naming it
     cfg = zs.ZeroConfig(stage=2, shard_size=2, compression={"type": "topk", "ratio": 0.01})
     try:

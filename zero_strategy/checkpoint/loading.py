@@ -47,7 +47,7 @@ def load_full_state_dict(
     get, keys = _open_state_dict(source)
     path = None if isinstance(source, Mapping) else os.fspath(source)
     size, name = (os.path.getsize(path), os.path.basename(path)) if path is not None else (0, "")
-    with byte_progress(size, f"load {name}", rank=engine.ctx.rank) as advance:
+    with byte_progress(size, f"load {name}", rank=engine.world.rank) as advance:
 
         def counted(key: str) -> torch.Tensor:
             t = get(key)
