@@ -63,10 +63,12 @@ def _as_a_script_loads_it(model: Any) -> Any:
     ``model_name_or_path`` (under the launcher at ZeRO-3: the sharded load, issue 33 item 1)."""
     import tempfile
 
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d)
+    with tempfile.TemporaryDirectory() as d:  # each rank its own files (save_pretrained writes on rank 0 only)
+        model.config.save_pretrained(d)
+        save_model(model, f"{d}/model.safetensors", metadata={"format": "pt"})
         return AutoModelForCausalLM.from_pretrained(d)
 
 

@@ -40,7 +40,7 @@ def load_full_state_dict(
     engine = get_engine(model)
     get, keys, size = _open_state_dict(source)
     name = "" if isinstance(source, Mapping) else os.path.basename(os.path.normpath(os.fspath(source)))
-    with byte_progress(size, f"load {name}", rank=engine.ctx.rank) as advance:
+    with byte_progress(size, f"load {name}", rank=engine.world.rank) as advance:
 
         def counted(key: str) -> torch.Tensor:
             t = get(key)

@@ -67,7 +67,6 @@ from zero_strategy.checkpoint.versions import (
 from zero_strategy.comm import collectives as C
 from zero_strategy.runtime.engine import ZeroEngine
 from zero_strategy.runtime.module import get_engine
-from zero_strategy.runtime.shard_groups import refuse_checkpoint
 from zero_strategy.sharding.setup_checks import persistent_buffers
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -342,7 +341,6 @@ def save_checkpoint(
             raise ValueError(f"save_checkpoint(objects={{{key!r}: ...}}): use a plain identifier as the name")
     started = time.perf_counter()
     engine = get_engine(model)
-    refuse_checkpoint(engine, "save_checkpoint()")
     optimizers = _optimizers(optimizer, engine, "save_checkpoint()")
     engine.wait_for_reductions()
     explicit = tag is not None
@@ -350,7 +348,7 @@ def save_checkpoint(
     if "/" in tag or os.sep in tag or tag.startswith(".") or tag == LATEST or tag.startswith(LATEST + "-"):
         raise ValueError(f"save_checkpoint(tag={tag!r}): use a plain directory name such as 'step-1000'")
     root = os.fspath(root)
-    rank = engine.ctx.rank
+    rank = engine.world.rank
     # Rank 0 alone creates the directory and pickles the objects; the outcome reaches every rank
     # before any rank writes, so a failure raises everywhere instead of hanging the others.
     name: str | None = None
@@ -373,7 +371,7 @@ def save_checkpoint(
         else f"{type(failure).__name__}: {failure}"
     )
     starts = C.all_gather_objects(
-        engine.ctx, (name, text, isinstance(failure, ValueError), tag), what="save_checkpoint start"
+        engine.world, (name, text, isinstance(failure, ValueError), tag), what="save_checkpoint start"
     )
     name, failed, user_error, _ = starts[0]
     tags = [t for *_, t in starts]
@@ -399,11 +397,11 @@ def save_checkpoint(
             dcp.save(
                 _state(engine, optimizers, None, swapped),
                 storage_writer=writer,
-                process_group=C.bounded_group(engine.ctx),
+                process_group=C.bounded_group(engine.world),  # shard groups: each piece written once
             )
         _fault("after_shards", rank)
         all_sums: dict[str, int] = {}
-        for part in C.all_gather_objects(engine.ctx, sums, what="checkpoint checksums"):
+        for part in C.all_gather_objects(engine.world, sums, what="checkpoint checksums"):
             all_sums.update(part)
         failure = None
         if rank == 0:
@@ -461,8 +459,8 @@ def _root_cause(exc: BaseException) -> str:
 
 def _agree(engine: ZeroEngine, failure: BaseException | None, what: str) -> None:
     """A collective: raise on every rank if ``failure`` happened on any."""
-    flag = torch.tensor([int(failure is not None)], dtype=torch.int32, device=engine.ctx.device)
-    C.all_reduce(engine.ctx, flag, op="max", what=what).wait()
+    flag = torch.tensor([int(failure is not None)], dtype=torch.int32, device=engine.world.device)
+    C.all_reduce(engine.world, flag, op="max", what=what).wait()
     if bool(flag.item()):
         detail = f": {failure!r}" if failure is not None else " on another rank (its log has the cause)"
         raise RuntimeError(f"{what} failed{detail}") from failure
@@ -484,7 +482,9 @@ def _write_meta(engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], ext
     meta = {
         "format": FORMAT,
         "stage": engine.config.stage,
-        "world_size": engine.ctx.world_size,
+        "world_size": engine.world.world_size,
+        # the ranks each piece was cut over (shard groups: every group held the same pieces)
+        "shard_size": engine.ctx.world_size,
         "torch": torch.__version__,
         "zero_strategy": __version__,
         "config": engine.config.to_dict(),
@@ -580,7 +580,7 @@ def _validate_for_load(
             )
     files = _file_records(meta.get("files", {}))
     names = sorted(files)
-    n, r = engine.ctx.world_size, engine.ctx.rank
+    n, r = engine.world.world_size, engine.world.rank
     verify_checksums(path, files, names[r::n])  # the ranks share the reading
 
 
@@ -599,7 +599,6 @@ def load_checkpoint(
     (:class:`SafeFileSystemReader`)."""
     started = time.perf_counter()
     engine = get_engine(model)
-    refuse_checkpoint(engine, "load_checkpoint()")
     optimizers = _optimizers(optimizer, engine, "load_checkpoint()")
     failure: BaseException | None = None
     resolved = os.fspath(path)
@@ -612,7 +611,7 @@ def load_checkpoint(
     except Exception as exc:
         failure = exc
     errors = C.all_gather_objects(
-        engine.ctx, None if failure is None else (type(failure).__name__, str(failure)), what="load_checkpoint checks"
+        engine.world, None if failure is None else (type(failure).__name__, str(failure)), what="load_checkpoint checks"
     )
     first = next((e for e in errors if e is not None), None)
     if first is not None:
@@ -629,11 +628,11 @@ def load_checkpoint(
         if int(meta.get("format", 1)) < 4:
             del sd["engine.loss_scaler_counters"]  # an older checkpoint: the schedule restarts its window
         with single_process_quiet():
-            dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.ctx))
+            dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.world))
     engine.load_progress(sd)  # step, loss scale; the parameters follow the loaded masters
     for optimizer, groups in zip(optimizers, _groups_in_given_order(engine, meta, optimizers, resolved) or []):
         _restore_group_settings(optimizer, groups)
-    if engine.ctx.rank == 0:
+    if engine.world.rank == 0:
         log.info("load_checkpoint: read %s, %.1f MiB, in %.2f s", resolved, dir_bytes(resolved) / 2**20,
                  time.perf_counter() - started)  # fmt: skip
     return dict(meta.get("extra", {}))

@@ -53,9 +53,9 @@ COMPLETE = ".zero_complete"  # a versioned directory that a front-end's save fil
 def _pointer_name(engine: ZeroEngine) -> str:
     """``latest`` for the whole world; a process subgroup (pipeline stages sharing a root) keeps
     its own pointer, ``latest-<first rank>-<last rank>-<crc of the ranks>``."""
-    if not dist.is_initialized() or engine.ctx.world_size == dist.get_world_size():
+    if not dist.is_initialized() or engine.world.world_size == dist.get_world_size():
         return LATEST
-    ranks = engine.ctx.global_ranks
+    ranks = engine.world.global_ranks
     return f"{LATEST}-{ranks[0]}-{ranks[-1]}-{zlib.crc32(repr(ranks).encode()):08x}"
 
 

@@ -271,14 +271,20 @@ def split_groups(ctx: CommContext, shard_size: int) -> tuple[dist.ProcessGroup, 
     shard = ctx.global_ranks[mine - mine % s : mine - mine % s + s]
     replica = ctx.global_ranks[mine % s :: s]
     world = dist.distributed_c10d._get_default_group()
-    out = []
-    for ranks in (shard, replica):
+    timeout = group_timeout(ctx.group)
+    if ctx.world_size == dist.get_world_size():
+        # over the whole world: every rank makes every group, in one order (torch's plain
+        # new_group), so the groups' names agree whatever groups each rank made before
+        every = [ctx.global_ranks[g : g + s] for g in range(0, n, s)] + [ctx.global_ranks[i::s] for i in range(s)]
+        for ranks in every:
+            if ranks not in _SPLIT or _SPLIT[ranks][0] is not world:
+                _SPLIT[ranks] = (world, dist.new_group(list(ranks), timeout=timeout))
+        return _SPLIT[shard][1], _SPLIT[replica][1]
+    out = []  # a subgroup of the world: local synchronisation (names hashed from the ranks and the
+    for ranks in (shard, replica):  # process's group count: ranks must have made as many groups before)
         made = _SPLIT.get(ranks)
         if made is None or made[0] is not world:
-            made = (
-                world,
-                dist.new_group(list(ranks), timeout=group_timeout(ctx.group), use_local_synchronization=True),
-            )
+            made = (world, dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True))
             _SPLIT[ranks] = made
         out.append(made[1])
     return out[0], out[1]

@@ -16,6 +16,10 @@ broadcast, the buffers' broadcast, the setup agreement, the gradient flags and t
 overflow flag. Data stays per global rank. A flat layout (``shard_size`` None or ``N``) has a
 one-rank replica group whose collectives are no-ops.
 
+Sharded checkpoints keep their one layout (``checkpoint/state.py``): each piece is described
+within its shard group, and DCP runs over all ranks, so the pieces that every group holds alike
+are written once and a checkpoint loads at any world size, stage and shard size.
+
 Per step the slow link (across groups) carries ``2 (r-1)/r * Psi/s`` gradient elements
 (``r = N/s`` replicas) instead of a flat ZeRO-3's gathers and reduce-scatter over all ranks;
 the price is memory: model state per rank is ``1/s`` instead of ``1/N``.
@@ -29,7 +33,7 @@ from zero_strategy.comm import collectives as C
 from zero_strategy.config import ZeroConfig
 from zero_strategy.runtime.shard_layout import MeshLayout, mesh_groups_over, resolve_shard_size
 
-__all__ = ["refuse_checkpoint", "refuse_modifier_rank", "shard_contexts", "valid_shard_sizes"]
+__all__ = ["refuse_modifier_rank", "shard_contexts", "valid_shard_sizes"]
 
 
 def valid_shard_sizes(world_size: int) -> list[int]:
@@ -95,14 +99,4 @@ def refuse_modifier_rank(replica: C.CommContext, modifier_rank: int | None) -> N
         raise NotImplementedError(
             "gathered_parameters(modifier_rank=...) with shard_size is not supported yet (the changes would reach "
             "one shard group only); modify the parameters identically on every rank with modifier_rank=None"
-        )
-
-
-def refuse_checkpoint(engine: Any, call: str) -> None:
-    """Sharded checkpoints are cut over all ranks; with shard groups they are not resharded yet."""
-    if engine.replica.distributed:
-        raise NotImplementedError(
-            f"{call} with shard_size={engine.config.shard_size} is not supported yet: the sharded checkpoint layout "
-            "is cut over all ranks. Save the full model instead with zero_strategy.export_full(model, path) or "
-            "zero_strategy.full_state_dict(model), and load it with zero_strategy.load_full_state_dict"
         )
