@@ -219,30 +219,34 @@ class DiskRows:
         self.swap.ahead.append(self)
         self.swap.reads["ahead"] += 1
 
-    def drop_ahead(self) -> None:
-        """Forget a read ahead (waiting for it if it still runs): its slab goes back."""
+    def _finish_ahead(self) -> torch.Tensor | None:
+        """The read ahead's slab once its read is done (None: no read ahead); a failed read gives
+        its slab back and raises."""
         if self._ahead is None:
-            return
+            return None
         slab, read = self._ahead
         self._ahead = None
         self.swap.ahead.remove(self)
         try:
             read.result()
+        except BaseException:
+            self.swap.give(slab)
+            raise
+        return slab
+
+    def drop_ahead(self) -> None:
+        """Forget a read ahead (waiting for it if it still runs): its slab goes back."""
+        try:
+            slab = self._finish_ahead()
         except OSError:
-            pass  # its error is the next (inline) read's to raise
-        self.swap.give(slab)
+            return  # its error is the next (inline) read's to raise
+        if slab is not None:
+            self.swap.give(slab)
 
     def _take_read(self, overwrite: int | None) -> torch.Tensor:
         """A slab holding the rows: the read ahead's (waited for), or read now."""
-        if self._ahead is not None:
-            slab, read = self._ahead
-            self._ahead = None
-            self.swap.ahead.remove(self)
-            try:
-                read.result()
-            except BaseException:
-                self.swap.give(slab)
-                raise
+        slab = self._finish_ahead()
+        if slab is not None:
             if overwrite is not None:  # written whole by the caller: starts zeroed, as an inline read leaves it
                 lo = self.offsets[overwrite]
                 slab[lo : lo + _round_up(self.nbytes[overwrite])].zero_()
