@@ -2,7 +2,8 @@
 
 Transformers switches on DeepSpeed's ``zero.Init`` by itself when ``HfDeepSpeedConfig`` says
 ZeRO-3; that hook needs DeepSpeed and has no public slot for another engine. So, with
-``ZERO_STRATEGY_CONFIG`` at stage 3 (without shard groups), the start-up hook wraps the public
+``ZERO_SHARDED_FROM_PRETRAINED=1`` and ``ZERO_STRATEGY_CONFIG`` at stage 3 (without shard
+groups), the start-up hook wraps the public
 ``PreTrainedModel.from_pretrained`` (which every ``AutoModel*.from_pretrained`` calls) when
 ``transformers.modeling_utils`` is imported: it becomes ``zero_strategy.from_pretrained``,
 every parameter cut to this rank's piece and read row by row from the files, so no rank holds
@@ -10,8 +11,9 @@ the whole model before ``accelerator.prepare`` (or the ``Trainer``) hands it to 
 The process group is Accelerate's (``PartialState()``, created here if it is not yet).
 
 A call that places or converts the weights itself (``device_map``, ``quantization_config``,
-``tp_plan``, ...) loads as Transformers does; ``ZERO_SHARDED_FROM_PRETRAINED=0``
-turns the routing off. A model built in pieces that Accelerate is given for evaluation alone
+``tp_plan``, ...) loads as Transformers does. The routing is opt-in: a script may also call
+``from_pretrained`` for a plain model (on one rank, to check what it saved, as
+``examples/accelerate_hf_gpt2.py`` does), which must stay a plain model. A model built in pieces that Accelerate is given for evaluation alone
 (``prepare_model(model, evaluation_mode=True)``) goes to the engine without an optimizer: its
 pieces cannot run as a plain module.
 """
@@ -32,7 +34,12 @@ _MARK = "_zero_strategy_sharded"
 def _sharded_load_wanted(kwargs: dict[str, Any]) -> bool:
     from accelerate_zero.plugin import CONFIG_ENV
 
-    if not os.environ.get(CONFIG_ENV) or os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not os.environ.get(CONFIG_ENV) or os.environ.get(SWITCH_ENV, "0").strip().lower() not in (
+        "1",
+        "true",
+        "yes",
+        "on",
+    ):
         return False
     from zero_strategy.checkpoint.pretrained import PLACING_ARGUMENTS
 

@@ -60,7 +60,8 @@ def _llama(vocab: int) -> Any:
 
 def _as_a_script_loads_it(model: Any) -> Any:
     """Saved, then loaded with ``AutoModelForCausalLM.from_pretrained`` as a TRL script loads its
-    ``model_name_or_path`` (under the launcher at ZeRO-3: the sharded load, issue 33 item 1)."""
+        ``model_name_or_path`` (at ZeRO-3 with ``ZERO_SHARDED_FROM_PRETRAINED=1``, which the test sets:
+    the sharded load, issue 33 item 1)."""
     import tempfile
 
     from safetensors.torch import save_model

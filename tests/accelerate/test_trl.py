@@ -37,7 +37,7 @@ def trl_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     configs = {"ddp": "ddp", "zero2": str(CONFIGS / "zero2.yaml"), "zero3": str(z3)}
     jobs = ",".join(f"{kind}-{mode}={cfg}" for mode, cfg in configs.items() for kind in KINDS)
     ranks = run_launch(tmp, "trl", 2, script=JOBS, front=_zero_launch(z3),
-                       env={"TRL_JOBS": jobs, "TRL_OUT": str(tmp / "trl")})  # fmt: skip
+                       env={"TRL_JOBS": jobs, "TRL_OUT": str(tmp / "trl"), "ZERO_SHARDED_FROM_PRETRAINED": "1"})  # fmt: skip
     assert ranks[0] == ranks[1], ranks  # the logged values are the same on every rank
     return {"out": tmp / "trl", "jobs": ranks[0]}
 
