@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM
 
 from zero_strategy.sharding.pieces import is_placeholder
+from zero_strategy.testing.lockstep import lockstep_losses
 
 path = os.environ["PRETRAINED_DIR"]
 accelerator = Accelerator()
@@ -30,15 +31,12 @@ opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 model, opt = accelerator.prepare(model, opt)
 ddp = DDP(plain)
 ref_opt = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)
-losses: dict[str, list[float]] = {"ddp": [], "zero": []}
-for step in range(3):
-    idx = torch.randint(0, 48, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
-    for name, m, o in (("ddp", ddp, ref_opt), ("zero", model, opt)):
-        loss = F.cross_entropy(m(input_ids=idx).logits.reshape(-1, 48), idx.reshape(-1))
-        accelerator.backward(loss) if name == "zero" else loss.backward()
-        o.step()
-        o.zero_grad()
-        losses[name].append(loss.item())
+losses = lockstep_losses(
+    {"ddp": (ddp, ref_opt), "zero": (model, opt)},
+    lambda step: torch.randint(0, 48, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank)),
+    lambda m, idx: F.cross_entropy(m(input_ids=idx).logits.reshape(-1, 48), idx.reshape(-1)),
+    backward={"zero": accelerator.backward},
+)
 out = {"whole": whole, "losses": losses, "engine": getattr(model, "zero_engine", None) is not None}
 with open(os.path.join(os.environ["ACCEL_JOB_OUT"], f"rank{rank}.json"), "w") as f:
     json.dump(out, f)

@@ -4,6 +4,7 @@ its files equals a plain ``from_pretrained`` (parameters and buffers), and train
 from __future__ import annotations
 
 from zero_strategy.testing import assert_close, assert_state_close, run_subtests, subtest_grid
+from zero_strategy.testing.lockstep import lockstep_losses
 
 
 def _save(kind: str, root: str) -> str:
@@ -81,15 +82,11 @@ def _case(rank: int, path: str, kind: str, via: str) -> None:
     model.train()
     ddp = DDP(plain)
     ref_opt = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)
-    losses: dict[str, list[float]] = {"ddp": [], "zero": []}
-    for step in range(3):
-        idx = torch.randint(0, 48, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
-        for name, m, o in (("ddp", ddp, ref_opt), ("zero", model, opt)):
-            loss = F.cross_entropy(m(input_ids=idx).logits.reshape(-1, 48), idx.reshape(-1))
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses[name].append(loss.item())
+    losses = lockstep_losses(
+        {"ddp": (ddp, ref_opt), "zero": (model, opt)},
+        lambda step: torch.randint(0, 48, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank)),
+        lambda m, idx: F.cross_entropy(m(input_ids=idx).logits.reshape(-1, 48), idx.reshape(-1)),
+    )
     assert_close(losses["zero"], losses["ddp"], rtol=1e-5, what=f"{kind} losses")
     trained = zs.full_state_dict(model, rank0_only=False)
     assert_state_close(trained, plain.state_dict(), rtol=1e-4, atol=1e-6, what=f"{kind} trained")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zero_strategy.testing import assert_close, assert_state_close, run_subtests, subtest_grid
+from zero_strategy.testing.lockstep import lockstep_losses
 
 
 def _cfg():
@@ -203,15 +204,11 @@ def case_parent_writes_children(rank: int, world: int, kind: str) -> None:
     assert_state_close({k: built[k] for k in reference}, reference, rtol=0.0, what=f"{kind} built sharded")
     ddp = DDP(ref)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
-    losses: dict[str, list[float]] = {"ddp": [], "zero": []}
-    for step in range(3):
-        idx = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(100 * step + rank))
-        for name, m, o in (("ddp", ddp, ref_opt), ("zero", model, opt)):
-            loss = F.cross_entropy(fwd(m, idx).reshape(-1, 32), idx.reshape(-1))
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses[name].append(loss.item())
+    losses = lockstep_losses(
+        {"ddp": (ddp, ref_opt), "zero": (model, opt)},
+        lambda step: torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(100 * step + rank)),
+        lambda m, idx: F.cross_entropy(fwd(m, idx).reshape(-1, 32), idx.reshape(-1)),
+    )
     assert_close(losses["zero"], losses["ddp"], rtol=1e-5, what=f"{kind} losses")
     trained = zs.full_state_dict(model, rank0_only=False)
     assert_state_close(

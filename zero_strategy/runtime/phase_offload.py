@@ -52,7 +52,6 @@ class _Offloaded:
     """The storages emptied by one ``offload_states`` and their bytes on the host."""
 
     storages: list[tuple[torch.UntypedStorage, torch.Tensor]] = field(default_factory=list)
-    include: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +108,7 @@ def offload_states(
         raise RuntimeError("offload_states(): the states are offloaded already; call reload_states(model) first")
     kinds = _kinds(include)
     on_device_only = engine.ctx.device.type != "cpu"
-    done = _Offloaded(include=kinds)
+    done = _Offloaded()
     seen: set[int] = set()
     with torch.no_grad():
         for t in _state_tensors(engine, kinds):
