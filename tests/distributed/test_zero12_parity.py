@@ -57,8 +57,11 @@ def _cells(full: bool, world: int = 2) -> list[dict]:
     ]
     optimizers = [{"optim": o} for o in ("adam", "sgd", "adagrad")]
     cells = []
+    # at 3 and 4 ranks each runs one accumulation mode besides "none" (between them both): the
+    # full grid of every mode runs at 2 ranks
+    accums = ("none", "plain", "no_sync") if full or world < 3 else ("none", "plain" if world == 3 else "no_sync")
     for stage in (1, 2):
-        for accum in ("none", "plain", "no_sync"):
+        for accum in accums:
             extras = (
                 singles + optimizers
                 if full
