@@ -221,3 +221,39 @@ def test_a_damaged_swap_file_on_one_rank_stops_every_rank_at_once(launch, tmp_pa
     assert r1["step"] == 1 and "swap file" in r1["error"] and "truncated" in r1["error"], r1
     assert r0["step"] == 1 and r0["error"].startswith("optimizer.step(): rank 1 failed (disk tier step"), r0
     assert "swap file" in r0["error"] and r0["seconds"] < 30, r0
+
+
+def _deferred_copies_worker(rank: int, world: int) -> dict:
+    """The non-blocking host copies of offloaded gradient shards (``host_copies.py``) with the
+    CPU stand-in that writes each copy only when it is waited for: a host reader that does not
+    wait gets stale bytes, and parity fails."""
+    import os
+
+    from zero_strategy.reduction import host_copies
+    from zero_strategy.testing.parity import Cell, compare
+
+    os.environ["ZERO_STRATEGY_TEST_HOST_COPIES"] = "deferred"
+    counts = {"direct": 0, "staged": 0}
+    start = host_copies.HostCopies.start
+
+    def counted(self, g, reduced) -> None:
+        counts["staged" if g.grad_valid else "direct"] += 1
+        start(self, g, reduced)
+
+    host_copies.HostCopies.start = counted  # type: ignore[method-assign]
+    cells = [
+        {"stage": 2, "offload": "cpu", "accum": "plain", "clip": 0.05, "optim": "adam"},
+        {"stage": 2, "offload": "cpu", "accum": "no_sync", "frozen": True, "optim": "sgd"},
+        {"stage": 2, "offload": "cpu", "late": True, "ckpt": "reentrant"},  # reduced again in finalize
+        {"stage": 2, "offload": "cpu_half", "reduce": "bf16", "dtype": "float32"},
+        {"stage": 2, "offload": "cpu", "overlap": False, "unused": "some_ranks"},
+        {"stage": 3, "offload": "param", "accum": "plain", "tied": True},
+        {"stage": 3, "offload": "cpu", "accum": "no_sync", "clip": 0.05, "dtype": "float32", "optim": "adam"},
+    ]
+    run_subtests(lambda **kw: compare(Cell(**kw), rank, world), cells, label="deferred host copies")
+    return counts
+
+
+def test_offloaded_gradients_reach_the_host_without_a_blocking_copy(launch) -> None:
+    for counts in launch(_deferred_copies_worker, 2, timeout=300):
+        assert counts["direct"] > 0 and counts["staged"] > 0, counts

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from zero_strategy.comm import collectives as C
+from zero_strategy.reduction import host_copies
 from zero_strategy.reduction.compression import ErrorFeedback, SparseExchange
 from zero_strategy.sharding.group import ReducePlan, ShardGroup
 
@@ -158,6 +159,9 @@ class GradReducer:
         self._next = 0
         self._forget_backward()
         self._in_flight: deque[_InFlight] = deque()
+        # offloaded shards reach the host without a blocking copy per bucket (CUDA: host_copies.py)
+        copier = host_copies.choose(ctx.device)
+        self.host_copies = host_copies.HostCopies(copier) if copier is not None else None
 
     # -- bookkeeping ---------------------------------------------------------------------
     def locate(self, p: torch.Tensor) -> tuple[ShardGroup, int]:
@@ -206,6 +210,8 @@ class GradReducer:
                 self._in_flight.append(_InFlight(g, exchange.handle, sparse=exchange))
         while self._in_flight:
             self._complete(self._in_flight.popleft())
+        if self.host_copies is not None:
+            self.host_copies.drain()
 
     # -- reduction -----------------------------------------------------------------------
     def _launch(self, g: ShardGroup) -> None:
@@ -266,14 +272,22 @@ class GradReducer:
             scratch = f.out if f.rows is None else f.rows.combine(self.ctx, f.out)
             if self.replica.distributed:  # shard groups: the same shard of every group, summed
                 C.all_reduce(self.replica, scratch, what=f"{f.handle.what} across shard groups").wait()
+            host = self.host_copies if f.rows is None else None
+            to_host = host is not None and host.handles(g, scratch)
             if _narrow(g):  # divided by the world size already; the loss scale comes off in the master dtype
-                out = scratch.to(device=g.master_device, dtype=g.master_dtype)
+                out = scratch.to(device=scratch.device if to_host else g.master_device, dtype=g.master_dtype)
                 rest = self._grad_factor() * self.world.world_size
                 if rest != 1.0:
                     out.mul_(rest)
             else:
                 scratch.mul_(self._grad_factor())
-                out = scratch.to(g.master_device)  # offloaded (g.tier "host"): copied down as each bucket finishes
+                out = scratch if to_host else scratch.to(g.master_device)  # offloaded (g.tier "host")
+            if to_host and host is not None:  # queued behind the bucket's kernels: no host block (host_copies.py)
+                host.start(g, out)
+                self.ctx.pool.put(scratch)
+                return
+        if self.host_copies is not None and self.host_copies.pending:
+            self.host_copies.drain()  # the shards below are read on the host
         if f.rows is not None:  # the selected rows; the others stay (or become) zeros
             f.rows.add_into(g.layout, g.grad_shard, out, self.ctx.rank, fresh=not g.grad_valid)
             g.grad_valid = True
