@@ -496,15 +496,32 @@ def test_mics_shard_size_is_our_shard_size(tmp_path):
         ZeroConfig.from_dict(both)
 
 
+def test_zero_quantized_gradients_is_read_and_refused_with_topk():
+    import warnings
+
+    for stage in (1, 2, 3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # honoured: no "does not implement" warning
+            cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": stage, "zero_quantized_gradients": True}})
+        assert cfg.zero_quantized_gradients
+    both = {
+        "zero_optimization": {"stage": 2, "zero_quantized_gradients": True},
+        "zero_strategy": {"compression": {"type": "topk"}},
+    }
+    with pytest.raises(ValueError, match="zero_quantized_gradients with compression.type='topk'.*remove one"):
+        ZeroConfig.from_dict(both)
+
+
 def test_zero_hpz_partition_size_is_read(tmp_path):
     from zero_strategy.config.report import check_file
 
-    d = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_gradients": True}}
+    zo = {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_nontrainable_weights": True}
+    d = {"zero_optimization": zo}
     with pytest.warns(UserWarning) as record:
         cfg = ZeroConfig.from_dict(d, source="ds.json")
     assert cfg.zero_hpz_partition_size == 8 and cfg.explicitly_set("zero_hpz_partition_size")
     message = next(str(w.message) for w in record if "does not implement" in str(w.message))
-    assert "zero_quantized_gradients" in message and "zero_hpz_partition_size" not in message
+    assert "zero_quantized_nontrainable_weights" in message and "zero_hpz_partition_size" not in message
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(d))
     assert "zero_optimization.zero_hpz_partition_size" not in dict(check_file(str(path)).ignored)

@@ -250,6 +250,8 @@ class ZeroConfig:
     gather_dtype: torch.dtype | None = setting(None, _to_dtype16, ds=_OWN)
     # ZeRO++ qwZ: those gathers block-quantized to int8 (comm/quantize.py), dequantized on arrival
     zero_quantized_weights: bool = setting(False, to_bool, ds=_ZO)
+    # ZeRO++ qgZ: the gradients' reduce-scatters as int8 blocks in one all-to-all (reduction/quantized.py)
+    zero_quantized_gradients: bool = setting(False, to_bool, ds=_ZO)
     # the memory budget and its three tiers, ZeRO-3 (memory.py; its cache: sharding/cache.py)
     memory: MemoryConfig = setting(MemoryConfig(), read=_nested(MemoryConfig, "budget", (str, int, float)), ds=_OWN)
     _explicit: frozenset[str] = dataclasses.field(default=frozenset(), repr=False, compare=False)
@@ -470,6 +472,11 @@ def _conflicts(cfg: ZeroConfig, world_size: int | None, given: Callable[[str], b
             "compression.type='topk' works at ZeRO stages 1 and 2: ZeRO-3 reduces each unit's gradients while its "
             "backward runs and keeps no full-size gradient to compensate. Use stage 2, or set compression: {type: none}"
         )
+    if rule(cfg.compression.enabled and cfg.zero_quantized_gradients, "compression", "zero_quantized_gradients"):
+        out.append(
+            f"{_ZO}.zero_quantized_gradients with compression.type='topk': both set the gradients' wire format "
+            "(int8 blocks of every value, or the top-k values); remove one of them"
+        )
     if rule(cfg.compression.adam and opt.device == "nvme", "compression", "offload_optimizer"):
         out.append(
             "compression.optimizer: adam keeps Adam's moments in the optimizer's state, which offload_optimizer: "
@@ -519,7 +526,6 @@ _MICS = "mics_shard_size"  # DeepSpeed's name of shard_size (read by _DeepSpeedR
 _ZERO_BLOCK_LEGACY = ("cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory")  # read by _zero_block
 _ZERO_BLOCK_IGNORED = (
     "round_robin_gradients", "ignore_unused_parameters", "elastic_checkpoint", "load_from_fp32_weights",
-    "zero_quantized_gradients",
     "zero_quantized_nontrainable_weights", "mics_hierarchical_params_gather",
     "memory_efficient_linear", "stage3_module_granularity_threshold", "use_multi_rank_bucket_allreduce",
     "log_trace_cache_warnings",

@@ -33,6 +33,7 @@ from torch import nn
 from zero_strategy.comm import collectives as C
 from zero_strategy.reduction import host_copies
 from zero_strategy.reduction.compression import ErrorFeedback, SparseExchange
+from zero_strategy.reduction.quantized import EXACT, Exchange, GradCodec
 from zero_strategy.sharding.group import ReducePlan, ShardGroup
 
 __all__ = [
@@ -110,6 +111,7 @@ class _InFlight:
     out: torch.Tensor | None = None
     sparse: SparseExchange | None = None  # top-k compression's exchange instead of a reduce-scatter
     rows: ReducePlan | None = None  # an MoE experts unit's selected rows only (sharding/experts.py)
+    coded: Exchange | None = None  # the codec's exchange (quantized.py: qgZ's int8 all-to-all)
 
 
 class DeferredCheck(Protocol):
@@ -132,8 +134,10 @@ class GradReducer:
         compression: ErrorFeedback | None = None,
         replica: C.CommContext | None = None,
         world: C.CommContext | None = None,
+        codec: GradCodec = EXACT,
     ) -> None:
         self.groups = list(groups)
+        self.codec = codec  # the sharded reductions' wire format (quantized.py)
         self.compression = compression  # top-k with error feedback (compression.py), or None
         self._warned_dense = False
         self.ctx = ctx
@@ -250,12 +254,12 @@ class GradReducer:
             self.ctx.pool.put(inp)  # added into the residual already
             self._in_flight.append(_InFlight(g, exchange.handle, sparse=exchange))
         else:
-            if rows is None:
-                out = self.ctx.pool.get(width, g.reduce_dtype, g.device)
-                handle = C.reduce_scatter(self.ctx, out, inp, what=what)
+            if rows is None:  # a reduce-scatter, or qgZ's int8 all-to-all (quantized.py)
+                coded = self.codec.launch(self.ctx, inp, width, what=what)
+                self._in_flight.append(_InFlight(g, coded.handle, inp, coded.got, coded=coded))
             else:  # the selected experts' rows: a reduce-scatter, or to their owners (expert_owners.py)
                 out, handle = rows.exchange(self.ctx, inp, what)
-            self._in_flight.append(_InFlight(g, handle, inp, out, rows=rows))
+                self._in_flight.append(_InFlight(g, handle, inp, out, rows=rows))
         if self.max_in_flight == 0:
             self.wait_all()
 
@@ -269,7 +273,10 @@ class GradReducer:
             if f.inp is None or f.out is None:
                 raise AssertionError(f"rank {self.ctx.rank}: a reduction of {g.name} lost its buffers")
             self.ctx.pool.put(f.inp)
-            scratch = f.out if f.rows is None else f.rows.combine(self.ctx, f.out)
+            if f.coded is not None:
+                scratch = self.codec.combine(self.ctx, f.coded, g.layout.shard_numel, g.reduce_dtype)
+            else:
+                scratch = f.out if f.rows is None else f.rows.combine(self.ctx, f.out)
             if self.replica.distributed:  # shard groups: the same shard of every group, summed
                 C.all_reduce(self.replica, scratch, what=f"{f.handle.what} across shard groups").wait()
             host = self.host_copies if f.rows is None else None

@@ -50,6 +50,7 @@ from zero_strategy.reduction.grads import (
     ReduceAtUnitEnd,
     ReduceInBackward,
 )
+from zero_strategy.reduction.quantized import grad_codec
 from zero_strategy.runtime.budget import Budget
 from zero_strategy.runtime.compile_support import eager
 from zero_strategy.runtime.compressed_adam import adam_direction
@@ -200,6 +201,7 @@ class ZeroEngine(WholeModelState):
             world=self.world,
             describe_step=self._step_label,
             compression=build_compression(config.compression, self.groups, self.ctx, steps=lambda: self.step_count),
+            codec=grad_codec(config.zero_quantized_gradients),
         )
         self.budget: Budget | None = None  # the memory budget's tiers (budget.py), ZeRO-3 only
         if isinstance(self.params, ShardedParams):
