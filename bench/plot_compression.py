@@ -3,6 +3,8 @@
 
     PYTHONPATH=. python bench/plot_compression.py out/adam_noclip.json out/adam_clip.json \\
         --titles "AdamW,AdamW + clipping" --png bench/plots/compression.png
+
+A file without a dense run (``--no-dense``) takes the dense numbers from ``--dense EVAL,MB``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--titles", default=None, help="comma list, one per file (default: the file names)")
     ap.add_argument("--smooth", type=int, default=10)
     ap.add_argument("--png", required=True)
+    ap.add_argument("--dense", default=None, help="'EVAL,MB': the dense run's held-out loss and MB per step, for "
+                    "files without a dense run (bench_compression.py --no-dense)")  # fmt: skip
     args = ap.parse_args(argv)
     titles = args.titles.split(",") if args.titles else [Path(f).stem for f in args.files]
     cols = min(2, len(args.files))
@@ -38,10 +42,16 @@ def main(argv: list[str] | None = None) -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False, sharey=True)
     for ax, path, title in zip(axes.flat, args.files, titles):
         runs = json.loads(Path(path).read_text())
-        dense = runs["dense"]["eval"]
+        if "dense" in runs:
+            dense, dense_bytes = runs["dense"]["eval"], runs["dense"]["bytes"]
+        elif args.dense:
+            dense, dense_mb = (float(x) for x in args.dense.split(","))
+            dense_bytes = dense_mb * 2**20
+        else:
+            raise SystemExit(f"plot_compression.py: {path} has no dense run; pass --dense EVAL,MB")
         for name, run in runs.items():
             label = f"{name}: held-out {run['eval']:.3f} ({100 * (run['eval'] / dense - 1):+.1f}%), " + (
-                f"{100 * run['bytes'] / runs['dense']['bytes']:.1f}% bytes"
+                f"{100 * run['bytes'] / dense_bytes:.1f}% bytes"
             )
             ax.plot(_smooth(run["losses"], args.smooth), "-" if name == "dense" else "--", label=label)
         ax.set_title(title)

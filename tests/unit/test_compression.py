@@ -252,3 +252,22 @@ def test_adam_variance_refresh_schedule() -> None:
     assert [s for s in range(40) if off.dense_at(s)] == [0, 1, 2]
     with pytest.raises(ValueError, match="variance_refresh"):
         CompressionConfig(type="topk", ratio=0.01, variance_refresh=4)  # the SGD mode has no variance
+
+
+def test_adam_precondition_floor_caps_the_normalised_update() -> None:
+    """``precondition_floor: f``: the frozen ``sqrt(v_hat)`` is floored at ``f`` times the median of
+    its nonzero entries, so an element whose variance was tiny at the freeze gets at most
+    ``1 / (f * median)``; a zero variance still gets 0; ``f = 0`` is the unfloored mode."""
+    from zero_strategy.runtime.compressed_adam import _scale
+
+    root = torch.tensor([0.0, 1e-6, 1.0, 2.0, 4.0])  # sqrt(v_hat); median of the nonzero: 1.0
+    state = {"exp_avg_sq": root**2 * (1 - 0.999), "variance_step": torch.tensor(1.0)}
+    assert_close(_scale(state, 0.999, 1e-8), torch.where(root > 0, 1 / (root + 1e-8), torch.tensor(0.0)),
+                 rtol=1e-5, what="unfloored")  # fmt: skip
+    floored = _scale(state, 0.999, 1e-8, 0.5)
+    assert_close(floored, torch.tensor([0.0, 1 / (0.5 + 1e-8), 1 / (1 + 1e-8), 1 / (2 + 1e-8), 1 / (4 + 1e-8)]),
+                 rtol=1e-5, what="floored")  # fmt: skip
+    cfg = CompressionConfig(type="topk", optimizer="adam", warmup="dense", warmup_steps=3, precondition_floor=0.1)
+    assert cfg.precondition_floor == 0.1
+    with pytest.raises(ValueError, match="precondition_floor"):
+        CompressionConfig(type="topk", ratio=0.01, precondition_floor=0.1)  # the SGD mode has no variance

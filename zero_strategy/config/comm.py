@@ -65,6 +65,10 @@ class CompressionConfig:
       ... (the intervals double). A refresh step reduces the gradient uncompressed and is an
       AdamW step: it updates the variance and the dense momentum (``exp_avg``), and the
       compressed steps after it use the new variance.
+    - ``precondition_floor`` (0: off; Adam mode only): the compressed steps scale by ``P = 1 /
+      (max(sqrt(v_hat), f * median) + eps)``, ``median`` the median of the nonzero ``sqrt(v_hat)``
+      of each master tensor's shard at the freeze: a cap on the normalised update of elements
+      whose variance was tiny at the freeze.
     - ``region_indices`` (false): top-k per region of 32,768 columns, each index sent as an int16
       offset inside its region: 6 bytes per pair instead of 8 (4 instead of 6 on a 16-bit wire).
     """
@@ -82,6 +86,7 @@ class CompressionConfig:
     eps: float = setting(1e-8, float_rule(gt=0.0))
     region_indices: bool = setting(False, to_bool)
     variance_refresh: int = setting(0, int_rule(0))
+    precondition_floor: float = setting(0.0, float_rule(ge=0.0))
 
     def __post_init__(self) -> None:
         coerce_fields(self, "CompressionConfig")
@@ -90,6 +95,11 @@ class CompressionConfig:
                 "compression.optimizer: adam learns Adam's variance in dense steps, then freezes it: set warmup: "
                 "dense and warmup_steps >= 1 (e.g. 5% of the run), and momentum: 0 (the velocity decays with beta1; "
                 f"got warmup: {self.warmup}, warmup_steps: {self.warmup_steps}, momentum: {self.momentum})"
+            )
+        if self.precondition_floor and not self.adam:
+            raise ValueError(
+                "compression.precondition_floor floors Adam's frozen preconditioner; set compression.optimizer: adam "
+                f"(and type: topk), or precondition_floor: 0 (got optimizer: {self.optimizer}, type: {self.type})"
             )
         if self.variance_refresh and not self.adam:
             raise ValueError(

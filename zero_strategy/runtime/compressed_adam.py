@@ -28,6 +28,10 @@ handles as it handles SGD. This mode is that idea with top-k in place of their s
   preconditioners, so the next compressed step scales by the new variance. The velocities and
   residuals stay: they hold momentum already scaled by the old variance, and go out with the
   following compressed steps (they neither move the parameters nor decay on the refresh step).
+- ``precondition_floor: f`` floors the frozen ``sqrt(v_hat)`` at ``f`` times its median (the
+  median of the nonzero ``sqrt(v_hat)`` of each master tensor's shard, so it depends on how the
+  tensor is sharded): an element whose variance was tiny at the freeze no longer gets a huge
+  normalised update. Ratio 1.0 then equals Adam with that floored frozen variance, not AdamW.
 - An element whose variance is still zero at the freeze (no gradient in the whole warm-up)
   gets ``P = 0``: the compressed steps do not move it (weight decay still does), where
   ``1 / eps`` would throw it far.
@@ -75,19 +79,25 @@ def bind_adam(optimizer: torch.optim.Optimizer, feedback: ErrorFeedback | None, 
         for i, m in enumerate(g.masters):
             state = optimizer.state.get(m)
             if state and "exp_avg_sq" in state:
-                g.layout.local_view(row, i).copy_(_scale(state, cfg.beta2, cfg.eps))
+                g.layout.local_view(row, i).copy_(_scale(state, cfg.beta2, cfg.eps, cfg.precondition_floor))
         return row
 
     fb.precondition = precondition
     fb.preconditioners.clear()
 
 
-def _scale(state: dict, beta2: float, eps: float) -> torch.Tensor:
-    """``1 / (sqrt(v_hat) + eps)`` of the frozen variance, 0 where it is still zero."""
+def _scale(state: dict, beta2: float, eps: float, floor: float = 0.0) -> torch.Tensor:
+    """``1 / (max(sqrt(v_hat), floor * median) + eps)`` of the frozen variance, 0 where it is
+    still zero (``median``: of the nonzero ``sqrt(v_hat)`` of this tensor)."""
     v = state["exp_avg_sq"]
     steps = float(state["variance_step"])
     correction = math.sqrt(1.0 - beta2**steps) if steps > 0 else 1.0
-    denom = (v.sqrt() / correction).add_(eps)
+    root = v.sqrt() / correction
+    if floor > 0:
+        nonzero = root[v > 0]
+        if nonzero.numel():
+            root = root.clamp(min=float(nonzero.median()) * floor)
+    denom = root.add_(eps)
     return torch.where(v > 0, denom.reciprocal(), torch.zeros((), dtype=v.dtype, device=v.device))
 
 
@@ -117,7 +127,7 @@ def adam_direction(feedback: ErrorFeedback | None, optimizer: torch.optim.Optimi
                 correction1 = 1.0 - b1 ** float(state["step"])
                 if compressed:  # grad: the sum of the sent velocities, normalised already
                     exp_avg.mul_(b1)  # the dense steps' momentum, decaying
-                    grad.addcmul_(exp_avg, _scale(state, b2, cfg.eps)).div_(correction1)
+                    grad.addcmul_(exp_avg, _scale(state, b2, cfg.eps, cfg.precondition_floor)).div_(correction1)
                     continue
                 state["variance_step"] += 1  # as torch's AdamW (single-tensor path)
                 exp_avg.lerp_(grad, 1.0 - b1)
