@@ -40,6 +40,19 @@ def test_pack_round_trip_and_non_finite_blocks():
     assert quantize.packed_bytes(256 * 100) / (4 * 256 * 100) == pytest.approx(260 / 1024)
 
 
+def test_unpadded_pack_sends_no_padding_and_decodes_alike():
+    # qgZ's layout (padded=False): the same values and scales, without the last block's padding
+    x = torch.randn(600)
+    assert quantize.packed_bytes(600) == 3 * 256 + 4 * 3
+    assert quantize.packed_bytes(600, padded=False) == 600 + 4 * 3
+    padded = torch.empty(1, quantize.packed_bytes(600), dtype=torch.uint8)
+    bare = torch.empty(1, quantize.packed_bytes(600, padded=False), dtype=torch.uint8)
+    quantize.pack(x, padded[0])
+    quantize.pack(x, bare[0], padded=False)
+    assert torch.equal(bare[0, :600], padded[0, :600]) and torch.equal(bare[0, 600:], padded[0, 768:])
+    assert torch.equal(quantize.unpack(bare, 600, padded=False), quantize.unpack(padded, 600))
+
+
 def test_codecs_write_the_tag_and_their_wire_dtype():
     rows = (torch.randn(500), torch.randn(12))
     for codec, dtype in ((EXACT, torch.float32), (Cast(torch.bfloat16), torch.bfloat16), (Int8(), torch.uint8)):

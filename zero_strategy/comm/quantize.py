@@ -10,6 +10,9 @@ the whole block dequantizes to non-finite values: an overflow is never hidden.
 On the wire a block is 256 int8 bytes and a 4-byte scale: ``(256 + 4) / 1024`` = 0.254 of its
 fp32 bytes. :func:`pack` writes the int8 values and the scales of a tensor into one uint8
 buffer, so one collective moves both; :func:`unpack` reads every rank's row of such buffers.
+Two layouts: ``padded=True`` (qwZ's gathers) writes the last block's zero padding, so the int8
+values fill whole blocks; ``padded=False`` (qgZ's all-to-all) sends only the ``numel`` values,
+then the scales, and the reader pads the last block back with zeros. Both dequantize alike.
 Pure torch: the same code on the CPU and on a GPU.
 """
 
@@ -28,11 +31,11 @@ def blocks_of(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
-def packed_bytes(numel: int) -> int:
-    """The bytes :func:`pack` writes for ``numel`` elements: int8 values (padded to whole blocks),
-    then one fp32 scale per block."""
+def packed_bytes(numel: int, *, padded: bool = True) -> int:
+    """The bytes :func:`pack` writes for ``numel`` elements: int8 values (padded to whole blocks
+    unless ``padded=False``), then one fp32 scale per block."""
     nb = blocks_of(numel)
-    return nb * BLOCK + 4 * nb
+    return (nb * BLOCK if padded else numel) + 4 * nb
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,19 +58,26 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2)
 
 
-def pack(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Quantize ``x`` into the uint8 tensor ``out`` (``packed_bytes(x.numel())`` long)."""
+def pack(x: torch.Tensor, out: torch.Tensor, *, padded: bool = True) -> None:
+    """Quantize ``x`` into the uint8 tensor ``out`` (``packed_bytes(x.numel(), padded=padded)``
+    long); ``padded=False`` leaves out the last block's padding."""
     q, scales = quantize(x)
-    m = q.numel()
-    out[:m].copy_(q.view(-1).view(torch.uint8))
+    m = q.numel() if padded else x.numel()
+    out[:m].copy_(q.view(-1)[:m].view(torch.uint8))
     out[m : m + 4 * scales.numel()].copy_(scales.view(torch.uint8))
 
 
-def unpack(rows: torch.Tensor, numel: int) -> torch.Tensor:
-    """fp32 ``[ranks, numel]`` from uint8 ``rows`` (``[ranks, >= packed_bytes(numel)]``, each
-    row written by :func:`pack` from ``numel`` elements)."""
-    nb = blocks_of(numel)
-    m = nb * BLOCK
-    q = rows[:, :m].view(torch.int8).reshape(rows.shape[0], nb, BLOCK)
+def unpack(rows: torch.Tensor, numel: int, *, padded: bool = True) -> torch.Tensor:
+    """fp32 ``[ranks, numel]`` from uint8 ``rows`` (``[ranks, >= packed_bytes(numel, padded=padded)]``,
+    each row written by :func:`pack` from ``numel`` elements with the same ``padded``)."""
+    r, nb = rows.shape[0], blocks_of(numel)
+    if padded:
+        m = nb * BLOCK
+        q = rows[:, :m].view(torch.int8).reshape(r, nb, BLOCK)
+    else:
+        m = numel
+        q = torch.zeros(r, nb * BLOCK, dtype=torch.int8, device=rows.device)
+        q[:, :numel].copy_(rows[:, :numel].view(torch.int8))
+        q = q.view(r, nb, BLOCK)
     scales = rows[:, m : m + 4 * nb].contiguous().view(torch.float32)
     return dequantize(q, scales)[:, :numel]

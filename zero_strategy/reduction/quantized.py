@@ -53,24 +53,9 @@ class Exchange:
 
 
 def row_bytes(width: int) -> int:
-    """The bytes of one row of ``width`` elements on the wire: int8 values, then fp32 scales."""
-    return width + 4 * quantize.blocks_of(width)
-
-
-def _encode(x: torch.Tensor, out: torch.Tensor) -> None:
-    q, scales = quantize.quantize(x)
-    n = x.numel()
-    out[:n].copy_(q.view(-1)[:n].view(torch.uint8))
-    out[n:].copy_(scales.view(torch.uint8))
-
-
-def _decode(rows: torch.Tensor, width: int) -> torch.Tensor:
-    """fp32 ``[ranks, width]`` from ``[ranks, row_bytes(width)]`` written by :func:`_encode`."""
-    r, nb = rows.shape[0], quantize.blocks_of(width)
-    q = torch.zeros(r, nb * quantize.BLOCK, dtype=torch.int8, device=rows.device)
-    q[:, :width].copy_(rows[:, :width].view(torch.int8))
-    scales = rows[:, width:].contiguous().view(torch.float32)
-    return quantize.dequantize(q.view(r, nb, quantize.BLOCK), scales)[:, :width]
+    """The bytes of one row of ``width`` elements on the wire: int8 values (no padding), then
+    fp32 scales (``quantize.pack`` with ``padded=False``)."""
+    return quantize.packed_bytes(width, padded=False)
 
 
 @dataclass(frozen=True)
@@ -106,7 +91,7 @@ class Int8Reduce(GradCodec):
         send = ctx.pool.get(n * row, torch.uint8, inp.device)
         rows = inp.view(n, width)
         for j in range(n):  # one row of bytes per destination rank
-            _encode(rows[j], send[j * row : (j + 1) * row])
+            quantize.pack(rows[j], send[j * row : (j + 1) * row], padded=False)
         got = ctx.pool.get(n * row, torch.uint8, inp.device)
         return Exchange(C.all_to_all(ctx, got, send, what=f"{what}, int8"), got, send)
 
@@ -114,7 +99,8 @@ class Int8Reduce(GradCodec):
         n, got = ctx.world_size, x.got
         if x.sent is not None:
             ctx.pool.put(x.sent)
-        parts = _decode(got.view(n, -1), width)  # fp32 [ranks, width]: every rank's piece of my row
+        # fp32 [ranks, width]: every rank's piece of my row
+        parts = quantize.unpack(got.view(n, -1), width, padded=False)
         total = parts[0].clone()
         for r in range(1, n):  # in rank order: the same sum on every rank
             total.add_(parts[r])
