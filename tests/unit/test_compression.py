@@ -271,3 +271,39 @@ def test_adam_precondition_floor_caps_the_normalised_update() -> None:
     assert cfg.precondition_floor == 0.1
     with pytest.raises(ValueError, match="precondition_floor"):
         CompressionConfig(type="topk", ratio=0.01, precondition_floor=0.1)  # the SGD mode has no variance
+
+
+def test_global_threshold_chooses_over_the_whole_bucket() -> None:
+    """``global_threshold``: the bucket seen as one row, its ``world * k`` largest entries chosen
+    wherever they fall, then grouped by destination (uneven counts); the per-row choice takes
+    ``k`` from each row. The config reads it, and refuses it without top-k or with regions."""
+    from zero_strategy.reduction.compression import by_destination
+
+    packed = torch.zeros(2, 10)
+    packed[0] = torch.arange(10.0) + 100.0  # every large entry is in destination 0's row
+    packed[1] = torch.arange(10.0)
+    skip = [(8, 10)]  # columns without a gradient, in every row
+    flat_skip = [(j * 10 + lo, j * 10 + hi) for j in range(2) for lo, hi in skip]
+    residual = torch.zeros(1, 20)
+    idx, values = select_top_k(residual, packed.view(1, -1), 1.0, 6, flat_skip, torch.float32, index=torch.int64)
+    columns, sent, counts = by_destination(idx[0], values[0], 10, 2, torch.int32)
+    assert counts.tolist() == [6, 0] and columns.dtype == torch.int32
+    assert columns.tolist() == [2, 3, 4, 5, 6, 7] and sent.tolist() == [102.0, 103.0, 104.0, 105.0, 106.0, 107.0]
+    assert_close(residual.view(2, 10)[0, :2], packed[0, :2], rtol=0.0, atol=0.0, what="unsent stays")
+    per_row, _ = select_top_k(torch.zeros(2, 10), packed, 1.0, 3, skip, torch.float32)
+    assert per_row.shape == (2, 3)  # k from each row, the small ones of row 1 too
+    mixed = torch.tensor([3, 15, 1, 12])
+    columns, sent, counts = by_destination(mixed, torch.tensor([1.0, 2.0, 3.0, 4.0]), 10, 2, torch.int32)
+    assert counts.tolist() == [2, 2] and columns.tolist() == [1, 3, 2, 5] and sent.tolist() == [3.0, 1.0, 4.0, 2.0]
+
+    cfg = zs.ZeroConfig.from_dict(
+        {
+            "zero_optimization": {"stage": 2},
+            "zero_strategy": {"compression": {"type": "topk", "global_threshold": True}},
+        }
+    )
+    assert cfg.compression.global_threshold
+    with pytest.raises(ValueError, match="global_threshold.*type: topk"):
+        CompressionConfig(global_threshold=True)
+    with pytest.raises(ValueError, match="global_threshold.*region_indices"):
+        CompressionConfig(type="topk", global_threshold=True, region_indices=True)

@@ -71,6 +71,10 @@ class CompressionConfig:
       whose variance was tiny at the freeze.
     - ``region_indices`` (false): top-k per region of 32,768 columns, each index sent as an int16
       offset inside its region: 6 bytes per pair instead of 8 (4 instead of 6 on a 16-bit wire).
+    - ``global_threshold`` (false): one threshold over the whole bucket instead of one per row:
+      each rank sends the ``world * k`` largest entries of its compensated bucket, however they
+      fall across the destinations (the same number of pairs in all, an uneven number to each
+      rank; one small exchange of the counts first, a host wait per bucket).
     """
 
     type: str = setting("none", lambda value, where: to_choice(value, where, _TYPES))
@@ -87,6 +91,7 @@ class CompressionConfig:
     region_indices: bool = setting(False, to_bool)
     variance_refresh: int = setting(0, int_rule(0))
     precondition_floor: float = setting(0.0, float_rule(ge=0.0))
+    global_threshold: bool = setting(False, to_bool)
 
     def __post_init__(self) -> None:
         coerce_fields(self, "CompressionConfig")
@@ -105,6 +110,16 @@ class CompressionConfig:
             raise ValueError(
                 "compression.variance_refresh refreshes Adam's frozen variance; set compression.optimizer: adam "
                 f"(and type: topk), or variance_refresh: 0 (got optimizer: {self.optimizer}, type: {self.type})"
+            )
+        if self.global_threshold and not self.enabled:
+            raise ValueError(
+                "compression.global_threshold sets how top-k chooses; set compression.type: topk, or "
+                "global_threshold: false (got type: none)"
+            )
+        if self.global_threshold and self.region_indices:
+            raise ValueError(
+                "compression.global_threshold chooses over the whole bucket, and region_indices chooses per region of "
+                "each row (its int16 offsets need that); set one of them to false"
             )
         if self.momentum > 0 and self.warmup == "dense" and self.warmup_steps > 0:
             raise ValueError(

@@ -32,6 +32,17 @@ from its position): 2 index bytes instead of 4, a quarter fewer bytes with fp32 
 third fewer with 16-bit ones; the price is that the largest entries are chosen per region, not
 per row (error feedback delivers the rest later), and ``k`` is rounded up per region.
 
+``global_threshold``: one threshold over the whole bucket instead of one per row. Each rank
+chooses the ``world * k`` entries of largest magnitude of its whole compensated ``[world, row]``
+bucket (the same flat top-k as per row, on the bucket seen as one row), so a destination whose
+shard holds more of the large entries gets more pairs, and one that holds none gets none. The
+bytes are those of the per-row choice (plus ``8 * world`` bytes of counts), but the exchange is
+uneven: the ranks first exchange how many pairs each sends to each (a small all-to-all, waited
+for on the host, so the pair exchange can size its buffers), then the pairs in one uneven
+all-to-all (``all_to_all_v``). Error feedback is unchanged: sent + residual = compensated. With
+the default 4M-element reduce buckets a small model is one bucket: the threshold is then over
+every gradient element of the rank. Refused with ``region_indices`` (which chooses per region).
+
 Deep Gradient Compression's (Lin et al., 2018) techniques, each chosen in ``CompressionConfig``:
 
 - sparsity warm-up (``warmup: exponential``, the default): the ``warmup_steps`` first optimizer
@@ -96,6 +107,7 @@ from zero_strategy.sharding.group import ShardGroup
 
 __all__ = [
     "ErrorFeedback",
+    "by_destination",
     "SparseExchange",
     "build_compression",
     "index_dtype",
@@ -221,33 +233,49 @@ def _top_k(score: torch.Tensor, k: int, region: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+def by_destination(
+    idx: torch.Tensor, values: torch.Tensor, row: int, world: int, index: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``global_threshold``: the pairs chosen from a bucket seen as one row (``idx``: flat int64
+    positions in ``[world, row]``) grouped by destination rank: their columns (``index`` dtype)
+    and values, ordered by destination then column, and the count for each destination (int64
+    ``[world]``)."""
+    order = torch.argsort(idx)
+    idx, values = idx[order], values[order]
+    dest = idx // row
+    return (idx - dest * row).to(index), values, torch.bincount(dest, minlength=world)
+
+
 class SparseExchange:
     """One bucket's (index, value) exchange in flight; :meth:`finish` gives the summed shard."""
 
     def __init__(self, ctx: C.CommContext, g: ShardGroup, k: int, wire: torch.dtype, wire_scale: float,
                  index: torch.dtype, send: torch.Tensor, recv: torch.Tensor, handle: C.Handle,
-                 offsets: torch.Tensor | None = None) -> None:  # fmt: skip
+                 offsets: torch.Tensor | None = None, counts: Sequence[int] | None = None) -> None:  # fmt: skip
         self.ctx, self.group, self.k, self.wire, self.wire_scale = ctx, g, k, wire, wire_scale
         self.index, self.offsets = index, offsets  # offsets: region_indices' region starts
         self.send, self.recv, self.handle = send, recv, handle
+        # the pairs received from each rank: ``k`` each, or (global_threshold) as many as it sent
+        self.counts = list(counts) if counts is not None else [k] * ctx.world_size
 
     def finish(self) -> torch.Tensor:
         """Wait, then add every rank's values for this rank's shard into a zeroed scratch row
         (returned; the caller gives it back to the pool)."""
         self.handle.wait()
-        g, n, k = self.group, self.ctx.world_size, self.k
-        rows = self.recv.view(n, -1)
-        cut = k * self.index.itemsize
-        idx = rows[:, :cut].contiguous().view(self.index).to(torch.int64)
-        if self.offsets is not None:
-            idx += self.offsets
-        values = rows[:, cut:].contiguous().view(self.wire).to(g.master_dtype)
-        if self.wire_scale != 1.0:
-            values.div_(self.wire_scale)
+        g = self.group
         out = self.ctx.pool.get(g.layout.shard_numel, g.master_dtype, g.device)
         out.zero_()
-        for j in range(n):  # one source rank at a time, in rank order: its indices are distinct, so
-            out.index_add_(0, idx[j], values[j])  # no two additions race, on a GPU either
+        isz, start = self.index.itemsize, 0
+        for c in self.counts:  # one source rank at a time, in rank order: its indices are distinct,
+            chunk = self.recv[start : start + c * (isz + self.wire.itemsize)]  # so no two additions
+            start += chunk.numel()  # race, on a GPU either
+            idx = chunk[: c * isz].clone().view(self.index).to(torch.int64)
+            if self.offsets is not None:
+                idx += self.offsets
+            values = chunk[c * isz :].clone().view(self.wire).to(g.master_dtype)
+            if self.wire_scale != 1.0:
+                values.div_(self.wire_scale)
+            out.index_add_(0, idx, values)
         self.ctx.pool.put(self.send)
         self.ctx.pool.put(self.recv)
         return out
@@ -362,6 +390,8 @@ class ErrorFeedback:
         step = self._steps()
         fresh = self._decayed.get(g.index) != step  # the step's first reduction of this bucket
         self._decayed[g.index] = step
+        if self.config.global_threshold:
+            return self._launch_global(g, residual, packed, factor, n * k, cols, scale, fresh, what)
         idx, values = select_top_k(residual, packed.view(n, -1), factor, k, cols, g.reduce_dtype, scale, index,
                                    self.velocities.get(g.index), self.config.decay, self.config.momentum_masking,
                                    fresh, region)  # fmt: skip
@@ -375,6 +405,36 @@ class ErrorFeedback:
         handle = C.all_to_all(self.ctx, recv, send.view(-1), what=f"top-k {what}")
         offsets = region_offsets(lay.shard_numel, region, self.k(g), g.device) if region else None
         return SparseExchange(self.ctx, g, k, g.reduce_dtype, scale, index, send, recv, handle, offsets)
+
+    def _launch_global(self, g: ShardGroup, residual: torch.Tensor, packed: torch.Tensor, factor: float,
+                       total: int, cols: Sequence[tuple[int, int]], scale: float, fresh: bool,
+                       what: str) -> SparseExchange:  # fmt: skip
+        """``global_threshold``: the ``total`` largest entries of the whole bucket (the bucket
+        seen as one row of ``world * row`` columns), sent to their rows' ranks in one uneven
+        all-to-all after an exchange of the counts."""
+        n, row = self.ctx.world_size, g.layout.shard_numel
+        flat = [(j * row + lo, j * row + hi) for j in range(n) for lo, hi in cols]
+        velocity = self.velocities.get(g.index)
+        idx, values = select_top_k(residual.view(1, -1), packed.view(1, -1), factor, total, flat, g.reduce_dtype,
+                                   scale, torch.int64, None if velocity is None else velocity.view(1, -1),
+                                   self.config.decay, self.config.momentum_masking, fresh)  # fmt: skip
+        index = index_dtype(row)
+        columns, values, counts = by_destination(idx[0], values[0], row, n, index)
+        got = torch.empty_like(counts)
+        C.all_to_all(self.ctx, got, counts, what=f"top-k counts {what}").wait()
+        sent, received = counts.tolist(), got.tolist()  # the host needs the sizes: one wait per bucket
+        pair = index.itemsize + values.element_size()
+        send = self.ctx.pool.get(sum(sent) * pair, torch.uint8, g.device)
+        start = at = 0
+        for c in sent:  # per destination: its columns, then its values
+            send[at : at + c * index.itemsize].copy_(columns[start : start + c].view(torch.uint8))
+            send[at + c * index.itemsize : at + c * pair].copy_(values[start : start + c].view(torch.uint8))
+            start, at = start + c, at + c * pair
+        recv = self.ctx.pool.get(sum(received) * pair, torch.uint8, g.device)
+        handle = C.all_to_all_v(self.ctx, recv, send, [c * pair for c in sent], [c * pair for c in received],
+                                what=f"top-k {what} (global threshold)")  # fmt: skip
+        return SparseExchange(self.ctx, g, total, g.reduce_dtype, scale, index, send, recv, handle,
+                              counts=received)  # fmt: skip
 
     # -- local clipping (DGC) ----------------------------------------------------------------
     def hold(self, g: ShardGroup, packed: torch.Tensor, skip: Sequence[int]) -> None:

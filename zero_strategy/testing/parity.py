@@ -86,6 +86,7 @@ class Cell:
     topk_adam: int = 0
     topk_refresh: int = 0  # with topk_adam: compression.variance_refresh (the oracle refreshes on the same steps)
     topk_regions: bool = False  # compression.region_indices: top-k per region, int16 offsets
+    topk_global: bool = False  # compression.global_threshold: one threshold over the whole bucket
     # load balancing: given scores, one per rank (empty: even shards)
     scores: tuple[float, ...] = ()
     # the memory budget's cache tier (ZeRO-3): "none" (no budget), or a budget whose cache is 0,
@@ -321,9 +322,11 @@ def make_optimizer(c: Cell, model: Net, mode: str = "ddp") -> torch.optim.Optimi
 
 
 def _adam_mode(c: Cell) -> dict[str, Any]:
-    """The compression settings of the frozen-variance Adam mode (``topk_adam``) and of
-    ``region_indices`` (``topk_regions``)."""
+    """The compression settings of the frozen-variance Adam mode (``topk_adam``), of
+    ``region_indices`` (``topk_regions``) and of ``global_threshold`` (``topk_global``)."""
     extra: dict[str, Any] = {"region_indices": True} if c.topk_regions else {}
+    if c.topk_global:
+        extra.update(global_threshold=True)
     if c.topk_adam:
         extra.update(optimizer="adam", warmup="dense", warmup_steps=c.topk_adam, variance_refresh=c.topk_refresh)
     return extra
