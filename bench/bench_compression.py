@@ -15,7 +15,8 @@ with AdamW's learning rate and weight decay; masking unless ``--no-masking``;
 ``--variance-refresh N``: 0/1 Adam's variance refresh, ``compression.variance_refresh``).
 ``--region-indices``: the compressed runs send int16 offsets inside regions of 32,768 columns
 (``compression.region_indices``); ``--global-threshold``: one top-k threshold over the whole
-bucket instead of one per row (``compression.global_threshold``); ``--wire bf16``: every run reduces in bf16
+bucket instead of one per row (``compression.global_threshold``); ``--owner-momentum``: the
+Adam mode with the momentum kept by each shard's owner (``compression.owner_momentum``); ``--wire bf16``: every run reduces in bf16
 (``communication_data_type``).
 ``--local-clip``: the compressed runs clip with DGC's local clipping at ``--clip`` instead of
 ``clip_grad_norm_`` (which still clips the dense steps of a ``warmup: dense`` warm-up).
@@ -44,7 +45,8 @@ WINDOW = 25
 
 def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: float, optim: str, mode: str,
             masking: bool, local_clip: bool = False, regions: bool = False, wire: str = "fp32",
-            refresh: int = 0, floor: float = 0.0, global_threshold: bool = False) -> dict:  # fmt: skip
+            refresh: int = 0, floor: float = 0.0, global_threshold: bool = False,
+            owner_momentum: bool = False) -> dict:  # fmt: skip
     import torch
     import torch.nn.functional as F
 
@@ -79,6 +81,8 @@ def _worker(rank: int, world: int, ratio: float, warmup: int, steps: int, clip: 
             block.update(region_indices=True)
         if global_threshold:
             block.update(global_threshold=True)
+        if owner_momentum and frozen:
+            block.update(owner_momentum=True)
         if local_clip and clip > 0:
             block.update(local_clip=clip)
         config["zero_strategy"] = {"compression": block}
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         "--precondition-floor", type=float, default=0.0, help="adamw-frozen: compression.precondition_floor"
     )
     ap.add_argument("--global-threshold", action="store_true", help="compressed runs: compression.global_threshold")
+    ap.add_argument("--owner-momentum", action="store_true", help="adamw-frozen: compression.owner_momentum")
     ap.add_argument("--no-dense", action="store_true", help="skip the ratio 1.0 run (the tables then lack 'vs dense')")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -155,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.variance_refresh,
                 args.precondition_floor,
                 args.global_threshold,
+                args.owner_momentum,
             ),
             timeout=3600,
             env={"OMP_NUM_THREADS": "1"},

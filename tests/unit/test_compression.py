@@ -307,3 +307,36 @@ def test_global_threshold_chooses_over_the_whole_bucket() -> None:
         CompressionConfig(global_threshold=True)
     with pytest.raises(ValueError, match="global_threshold.*region_indices"):
         CompressionConfig(type="topk", global_threshold=True, region_indices=True)
+
+
+def test_owner_momentum_keeps_adams_momentum_of_what_was_received() -> None:
+    """``owner_momentum``: after the dense warm-up the owner's ``update_avg = beta1 * update_avg +
+    received`` and the direction is ``(exp_avg * P + update_avg) / (1 - beta1**t)``; the ranks
+    keep no velocity (decay 0). Refused outside the Adam mode and with ``variance_refresh``."""
+    from types import SimpleNamespace
+
+    from zero_strategy.runtime.compressed_adam import _scale, adam_direction
+
+    cfg = CompressionConfig(type="topk", optimizer="adam", warmup="dense", warmup_steps=1, owner_momentum=True)
+    assert cfg.decay == 0.0 and CompressionConfig(type="topk", optimizer="adam", warmup="dense", warmup_steps=1).decay
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=0.1)
+    fb = SimpleNamespace(config=cfg, preconditioners={})
+    b1 = cfg.beta1
+    p.grad = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    adam_direction(fb, opt, 0)  # dense: AdamW's step
+    state = opt.state[p]
+    m0, scale = state["exp_avg"].clone(), _scale(state, cfg.beta2, cfg.eps)
+    r1, r2 = torch.tensor([0.1, 0.0, -0.2, 0.0]), torch.tensor([0.0, 0.3, 0.1, 0.0])
+    p.grad = r1.clone()
+    adam_direction(fb, opt, 1)
+    assert_close(p.grad, (b1 * m0 * scale + r1) / (1 - b1**2), rtol=1e-6, what="first compressed step")
+    p.grad = r2.clone()
+    adam_direction(fb, opt, 2)
+    assert_close(state["update_avg"], b1 * r1 + r2, rtol=1e-6, what="the owner's momentum")
+    assert_close(p.grad, (b1**2 * m0 * scale + b1 * r1 + r2) / (1 - b1**3), rtol=1e-5, what="second step")
+    with pytest.raises(ValueError, match="owner_momentum.*optimizer: adam"):
+        CompressionConfig(type="topk", owner_momentum=True)
+    with pytest.raises(ValueError, match="owner_momentum.*variance_refresh"):
+        CompressionConfig(type="topk", optimizer="adam", warmup="dense", warmup_steps=1, owner_momentum=True,
+                          variance_refresh=4)  # fmt: skip

@@ -71,6 +71,12 @@ class CompressionConfig:
       whose variance was tiny at the freeze.
     - ``region_indices`` (false): top-k per region of 32,768 columns, each index sent as an int16
       offset inside its region: 6 bytes per pair instead of 8 (4 instead of 6 on a 16-bit wire).
+    - ``owner_momentum`` (false; Adam mode only): Adam's momentum of the compressed steps is kept
+      by each shard's owner, from what it received (1-bit Adam's synchronised momentum, kept
+      where the shard lives), instead of in each rank's velocity: each rank sends its normalised
+      gradient share ``(1 - beta1) * g / (sqrt(v_hat) + eps)`` through error feedback (no
+      velocity, no masking), and the owner steps on ``w = beta1 * w + received``. Not with
+      ``variance_refresh``.
     - ``global_threshold`` (false): one threshold over the whole bucket instead of one per row:
       each rank sends the ``world * k`` largest entries of its compensated bucket, however they
       fall across the destinations (the same number of pairs in all, an uneven number to each
@@ -92,6 +98,7 @@ class CompressionConfig:
     variance_refresh: int = setting(0, int_rule(0))
     precondition_floor: float = setting(0.0, float_rule(ge=0.0))
     global_threshold: bool = setting(False, to_bool)
+    owner_momentum: bool = setting(False, to_bool)
 
     def __post_init__(self) -> None:
         coerce_fields(self, "CompressionConfig")
@@ -110,6 +117,16 @@ class CompressionConfig:
             raise ValueError(
                 "compression.variance_refresh refreshes Adam's frozen variance; set compression.optimizer: adam "
                 f"(and type: topk), or variance_refresh: 0 (got optimizer: {self.optimizer}, type: {self.type})"
+            )
+        if self.owner_momentum and not self.adam:
+            raise ValueError(
+                "compression.owner_momentum keeps Adam's momentum at each shard's owner; set compression.optimizer: "
+                f"adam (and type: topk), or owner_momentum: false (got optimizer: {self.optimizer}, type: {self.type})"
+            )
+        if self.owner_momentum and self.variance_refresh:
+            raise ValueError(
+                "compression.owner_momentum is not built with variance_refresh (the owner's momentum is scaled by the "
+                f"frozen variance); set variance_refresh: 0 or owner_momentum: false (got {self.variance_refresh})"
             )
         if self.global_threshold and not self.enabled:
             raise ValueError(
@@ -139,8 +156,11 @@ class CompressionConfig:
 
     @property
     def decay(self) -> float:
-        """The velocity's decay: ``beta1`` in the Adam mode, else ``momentum`` (0: no velocity)."""
-        return self.beta1 if self.adam else self.momentum
+        """The velocity's decay: ``beta1`` in the Adam mode (0 with ``owner_momentum``: the owner
+        keeps the momentum), else ``momentum`` (0: no velocity)."""
+        if self.adam:
+            return 0.0 if self.owner_momentum else self.beta1
+        return self.momentum
 
     def dense_at(self, step: int) -> bool:
         """Whether optimizer step ``step`` (0-based) reduces uncompressed (``warmup: dense``'s

@@ -89,7 +89,9 @@ is frozen, and every rank holds the whole model's preconditioner ``1 / (sqrt(v_h
 eps)`` (its share of Adam's momentum, already normalised), which goes through error feedback
 as under momentum correction; so top-k picks the largest *updates*, not the largest gradients,
 and sent + residual = residual + new velocity still holds. The owner adds what it receives to
-the decaying momentum left from the dense steps and divides by Adam's bias correction.
+the decaying momentum left from the dense steps and divides by Adam's bias correction. With
+``owner_momentum`` the ranks keep no velocity: each sends its normalised gradient share through
+error feedback and the owner keeps the momentum of what it received (``compressed_adam.py``).
 
 ZeRO-3 reduces each unit's gradients while its backward runs; top-k is refused there.
 """

@@ -32,6 +32,14 @@ handles as it handles SGD. This mode is that idea with top-k in place of their s
   median of the nonzero ``sqrt(v_hat)`` of each master tensor's shard, so it depends on how the
   tensor is sharded): an element whose variance was tiny at the freeze no longer gets a huge
   normalised update. Ratio 1.0 then equals Adam with that floored frozen variance, not AdamW.
+- ``owner_momentum`` (1-bit Adam's synchronised momentum, kept where the shard lives): the
+  ranks keep no velocity; each sends its normalised gradient share ``(1 - beta1) * g * P``
+  through error feedback, and the owner keeps ``update_avg = beta1 * update_avg + received``
+  (optimizer state, beside ``exp_avg``), so the direction is ``(exp_avg * P + update_avg) /
+  (1 - beta1**t)``. A burst that error feedback delivers is then spread by the owner's momentum
+  over the following steps, as Adam's momentum spreads a gradient, instead of being applied at
+  once; and nothing is masked. At ratio 1.0 it is the same frozen-variance Adam (the oracle's
+  ``w`` is ``update_avg``).
 - An element whose variance is still zero at the freeze (no gradient in the whole warm-up)
   gets ``P = 0``: the compressed steps do not move it (weight decay still does), where
   ``1 / eps`` would throw it far.
@@ -127,6 +135,10 @@ def adam_direction(feedback: ErrorFeedback | None, optimizer: torch.optim.Optimi
                 correction1 = 1.0 - b1 ** float(state["step"])
                 if compressed:  # grad: the sum of the sent velocities, normalised already
                     exp_avg.mul_(b1)  # the dense steps' momentum, decaying
+                    if cfg.owner_momentum:  # received: this step's normalised gradient; the owner's momentum
+                        if "update_avg" not in state:
+                            state["update_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                        grad.copy_(state["update_avg"].mul_(b1).add_(grad))
                     grad.addcmul_(exp_avg, _scale(state, b2, cfg.eps, cfg.precondition_floor)).div_(correction1)
                     continue
                 state["variance_step"] += 1  # as torch's AdamW (single-tensor path)

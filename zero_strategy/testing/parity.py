@@ -87,6 +87,7 @@ class Cell:
     topk_refresh: int = 0  # with topk_adam: compression.variance_refresh (the oracle refreshes on the same steps)
     topk_regions: bool = False  # compression.region_indices: top-k per region, int16 offsets
     topk_global: bool = False  # compression.global_threshold: one threshold over the whole bucket
+    topk_owner: bool = False  # with topk_adam: compression.owner_momentum (the owner keeps the momentum)
     # load balancing: given scores, one per rank (empty: even shards)
     scores: tuple[float, ...] = ()
     # the memory budget's cache tier (ZeRO-3): "none" (no budget), or a budget whose cache is 0,
@@ -327,6 +328,8 @@ def _adam_mode(c: Cell) -> dict[str, Any]:
     extra: dict[str, Any] = {"region_indices": True} if c.topk_regions else {}
     if c.topk_global:
         extra.update(global_threshold=True)
+    if c.topk_owner:
+        extra.update(owner_momentum=True)
     if c.topk_adam:
         extra.update(optimizer="adam", warmup="dense", warmup_steps=c.topk_adam, variance_refresh=c.topk_refresh)
     return extra
