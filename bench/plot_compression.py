@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--titles", default=None, help="comma list, one per file (default: the file names)")
     ap.add_argument("--smooth", type=int, default=10)
     ap.add_argument("--png", required=True)
+    ap.add_argument(
+        "--ylim", default=None, help="'LOW,HIGH': the loss axis (a run that diverged would flatten the rest)"
+    )
     ap.add_argument("--dense", default=None, help="'EVAL,MB': the dense run's held-out loss and MB per step, for "
                     "files without a dense run (bench_compression.py --no-dense)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -57,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(f"training loss (mean of {args.smooth} steps)")
+        if args.ylim:
+            ax.set_ylim(*(float(x) for x in args.ylim.split(",")))
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(args.files) :]:
