@@ -34,6 +34,10 @@ gather's bytes, the whole unit is gathered (and reduced) in one collective inste
 The experts' cache (``moe_expert_cache``, ``expert_cache.py``): rows gathered by a step's earlier
 passes are kept per layer under a cap in bytes until the parameters change, and a later pass
 gathers only its union minus the kept experts (nothing at all when every one is kept).
+
+Compact gathers (``moe_compact_gather``, ``expert_compact.py``): the union's rows are placed in
+parameters of shape ``[U, ...]`` and the module's call sees slots instead of expert indices, so a
+layer's gathered memory follows the union too.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import torch
 
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.expert_cache import ExpertCache
+from zero_strategy.sharding.expert_compact import CompactRows, compactable, with_selection
 from zero_strategy.sharding.expert_detect import (
     SELECT_HOOK,
     SELECTION_ARGUMENTS,
@@ -129,6 +134,8 @@ class MoeStats:
         self.full_gathers = 0  # of them, whole ones chosen by the cost switch
         self.gathered_bytes = 0  # bytes the expert gathers moved (received, with padding)
         self.peak_gather_bytes = 0  # the most one expert gather moved
+        self.peak_layer_bytes = 0  # the most one experts layer held gathered at once (full-size or compact)
+        self.compact_gathers = 0  # selective gathers placed compactly ([U, ...]: expert_compact.py)
         self.full_bytes = 0  # bytes whole gathers of the same units would have moved
         self.union_experts = 0  # experts in the agreed unions, summed over the forwards
         self.experts_seen = 0  # experts of the modules, summed over the same forwards
@@ -146,12 +153,18 @@ class MoeStats:
         self.gathered_bytes += nbytes
         self.peak_gather_bytes = max(self.peak_gather_bytes, nbytes)
 
+    def placed(self, nbytes: int) -> None:
+        """One experts layer holds ``nbytes`` of gathered parameters now."""
+        self.peak_layer_bytes = max(self.peak_layer_bytes, nbytes)
+
     def entries(self) -> dict[str, int]:
         return {
             "moe_gathers": self.gathers,
             "moe_full_gathers": self.full_gathers,
             "moe_gathered_bytes": self.gathered_bytes,
             "moe_peak_gather_bytes": self.peak_gather_bytes,
+            "moe_peak_layer_bytes": self.peak_layer_bytes,
+            "moe_compact_gathers": self.compact_gathers,
             "moe_full_bytes": self.full_bytes,
             "moe_union_experts": self.union_experts,
             "moe_experts_seen": self.experts_seen,
@@ -171,7 +184,13 @@ class ExpertRows:
     """The selective fetch of one detected experts module's unit (see the module doc)."""
 
     def __init__(
-        self, found: ExpertsModule, unit: UnitStorage, stats: MoeStats, full_share: float, cache_cap: int = 0
+        self,
+        found: ExpertsModule,
+        unit: UnitStorage,
+        stats: MoeStats,
+        full_share: float,
+        cache_cap: int = 0,
+        compact: bool = False,
     ) -> None:
         self.found, self.unit, self.stats, self.full_share = found, unit, stats, full_share
         self.num_experts = found.num_experts
@@ -185,6 +204,9 @@ class ExpertRows:
         self.ctx = unit.ctx
         self.current: tuple[int, ...] | None = None  # the union gathered now (None: whole, or nothing)
         self.passes: list[tuple[int, ...]] = []  # unions of forwards whose backward is to come
+        self.kinds: list[bool] = []  # per pass: placed compactly (its backward must place alike)
+        self._force: bool | None = None  # the placement a backward gather must make (None: choose)
+        self._compact_now = False  # the selective gather in progress places compactly
         self.pending: set[int] = set()  # experts of every forward since the last reduction
         self.pending_full = False  # some forward since the last reduction did not say its selection
         self.current_union: tuple[int, ...] = ()  # the union being gathered
@@ -202,6 +224,12 @@ class ExpertRows:
                         slices[e].append((i, lo, lo + r))
             self.cache = ExpertCache(cache_cap, slices, unit.full[0].element_size())
             stats.caches.append(self.cache)
+        # compact gathers (expert_compact.py): stacked experts whose call can run on [U, ...] rows
+        self.compact: CompactRows | None = None
+        if compact and not found.members and unit.params and compactable(found.module, found.num_experts):
+            shapes = [f.shape for f in unit.full]
+            self.compact = CompactRows(found.module, unit.params, shapes, self.rows, found.num_experts, self.ctx.device)
+        self._placed_bytes = 0  # what the meter counted for the selective gather held now
 
     @property
     def name(self) -> str:
@@ -240,8 +268,34 @@ class ExpertRows:
 
     def forget(self) -> None:
         """A backward was abandoned: no pass waits for its backward, nothing is pending."""
-        self.passes.clear()
+        self.clear_passes()
         self.pending, self.pending_full = set(), False
+
+    def clear_passes(self) -> None:
+        """No forward's backward is to come (the backward ended)."""
+        self.passes.clear()
+        self.kinds.clear()
+
+    def forward_gather(self, union: Any, step: str) -> None:
+        """A forward's gather of ``union``; one with gradients remembers it, and how it was
+        placed, for its backward and the reduction. Collective."""
+        grad = torch.is_grad_enabled()
+        if grad:
+            self.remember(union)
+        self.gather(union, step)
+        if grad:
+            self.kinds.append(self.compact is not None and self.compact.slots is not None)
+
+    def backward_gather(self, step: str) -> None:
+        """The gather for the backward of the latest forward not yet backpropagated: its union,
+        placed as the forward placed it (the views autograd saved are of that placement), so a
+        compact pass is gathered selectively whatever the cost switch says. Collective."""
+        union = self.passes.pop() if self.passes else None
+        self._force = self.kinds.pop() if self.kinds else None
+        try:
+            self.gather(union, step)
+        finally:
+            self._force = None
 
     def remember(self, union: tuple[int, ...] | None) -> None:
         """A forward with gradients used ``union``: its backward gathers it, the reduction covers it."""
@@ -253,6 +307,11 @@ class ExpertRows:
 
     # -- gathers ---------------------------------------------------------------------------
     def _whole(self, union: Sequence[int]) -> tuple[bool, list[list[tuple[int, torch.Tensor]]], int]:
+        segs, width = self._segments_of(union)
+        return width >= self.full_share * self.unit.layout.shard_numel, segs, width
+
+    def _segments_of(self, union: Sequence[int]) -> tuple[list[list[tuple[int, torch.Tensor]]], int]:
+        """Every rank's segments of ``union``'s rows, and the padded width."""
         lay, n = self.unit.layout, self.ctx.world_size
         key = tuple(union)
         if key not in self._segments:  # the backward asks for its forward's union again
@@ -262,8 +321,7 @@ class ExpertRows:
                 row_segments(lay, self.rows, union, r, self.ctx.device, self.owners) for r in range(n)
             ]
         segs = self._segments[key]
-        width = _width(segs)
-        return width >= self.full_share * lay.shard_numel, segs, width
+        return segs, _width(segs)
 
     def _gathering(self, union: object) -> int | None:
         """Before a gather of ``union``: its whole gather's bytes, counted; None when nothing is
@@ -286,8 +344,13 @@ class ExpertRows:
         self.stats.full_gathers += 1
         self.stats.moved(full_bytes)
         self.current = None
+        if self.compact is not None:
+            self.compact.fold()  # gradients of a compact placement leave p.grad before it is full-size
         self.unit.unshard_async(step)
         self.unit.wait_unshard(self.unit.checks.names)
+        self.stats.placed(self.unit.full_bytes)
+        if self.compact is not None:
+            self.compact.placed_whole()
 
     def gather(self, union: tuple[int, ...] | None, step: str) -> None:
         """Gather ``union``'s rows (None: the whole unit). Collective."""
@@ -299,6 +362,8 @@ class ExpertRows:
         kept = cache.lookup(union or (), u.version) if cache is not None else ()
         fetch = None if union is None else tuple(e for e in union if e not in kept)  # sorted, as union
         whole, segs, width = (True, [], 0) if fetch is None else self._whole(fetch)
+        if whole and fetch is not None and self._force:  # the forward placed compactly: so does its backward
+            whole, segs, width = False, *self._segments_of(fetch)
         if whole:
             self._gather_whole(full_bytes, step)
             if cache is not None and union is not None:  # every row came: keep the union's
@@ -306,6 +371,7 @@ class ExpertRows:
                 cache.keep([f.view(-1) for f in u.full], union, self.passes[::-1])
             return
         self.current_union = union or ()
+        self._compact_now = self.compact is not None and self._force is not False
         self._gather_rows(segs, width, step, kept)
         size = self.ctx.world_size * u.full[0].element_size()
         self.stats.moved(size * width)
@@ -315,7 +381,8 @@ class ExpertRows:
             if kept:  # what the gather of the whole union would have moved, less what moved
                 whole_union, _, union_width = self._whole(union)
                 self.stats.bytes_not_moved += (full_bytes if whole_union else size * union_width) - size * width
-            cache.keep([f.view(-1) for f in u.full], fetch or (), self.passes[::-1])
+            flats, at = self._placement()
+            cache.keep(flats, fetch or (), self.passes[::-1], at)
         self.current = union
 
     def _gather_rows(
@@ -327,7 +394,7 @@ class ExpertRows:
         n, s = ctx.world_size, width + TAG
         if not any(segs[r] for r in range(n)):  # every selected expert is in the experts' cache
             u._to(ShardedState.UNSHARDING, "rows from the experts' cache")
-            u.meter.add(u.full_bytes)
+            self._meter_placed()
             self._fill([], [], kept)
             self.stats.cache_passes += 1
             return
@@ -375,10 +442,25 @@ class ExpertRows:
     def _gathered(self, numel: int) -> None:
         """The meter's count of a gather that received ``numel`` elements."""
         u = self.unit
-        u.meter.add(u.full_bytes)  # the full-shaped parameters exist from here on
+        self._meter_placed()  # the gathered parameters exist from here on
         u.meter.gathers += 1
         u.meter.gathered_bytes += numel * u.full[0].element_size()
         u.gathers += 1
+
+    def _meter_placed(self) -> None:
+        """The meter's and the stats' count of the parameters a selective gather places."""
+        c, u = self.compact, self.unit
+        nbytes = c.nbytes(len(self.current_union)) if c is not None and self._compact_now else u.full_bytes
+        self._placed_bytes = nbytes
+        u.meter.add(nbytes)
+        self.stats.placed(nbytes)
+
+    def _placement(self) -> tuple[list[torch.Tensor], dict[int, int] | None]:
+        """The flat parameters a selective gather wrote, and each expert's slot in them (None:
+        full-size, expert ``e`` at ``e``)."""
+        if self.compact is None or not self._compact_now:
+            return [f.view(-1) for f in self.unit.full], None
+        return [h.view(-1) for h in self.compact.holders], {e: k for k, e in enumerate(self.current_union)}
 
     def _fill(
         self,
@@ -389,6 +471,9 @@ class ExpertRows:
         """Allocate the full parameters, zeroed, and write each source rank's gathered ``chunks``
         (the rows of its ``segs``, side by side) and the kept rows."""
         u = self.unit
+        if self.compact is not None and self._compact_now:
+            self._fill_compact(chunks, segs, kept)
+            return
         wanted = set(self.current_union)
         with torch.no_grad():
             flats = []
@@ -408,6 +493,67 @@ class ExpertRows:
                 self.cache.fill(flats, kept)
         u._to(ShardedState.UNSHARDED, "a selective expert gather")
 
+    def _fill_compact(
+        self,
+        chunks: Sequence[torch.Tensor],
+        segs: Sequence[Sequence[tuple[int, torch.Tensor]]],
+        kept: Sequence[int],
+    ) -> None:
+        """:meth:`_fill` into ``[U, ...]`` parameters: every slot is written (each expert's rows
+        are the pieces of every rank, or kept rows), so nothing is zeroed."""
+        c, u = self.compact, self.unit
+        if c is None:
+            raise AssertionError("a compact fill without a compact placement")
+        with torch.no_grad():
+            flats = c.place(tuple(self.current_union))
+            for chunk, per_rank in zip(chunks, segs):
+                pos = 0
+                for i, idx in per_rank:
+                    flats[i].index_copy_(0, c.positions(i, idx), chunk[pos : pos + idx.numel()])
+                    pos += idx.numel()
+            if kept and self.cache is not None:
+                self.cache.fill(flats, kept, self._placement()[1])
+        self.stats.compact_gathers += 1
+        u._to(ShardedState.UNSHARDED, "a selective expert gather")
+
+    # -- the experts module's call -------------------------------------------------------------
+    def call_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+        """The call's arguments with the selection remapped to slots, when the rows are placed
+        compactly (``num_experts`` is the union's size until :meth:`call_done`); None: unchanged."""
+        c = self.compact
+        if c is None or c.slots is None or self.unit.state is not ShardedState.UNSHARDED:
+            return None
+        selection = self.found.selection(args, kwargs)
+        if selection is None:
+            raise AssertionError(
+                f"rank {self.ctx.rank}: {self.name} is placed compactly for a call without a selection"
+            )
+        c.enter()
+        return with_selection(self.found, args, kwargs, c.remap(selection))
+
+    def call_done(self) -> None:
+        """After the module's call (also when it raised): its ``num_experts`` is ``E`` again."""
+        if self.compact is not None:
+            self.compact.exit()
+
+    # -- compact gradients, for the reducer ------------------------------------------------------
+    def full_grads(self) -> list[torch.Tensor | None] | None:
+        """The gradients a compact placement accumulated, full-size and flat, for a whole
+        reduction (emptied); None: they are in ``p.grad`` (no compact placement)."""
+        g = self.unit.group
+        if self.compact is None or g is None:
+            return None
+        return self.compact.take_full()[: len(g.params)]
+
+    def holds_grad(self, i: int) -> bool:
+        """Whether trainable parameter ``i`` has a gradient held outside ``p.grad``."""
+        return self.compact is not None and self.compact.acc[i] is not None
+
+    def drop_grads(self, only: Sequence[int] | None = None) -> None:
+        """``zero_grad``: forget the held gradients (of the parameters ``only``, or all)."""
+        if self.compact is not None:
+            self.compact.drop(only)
+
     def _sharded(self) -> bool:
         return self.unit.state is ShardedState.SHARDED
 
@@ -418,12 +564,18 @@ class ExpertRows:
         if self._sharded():
             self.current = None
             return
-        if self.current is not None and force:
+        drop = self.current is not None and force
+        c = self.compact
+        if c is not None and c.slots is not None and (drop or not (u.persistent or u.holds)):
+            u.meter.add(u.full_bytes - self._placed_bytes)  # the meter counted the compact rows, not full ones
+        if drop:
             u.reshard()
         else:
             u.release()
         if self._sharded():
             self.current = None
+            if c is not None:
+                c.free()
 
     # -- reduction -------------------------------------------------------------------------
     def reduce_plan(self) -> ReducePlan | None:
@@ -433,6 +585,8 @@ class ExpertRows:
         union, full = sorted(self.pending), self.pending_full or not self.pending
         self.pending, self.pending_full = set(), False
         g = self.unit.group
+        if self.compact is not None and g is not None:
+            return self._compact_plan(g)
         if full or g is None:
             if g is not None:
                 self._count_reduce(g.layout.shard_numel, g)
@@ -446,6 +600,27 @@ class ExpertRows:
             return None
         self._count_reduce(width, g)
         return ReducePlan(segs, width, frozenset(i for per_rank in segs for i, _ in per_rank))
+
+    def _compact_plan(self, g: Any) -> ReducePlan | None:
+        """The reduction of compactly accumulated gradients: the rows of their slots, packed from
+        the accumulator (no cost switch: a selective reduction never moves more than a whole one).
+        None: nothing accumulated (a whole reduction of zeros, as the full-size path's)."""
+        c = self.compact
+        if c is None:
+            raise AssertionError("a compact plan without a compact placement")
+        slots, acc = c.take()
+        k = len(g.params)
+        if not slots or all(a is None for a in acc[:k]):
+            self._count_reduce(g.layout.shard_numel, g)
+            return None
+        n = self.ctx.world_size
+        segs = [row_segments(g.layout, self.rows[:k], slots, r, self.ctx.device) for r in range(n)]
+        width = _width(segs)
+        self._count_reduce(width, g)
+        lut = c.lut(slots)
+        source = [[c.positions(i, idx, lut) for i, idx in per_rank] for per_rank in segs]
+        covered = frozenset(i for per_rank in segs for i, _ in per_rank)
+        return ReducePlan(segs, width, covered, grads=tuple(acc[:k]), source=source)
 
     def _count_reduce(self, width: int, g: Any) -> None:
         size = self.ctx.world_size * torch.empty(0, dtype=g.reduce_dtype).element_size()

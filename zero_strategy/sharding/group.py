@@ -99,6 +99,10 @@ class ReducePlan:
     segments: list[list[tuple[int, torch.Tensor]]]  # per rank: (parameter, flat positions)
     width: int
     covered: frozenset[int] = frozenset()  # the parameters some rank reduces rows of
+    # compact gradients (expert_compact.py): packed from these instead of ``p.grad``, at
+    # ``source[rank][k]`` (the compact positions of ``segments[rank][k]``)
+    grads: tuple[torch.Tensor | None, ...] | None = field(default=None, kw_only=True)
+    source: list[list[torch.Tensor]] | None = field(default=None, kw_only=True)
 
     @property
     def send_numel(self) -> int:
@@ -127,10 +131,11 @@ class ReducePlan:
         rows.zero_()
         for r, segs in enumerate(self.segments):
             pos = 0
-            for i, idx in segs:
+            for k, (i, idx) in enumerate(segs):
                 g = grads[i]  # None: this rank did not run that expert (zeros)
                 if g is not None:
-                    rows[r, pos : pos + idx.numel()].copy_(g.index_select(0, idx))  # cast to the reduce dtype
+                    at = idx if self.source is None else self.source[r][k]
+                    rows[r, pos : pos + idx.numel()].copy_(g.index_select(0, at))  # cast to the reduce dtype
                 pos += idx.numel()
 
     def add_into(self, layout: ShardLayout, shard: torch.Tensor, mine: torch.Tensor, rank: int, *, fresh: bool) -> None:
@@ -146,9 +151,16 @@ class ReducePlan:
 
 
 class RowSelection(Protocol):
-    """What the reducer asks an MoE experts unit (``experts.py``): the rows of its next reduction."""
+    """What the reducer asks an MoE experts unit (``experts.py``): the rows of its next
+    reduction, and the gradients it holds outside ``p.grad`` (compact gathers)."""
 
     def reduce_plan(self) -> ReducePlan | None: ...
+
+    def full_grads(self) -> list[torch.Tensor | None] | None: ...
+
+    def holds_grad(self, i: int) -> bool: ...
+
+    def drop_grads(self, only: Sequence[int] | None = None) -> None: ...
 
 
 class ShardGroup:
