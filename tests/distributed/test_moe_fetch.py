@@ -212,8 +212,9 @@ def _parity_cell(
     assert state.keys() == ref_state.keys(), (sorted(state), sorted(ref_state))
     for k, ref in ref_state.items():
         assert_close(state[k], ref, rtol=0.0, atol=1e-5 * float(ref.abs().max()), what=f"rank {rank}: {k}")
-    if stage == 3 and switch:  # the cost switch chose whole gathers
+    if stage == 3 and switch:  # the cost switch chose whole gathers, placed compactly all the same
         assert stats["moe_full_gathers"] > 0 and stats["moe_gathered_bytes"] <= stats["moe_full_bytes"], stats
+        assert stats["moe_compact_gathers"] >= stats["moe_full_gathers"], stats
     elif stage == 3:
         # some expert was selected by no rank in some pass, and only the union moved
         assert 0 < stats["moe_union_experts"] < stats["moe_experts_seen"], stats

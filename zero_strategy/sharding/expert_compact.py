@@ -148,6 +148,10 @@ class CompactRows:
             lut[e] = k
         return _ints(lut, self.device)
 
+    def ids(self, experts: Sequence[int]) -> torch.Tensor:
+        """``experts`` as a tensor on the device."""
+        return _ints(list(experts), self.device)
+
     def positions(self, i: int, flat: torch.Tensor, lut: torch.Tensor | None = None) -> torch.Tensor:
         """The compact positions of parameter ``i``'s full flat positions ``flat`` (of placed
         experts, or of the slots of ``lut``)."""

@@ -288,8 +288,9 @@ class ExpertRows:
 
     def backward_gather(self, step: str) -> None:
         """The gather for the backward of the latest forward not yet backpropagated: its union,
-        placed as the forward placed it (the views autograd saved are of that placement), so a
-        compact pass is gathered selectively whatever the cost switch says. Collective."""
+        placed as the forward placed it (the views autograd saved are of that placement, and the
+        experts' cache may make this gather selective where the forward's was whole, or the
+        reverse). Collective."""
         union = self.passes.pop() if self.passes else None
         self._force = self.kinds.pop() if self.kinds else None
         try:
@@ -307,11 +308,6 @@ class ExpertRows:
 
     # -- gathers ---------------------------------------------------------------------------
     def _whole(self, union: Sequence[int]) -> tuple[bool, list[list[tuple[int, torch.Tensor]]], int]:
-        segs, width = self._segments_of(union)
-        return width >= self.full_share * self.unit.layout.shard_numel, segs, width
-
-    def _segments_of(self, union: Sequence[int]) -> tuple[list[list[tuple[int, torch.Tensor]]], int]:
-        """Every rank's segments of ``union``'s rows, and the padded width."""
         lay, n = self.unit.layout, self.ctx.world_size
         key = tuple(union)
         if key not in self._segments:  # the backward asks for its forward's union again
@@ -321,7 +317,8 @@ class ExpertRows:
                 row_segments(lay, self.rows, union, r, self.ctx.device, self.owners) for r in range(n)
             ]
         segs = self._segments[key]
-        return segs, _width(segs)
+        width = _width(segs)
+        return width >= self.full_share * lay.shard_numel, segs, width
 
     def _gathering(self, union: object) -> int | None:
         """Before a gather of ``union``: its whole gather's bytes, counted; None when nothing is
@@ -339,18 +336,42 @@ class ExpertRows:
         self.stats.full_bytes += full_bytes
         return full_bytes
 
-    def _gather_whole(self, full_bytes: int, step: str) -> None:
-        """The whole unit in one collective (the cost switch, or no selection)."""
+    def _gather_whole(self, full_bytes: int, step: str, union: tuple[int, ...] | None = None) -> None:
+        """The whole unit in one collective (the cost switch, or no selection). With compact
+        gathers and a ``union``, only its rows stay: placed as ``[U, ...]``, the full ones freed."""
         self.stats.full_gathers += 1
         self.stats.moved(full_bytes)
         self.current = None
-        if self.compact is not None:
-            self.compact.fold()  # gradients of a compact placement leave p.grad before it is full-size
+        c = self.compact
+        if c is not None:
+            c.fold()  # gradients of a compact placement leave p.grad before the parameters change shape
         self.unit.unshard_async(step)
         self.unit.wait_unshard(self.unit.checks.names)
+        self._compact_now = c is not None and union is not None and self._force is not False
+        if c is not None and union is not None and self._compact_now:
+            self._compact_from_full(c, union)
+            return
         self.stats.placed(self.unit.full_bytes)
-        if self.compact is not None:
-            self.compact.placed_whole()
+        if c is not None:
+            c.placed_whole()
+
+    def _compact_from_full(self, c: CompactRows, union: tuple[int, ...]) -> None:
+        """After a whole gather: the union's rows into ``[U, ...]`` parameters, the full ones freed."""
+        u = self.unit
+        self.current_union = union
+        with torch.no_grad():
+            flats = c.place(union)
+            ids = c.ids(union)
+            for f, flat in zip(u.full, flats):
+                flat.view(len(union), -1).copy_(f.view(self.num_experts, -1).index_select(0, ids))
+            for f in u.full:
+                f.untyped_storage().resize_(0)
+        nbytes = c.nbytes(len(union))
+        u.meter.add(nbytes - u.full_bytes)  # the meter counted the whole gather's parameters
+        self._placed_bytes = nbytes
+        self.stats.placed(nbytes)
+        self.stats.compact_gathers += 1
+        self.current = union
 
     def gather(self, union: tuple[int, ...] | None, step: str) -> None:
         """Gather ``union``'s rows (None: the whole unit). Collective."""
@@ -362,13 +383,12 @@ class ExpertRows:
         kept = cache.lookup(union or (), u.version) if cache is not None else ()
         fetch = None if union is None else tuple(e for e in union if e not in kept)  # sorted, as union
         whole, segs, width = (True, [], 0) if fetch is None else self._whole(fetch)
-        if whole and fetch is not None and self._force:  # the forward placed compactly: so does its backward
-            whole, segs, width = False, *self._segments_of(fetch)
         if whole:
-            self._gather_whole(full_bytes, step)
+            self._gather_whole(full_bytes, step, union)
             if cache is not None and union is not None:  # every row came: keep the union's
                 self.stats.cache_misses += len(union)
-                cache.keep([f.view(-1) for f in u.full], union, self.passes[::-1])
+                flats, at = self._placement()
+                cache.keep(flats, union, self.passes[::-1], at)
             return
         self.current_union = union or ()
         self._compact_now = self.compact is not None and self._force is not False
