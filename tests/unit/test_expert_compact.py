@@ -64,7 +64,7 @@ def test_place_remap_and_positions() -> None:
     c.exit()
     assert m.num_experts == 6
     # expert 4's rows of w (flat [24, 30)) go to slot 1 ([6, 12))
-    assert c.positions(0, torch.arange(24, 30)).tolist() == list(range(6, 12))
+    assert c.lut((1, 4)).tolist()[:6] == [2, 0, 2, 2, 1, 2]
     assert c.peak_bytes == (12 + 6) * 4
     c.free()
     assert c.holders[0].untyped_storage().nbytes() == 0 and c.slots is None
@@ -94,3 +94,43 @@ def test_fold_one_pass_takes_the_gradient_without_a_copy() -> None:
     m.w.grad = g
     slots, acc = c.take()
     assert slots == (2, 5) and acc[0] is not None and acc[0].data_ptr() == g.data_ptr()
+
+
+def test_spans_of_merge_neighbours_and_map_to_one_compact_range() -> None:
+    from zero_strategy.sharding.expert_compact import compact_start, spans_of
+
+    # experts of 4 elements; this rank holds [6, 22): part of expert 1, experts 2-4, part of 5
+    assert spans_of((1, 2, 4, 5), 4, 6, 22) == [(6, 12), (16, 22)]
+    at = {1: 0, 2: 1, 4: 2, 5: 3}
+    # 6..12 (expert 1 from element 2, then expert 2) -> slots 0..1 from element 2: one compact range
+    assert compact_start(6, 4, at) == 2 and compact_start(16, 4, at) == 8
+
+
+def test_compact_plan_packs_every_rank_and_adds_this_ranks_rows() -> None:
+    """Two ranks, one parameter of 4 experts x 2 elements, cut at element 3; gradients held
+    for experts (0, 2): each rank's ranges are packed from the compact gradient, and this
+    rank's reduced rows land at their full positions of its piece."""
+    from zero_strategy.sharding.expert_compact import CompactPlan, span_segments
+
+    class _Layout:
+        bounds = [[0, 3, 8]]
+
+        def local_range(self, i: int, rank: int | None = None) -> tuple[int, int]:
+            r = 1 if rank is None else rank
+            return self.bounds[i][r], self.bounds[i][r + 1]
+
+        def local_view(self, row: torch.Tensor, i: int) -> torch.Tensor:
+            return row[:5]
+
+    lay = _Layout()
+    slots = (0, 2)
+    spans = [span_segments(lay, [2], slots, r) for r in range(2)]  # type: ignore[arg-type]
+    assert spans == [[(0, [(0, 2)])], [(0, [(4, 6)])]]
+    grad = torch.tensor([1.0, 2.0, 5.0, 6.0])  # expert 0's rows, then expert 2's
+    plan = CompactPlan([[], []], 2, frozenset({0}), grads=(grad,), spans=spans, at={0: 0, 2: 1}, per_expert=(2,))
+    out = torch.full((4,), float("nan"))
+    plan.pack([grad], out)
+    assert out.tolist() == [1.0, 2.0, 5.0, 6.0]
+    shard = torch.full((5,), 7.0)  # rank 1's piece: elements 3..7
+    plan.add_into(lay, shard, torch.tensor([10.0, 20.0]), 1, fresh=True)  # type: ignore[arg-type]
+    assert shard.tolist() == [0.0, 10.0, 20.0, 0.0, 0.0]

@@ -25,9 +25,14 @@ ranks selected. Without this module it writes them into zeroed full-size paramet
 - **Gradients.** A backward pass leaves ``p.grad`` of its placement's shape ``[U_k, ...]``.
   Before another placement, or another pass's gradients, can meet it, :meth:`CompactRows.fold`
   adds it into an accumulator over the union of the slots of every pass since the last
-  reduction. The reduction packs from that accumulator at compact positions (``ReducePlan.source``),
-  or from a full-size copy where a whole reduction needs one (top-k compression, DDP's reduction
-  without an optimizer). The gradient shard is the same as the full-size path's.
+  reduction. The reduction (:class:`CompactPlan`) packs from that accumulator, or from a
+  full-size copy where a whole reduction needs one (top-k compression, DDP's reduction without
+  an optimizer). The gradient shard is the same as the full-size path's.
+- **Spans, not positions.** Which rows a rank sends, receives and reduces are flat ranges
+  ``[a, b)`` of the full parameter (:func:`span_segments`: the union's experts inside the rank's
+  piece, neighbours merged), copied slice by slice. Two experts next to each other in the union
+  are in neighbouring slots too, so a merged range is one compact range as well. An index tensor
+  of every element would take twice the union's bytes per rank (64-bit positions).
 
 Memory. A layer's gathered parameters take ``U/E`` of a whole gather; the selective gather's
 receive buffer takes the padded rows of the union; the accumulated gradient takes the union of
@@ -36,13 +41,55 @@ the window. ``memory_stats()["moe_peak_layer_bytes"]`` is the most one layer hel
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CompactRows", "compactable", "reattach"]
+from zero_strategy.sharding.group import ReducePlan
+from zero_strategy.sharding.layout import ShardLayout
+
+__all__ = ["CompactPlan", "CompactRows", "Spans", "compactable", "reattach", "span_segments", "spans_of"]
+
+Spans = list[tuple[int, list[tuple[int, int]]]]  # per parameter: flat ranges [a, b) of the full parameter
+
+
+def spans_of(union: Sequence[int], r: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The flat ranges ``[a, b)`` of the experts in ``union`` (ascending) of ``r`` elements each
+    that fall into ``[lo, hi)``, neighbours merged."""
+    spans: list[tuple[int, int]] = []
+    for e in union:
+        a, b = max(lo, e * r), min(hi, (e + 1) * r)
+        if a >= b:
+            continue
+        if spans and spans[-1][1] == a:
+            spans[-1] = (spans[-1][0], b)
+        else:
+            spans.append((a, b))
+    return spans
+
+
+def span_segments(layout: ShardLayout, rows: Sequence[int], union: Sequence[int], rank: int) -> Spans:
+    """The ranges of ``union``'s experts that ``rank`` holds, per parameter of ``rows[i]``
+    elements per expert, in parameter order."""
+    out = []
+    for i, r in enumerate(rows):
+        spans = spans_of(union, r, *layout.local_range(i, rank))
+        if spans:
+            out.append((i, spans))
+    return out
+
+
+def span_numel(segs: Spans) -> int:
+    return sum(b - a for _, spans in segs for a, b in spans)
+
+
+def compact_start(a: int, r: int, at: Mapping[int, int]) -> int:
+    """Where full flat position ``a`` (of an expert in ``at``, ``r`` elements each) is compactly."""
+    e = a // r
+    return a - (e - at[e]) * r
 
 
 def compactable(module: nn.Module, num_experts: int) -> bool:
@@ -152,16 +199,6 @@ class CompactRows:
         """``experts`` as a tensor on the device."""
         return _ints(list(experts), self.device)
 
-    def positions(self, i: int, flat: torch.Tensor, lut: torch.Tensor | None = None) -> torch.Tensor:
-        """The compact positions of parameter ``i``'s full flat positions ``flat`` (of placed
-        experts, or of the slots of ``lut``)."""
-        lut = self._lut if lut is None else lut
-        if lut is None:
-            raise AssertionError("compact positions asked for with nothing placed")
-        r = self.rows[i]
-        expert = torch.div(flat, r, rounding_mode="floor")
-        return flat - (expert - lut[expert]) * r
-
     # -- the call --------------------------------------------------------------------------
     def remap(self, selection: torch.Tensor) -> torch.Tensor:
         """``selection`` with each expert's slot (values outside ``[0, E)``: ``U``)."""
@@ -252,3 +289,38 @@ def with_selection(found: Any, args: tuple[Any, ...], kwargs: dict[str, Any], va
     else:
         kwargs = {**kwargs, found.argument: value}
     return args, kwargs
+
+
+@dataclass(frozen=True)
+class CompactPlan(ReducePlan):
+    """The reduction of compactly held gradients (``grads``, flat over ``slots``): every rank's
+    ranges of them (``spans[rank]``, of the trainable layout) packed side by side, reduce-scattered,
+    and this rank's added into its gradient shard. ``segments`` stays empty per rank."""
+
+    spans: list[Spans] = field(default_factory=list, kw_only=True)
+    at: Mapping[int, int] = field(default_factory=dict, kw_only=True)  # expert -> slot in ``grads``
+    per_expert: tuple[int, ...] = field(default=(), kw_only=True)  # elements per expert of each parameter
+
+    def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
+        rows = out.view(len(self.spans), self.width)
+        rows.zero_()
+        for r, segs in enumerate(self.spans):
+            pos = 0
+            for i, spans in segs:
+                g = grads[i]
+                for a, b in spans:
+                    if g is not None:  # None: no rank had a gradient for it (zeros)
+                        c = compact_start(a, self.per_expert[i], self.at)
+                        rows[r, pos : pos + b - a].copy_(g[c : c + b - a])  # cast to the reduce dtype
+                    pos += b - a
+
+    def add_into(self, layout: ShardLayout, shard: torch.Tensor, mine: torch.Tensor, rank: int, *, fresh: bool) -> None:
+        if fresh:
+            shard.zero_()
+        pos = 0
+        for i, spans in self.spans[rank]:
+            lo = layout.local_range(i, rank)[0]
+            piece = layout.local_view(shard, i)  # on the host with an offloaded optimizer
+            for a, b in spans:
+                piece[a - lo : b - lo].add_(mine[pos : pos + b - a].to(piece.device))
+                pos += b - a

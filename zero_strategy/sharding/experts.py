@@ -49,7 +49,17 @@ import torch
 
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.expert_cache import ExpertCache
-from zero_strategy.sharding.expert_compact import CompactRows, compactable, with_selection
+from zero_strategy.sharding.expert_compact import (
+    CompactPlan,
+    CompactRows,
+    Spans,
+    compact_start,
+    compactable,
+    span_numel,
+    span_segments,
+    spans_of,
+    with_selection,
+)
 from zero_strategy.sharding.expert_detect import (
     SELECT_HOOK,
     SELECTION_ARGUMENTS,
@@ -100,26 +110,11 @@ def row_segments(
             if owners[i] in wanted and lo < hi:
                 out.append((i, torch.arange(lo, hi, device=device)))
             continue
-        spans = _spans(sorted(wanted), r, lo, hi)
+        spans = spans_of(sorted(wanted), r, lo, hi)
         if spans:  # built on the device from host integers: no copy, no value-sized output
             parts = [torch.arange(a, b, device=device) for a, b in spans]
             out.append((i, parts[0] if len(parts) == 1 else torch.cat(parts)))
     return out
-
-
-def _spans(union: Sequence[int], r: int, lo: int, hi: int) -> list[tuple[int, int]]:
-    """The flat ranges ``[a, b)`` of the experts in ``union`` (ascending) of ``r`` elements each
-    that fall into ``[lo, hi)``, neighbours merged."""
-    spans: list[tuple[int, int]] = []
-    for e in union:
-        a, b = max(lo, e * r), min(hi, (e + 1) * r)
-        if a >= b:
-            continue
-        if spans and spans[-1][1] == a:
-            spans[-1] = (spans[-1][0], b)
-        else:
-            spans.append((a, b))
-    return spans
 
 
 def _width(segments: Sequence[Sequence[tuple[int, torch.Tensor]]]) -> int:
@@ -204,9 +199,6 @@ class ExpertRows:
         self.ctx = unit.ctx
         self.current: tuple[int, ...] | None = None  # the union gathered now (None: whole, or nothing)
         self.passes: list[tuple[int, ...]] = []  # unions of forwards whose backward is to come
-        self.kinds: list[bool] = []  # per pass: placed compactly (its backward must place alike)
-        self._force: bool | None = None  # the placement a backward gather must make (None: choose)
-        self._compact_now = False  # the selective gather in progress places compactly
         self.pending: set[int] = set()  # experts of every forward since the last reduction
         self.pending_full = False  # some forward since the last reduction did not say its selection
         self.current_union: tuple[int, ...] = ()  # the union being gathered
@@ -274,29 +266,20 @@ class ExpertRows:
     def clear_passes(self) -> None:
         """No forward's backward is to come (the backward ended)."""
         self.passes.clear()
-        self.kinds.clear()
 
     def forward_gather(self, union: Any, step: str) -> None:
-        """A forward's gather of ``union``; one with gradients remembers it, and how it was
-        placed, for its backward and the reduction. Collective."""
-        grad = torch.is_grad_enabled()
-        if grad:
+        """A forward's gather of ``union``; one with gradients remembers it for its backward and
+        the reduction. Collective."""
+        if torch.is_grad_enabled():
             self.remember(union)
         self.gather(union, step)
-        if grad:
-            self.kinds.append(self.compact is not None and self.compact.slots is not None)
 
     def backward_gather(self, step: str) -> None:
-        """The gather for the backward of the latest forward not yet backpropagated: its union,
-        placed as the forward placed it (the views autograd saved are of that placement, and the
-        experts' cache may make this gather selective where the forward's was whole, or the
-        reverse). Collective."""
-        union = self.passes.pop() if self.passes else None
-        self._force = self.kinds.pop() if self.kinds else None
-        try:
-            self.gather(union, step)
-        finally:
-            self._force = None
+        """The gather for the backward of the latest forward not yet backpropagated: its union
+        again, placed as the forward placed it (compactly when the union is known, whichever
+        collective the cost switch or the experts' cache picks), since the views autograd saved
+        are of that placement. Collective."""
+        self.gather(self.passes.pop() if self.passes else None, step)
 
     def remember(self, union: tuple[int, ...] | None) -> None:
         """A forward with gradients used ``union``: its backward gathers it, the reduction covers it."""
@@ -307,8 +290,14 @@ class ExpertRows:
             self.pending.update(union)
 
     # -- gathers ---------------------------------------------------------------------------
-    def _whole(self, union: Sequence[int]) -> tuple[bool, list[list[tuple[int, torch.Tensor]]], int]:
+    def _whole(self, union: Sequence[int]) -> tuple[bool, list[Any], int]:
+        """Whether the cost switch gathers ``union`` whole, every rank's segments of its rows
+        (ranges for a compact placement, positions otherwise) and the padded width."""
         lay, n = self.unit.layout, self.ctx.world_size
+        if self.compact is not None:
+            spans = [span_segments(lay, self.rows, union, r) for r in range(n)]
+            width = max(span_numel(s) for s in spans)
+            return width >= self.full_share * lay.shard_numel, spans, width
         key = tuple(union)
         if key not in self._segments:  # the backward asks for its forward's union again
             if len(self._segments) > 4:
@@ -347,8 +336,7 @@ class ExpertRows:
             c.fold()  # gradients of a compact placement leave p.grad before the parameters change shape
         self.unit.unshard_async(step)
         self.unit.wait_unshard(self.unit.checks.names)
-        self._compact_now = c is not None and union is not None and self._force is not False
-        if c is not None and union is not None and self._compact_now:
+        if c is not None and union is not None:
             self._compact_from_full(c, union)
             return
         self.stats.placed(self.unit.full_bytes)
@@ -391,7 +379,6 @@ class ExpertRows:
                 cache.keep(flats, union, self.passes[::-1], at)
             return
         self.current_union = union or ()
-        self._compact_now = self.compact is not None and self._force is not False
         self._gather_rows(segs, width, step, kept)
         size = self.ctx.world_size * u.full[0].element_size()
         self.stats.moved(size * width)
@@ -405,10 +392,8 @@ class ExpertRows:
             cache.keep(flats, fetch or (), self.passes[::-1], at)
         self.current = union
 
-    def _gather_rows(
-        self, segs: list[list[tuple[int, torch.Tensor]]], width: int, step: str, kept: Sequence[int] = ()
-    ) -> None:
-        """Gather ``segs``' rows (none: no collective, every expert of the union is ``kept``) and
+    def _gather_rows(self, segs: list[Any], width: int, step: str, kept: Sequence[int] = ()) -> None:
+        """Gather ``segs``' rows (each rank's positions, or ranges for a compact placement) (none: no collective, every expert of the union is ``kept``) and
         write them, with the experts' cache's ``kept`` rows, into zeroed full parameters."""
         u, ctx = self.unit, self.ctx
         n, s = ctx.world_size, width + TAG
@@ -421,7 +406,9 @@ class ExpertRows:
         buf = ctx.pool.get(n * s, u.dtype, ctx.device)
         slot = buf.view(n, s)[ctx.rank]
         with u.resident():
-            pos = self._pack(segs[ctx.rank], slot, 0)
+            pos = (
+                self._pack(segs[ctx.rank], slot, 0) if self.compact is None else self._pack_spans(segs[ctx.rank], slot)
+            )
         slot[pos : s - TAG].zero_()
         self._tag(slot, s - TAG)
         u._to(ShardedState.UNSHARDING, "a selective expert gather")
@@ -441,6 +428,17 @@ class ExpertRows:
             piece = u.piece(i)
             out[pos : pos + idx.numel()].copy_(piece.index_select(0, (idx - b).to(piece.device)))
             pos += idx.numel()
+        return pos
+
+    def _pack_spans(self, segs: Spans, out: torch.Tensor) -> int:
+        """:meth:`_pack` of ranges (a compact placement's segments); the position after them."""
+        u, pos = self.unit, 0
+        for i, spans in segs:
+            lo = u.layout.local_range(i)[0]
+            piece = u.piece(i)
+            for a, b in spans:
+                out[pos : pos + b - a].copy_(piece[a - lo : b - lo])
+                pos += b - a
         return pos
 
     def _tag(self, out: torch.Tensor, pos: int) -> None:
@@ -470,7 +468,7 @@ class ExpertRows:
     def _meter_placed(self) -> None:
         """The meter's and the stats' count of the parameters a selective gather places."""
         c, u = self.compact, self.unit
-        nbytes = c.nbytes(len(self.current_union)) if c is not None and self._compact_now else u.full_bytes
+        nbytes = c.nbytes(len(self.current_union)) if c is not None else u.full_bytes
         self._placed_bytes = nbytes
         u.meter.add(nbytes)
         self.stats.placed(nbytes)
@@ -478,20 +476,21 @@ class ExpertRows:
     def _placement(self) -> tuple[list[torch.Tensor], dict[int, int] | None]:
         """The flat parameters a selective gather wrote, and each expert's slot in them (None:
         full-size, expert ``e`` at ``e``)."""
-        if self.compact is None or not self._compact_now:
+        c = self.compact
+        if c is None or c.slots is None:
             return [f.view(-1) for f in self.unit.full], None
-        return [h.view(-1) for h in self.compact.holders], {e: k for k, e in enumerate(self.current_union)}
+        return [h.view(-1) for h in c.holders], {e: k for k, e in enumerate(c.slots)}
 
     def _fill(
         self,
         chunks: Sequence[torch.Tensor],
-        segs: Sequence[Sequence[tuple[int, torch.Tensor]]],
+        segs: Sequence[Any],
         kept: Sequence[int] = (),
     ) -> None:
         """Allocate the full parameters, zeroed, and write each source rank's gathered ``chunks``
         (the rows of its ``segs``, side by side) and the kept rows."""
         u = self.unit
-        if self.compact is not None and self._compact_now:
+        if self.compact is not None:
             self._fill_compact(chunks, segs, kept)
             return
         wanted = set(self.current_union)
@@ -513,26 +512,25 @@ class ExpertRows:
                 self.cache.fill(flats, kept)
         u._to(ShardedState.UNSHARDED, "a selective expert gather")
 
-    def _fill_compact(
-        self,
-        chunks: Sequence[torch.Tensor],
-        segs: Sequence[Sequence[tuple[int, torch.Tensor]]],
-        kept: Sequence[int],
-    ) -> None:
-        """:meth:`_fill` into ``[U, ...]`` parameters: every slot is written (each expert's rows
-        are the pieces of every rank, or kept rows), so nothing is zeroed."""
+    def _fill_compact(self, chunks: Sequence[torch.Tensor], segs: Sequence[Spans], kept: Sequence[int]) -> None:
+        """:meth:`_fill` into ``[U, ...]`` parameters, range by range: every slot is written (each
+        expert's rows are the pieces of every rank, or kept rows), so nothing is zeroed."""
         c, u = self.compact, self.unit
         if c is None:
             raise AssertionError("a compact fill without a compact placement")
+        union = tuple(self.current_union)
+        at = {e: k for k, e in enumerate(union)}
         with torch.no_grad():
-            flats = c.place(tuple(self.current_union))
+            flats = c.place(union)
             for chunk, per_rank in zip(chunks, segs):
                 pos = 0
-                for i, idx in per_rank:
-                    flats[i].index_copy_(0, c.positions(i, idx), chunk[pos : pos + idx.numel()])
-                    pos += idx.numel()
+                for i, spans in per_rank:
+                    for a, b in spans:
+                        start = compact_start(a, self.rows[i], at)
+                        flats[i][start : start + b - a].copy_(chunk[pos : pos + b - a])
+                        pos += b - a
             if kept and self.cache is not None:
-                self.cache.fill(flats, kept, self._placement()[1])
+                self.cache.fill(flats, kept, at)
         self.stats.compact_gathers += 1
         u._to(ShardedState.UNSHARDED, "a selective expert gather")
 
@@ -634,13 +632,20 @@ class ExpertRows:
             self._count_reduce(g.layout.shard_numel, g)
             return None
         n = self.ctx.world_size
-        segs = [row_segments(g.layout, self.rows[:k], slots, r, self.ctx.device) for r in range(n)]
-        width = _width(segs)
+        spans = [span_segments(g.layout, self.rows[:k], slots, r) for r in range(n)]
+        width = max(span_numel(s) for s in spans)
         self._count_reduce(width, g)
-        lut = c.lut(slots)
-        source = [[c.positions(i, idx, lut) for i, idx in per_rank] for per_rank in segs]
-        covered = frozenset(i for per_rank in segs for i, _ in per_rank)
-        return ReducePlan(segs, width, covered, grads=tuple(acc[:k]), source=source)
+        at = {e: j for j, e in enumerate(slots)}
+        covered = frozenset(i for per_rank in spans for i, _ in per_rank)
+        return CompactPlan(
+            [[] for _ in range(n)],
+            width,
+            covered,
+            grads=tuple(acc[:k]),
+            spans=spans,
+            at=at,
+            per_expert=tuple(self.rows[:k]),
+        )
 
     def _count_reduce(self, width: int, g: Any) -> None:
         size = self.ctx.world_size * torch.empty(0, dtype=g.reduce_dtype).element_size()

@@ -99,10 +99,8 @@ class ReducePlan:
     segments: list[list[tuple[int, torch.Tensor]]]  # per rank: (parameter, flat positions)
     width: int
     covered: frozenset[int] = frozenset()  # the parameters some rank reduces rows of
-    # compact gradients (expert_compact.py): packed from these instead of ``p.grad``, at
-    # ``source[rank][k]`` (the compact positions of ``segments[rank][k]``)
+    # compact gradients (expert_compact.py): packed from these instead of ``p.grad``
     grads: tuple[torch.Tensor | None, ...] | None = field(default=None, kw_only=True)
-    source: list[list[torch.Tensor]] | None = field(default=None, kw_only=True)
 
     @property
     def send_numel(self) -> int:
@@ -131,11 +129,10 @@ class ReducePlan:
         rows.zero_()
         for r, segs in enumerate(self.segments):
             pos = 0
-            for k, (i, idx) in enumerate(segs):
+            for i, idx in segs:
                 g = grads[i]  # None: this rank did not run that expert (zeros)
                 if g is not None:
-                    at = idx if self.source is None else self.source[r][k]
-                    rows[r, pos : pos + idx.numel()].copy_(g.index_select(0, at))  # cast to the reduce dtype
+                    rows[r, pos : pos + idx.numel()].copy_(g.index_select(0, idx))  # cast to the reduce dtype
                 pos += idx.numel()
 
     def add_into(self, layout: ShardLayout, shard: torch.Tensor, mine: torch.Tensor, rank: int, *, fresh: bool) -> None:
