@@ -78,7 +78,7 @@ def _list_moe(experts: int, top_k: int):
     return Net()
 
 
-def _build(kind: str, experts: int, top_k: int):
+def _build(kind: str, experts: int, top_k: int, experts_impl: str = "eager"):
     import torch
     import transformers
 
@@ -104,6 +104,7 @@ def _build(kind: str, experts: int, top_k: int):
             head_dim=8, norm_topk_prob=True, **common,
         )  # fmt: skip
         cls = transformers.Qwen3MoeForCausalLM
+    cfg._experts_implementation = experts_impl  # transformers' eager, grouped_mm or batched_mm experts forward
     torch.manual_seed(0)
     return cls(cfg).float()
 
@@ -131,6 +132,9 @@ def _train(
     impl: str = "auto",
     frozen: bool = False,
     extra: dict | None = None,
+    experts_impl: str = "eager",
+    ckpt: str = "",
+    compact: bool = True,
 ):
     import contextlib
 
@@ -139,7 +143,9 @@ def _train(
 
     import zero_strategy as zs
 
-    model = _build(kind, experts, top_k)
+    model = _build(kind, experts, top_k, experts_impl)
+    if ckpt:  # activation checkpointing: DDP's reference recomputes without reentrancy
+        model.gradient_checkpointing_enable({"use_reentrant": ckpt == "reentrant" and mode == "zero"})
     for name, p in model.named_parameters():
         if frozen and "experts.down_proj" in name:  # an experts unit with a frozen parameter
             p.requires_grad_(False)
@@ -156,6 +162,8 @@ def _train(
             share["moe_expert_layout"] = layout
         if impl != "auto":  # "native": torch.distributed's own collectives (gloo's all_to_all_single)
             share["collective_impl"] = impl
+        if not compact:  # the selected rows in zeroed full-size parameters (sharding/experts.py)
+            share["moe_compact_gather"] = False
         cfg = zs.ZeroConfig(stage=stage, stage3_param_persistence_threshold=0, **share, **(extra or {}))
         net, opt = zs.initialize(model, opt, config=cfg)
         no_sync = net.no_sync
@@ -186,22 +194,39 @@ def _train(
 
 
 def _parity_cell(
-    rank: int, kind: str, experts: int, top_k: int, stage: int, accum: str, clip: float | None, switch: bool = False
+    rank: int,
+    kind: str,
+    experts: int,
+    top_k: int,
+    stage: int,
+    accum: str,
+    clip: float | None,
+    switch: bool = False,
+    **more,
 ) -> None:
-    ref_losses, ref_state, _ = _train(kind, experts, top_k, "ddp", stage, accum, clip, rank, switch)
-    losses, state, stats = _train(kind, experts, top_k, "zero", stage, accum, clip, rank, switch)
+    """DDP's numbers; at stage 3 only the union moved, and (compact gathers, the default for
+    stacked experts) each layer held only the union's rows."""
+    ref_losses, ref_state, _ = _train(kind, experts, top_k, "ddp", stage, accum, clip, rank, switch, **more)
+    losses, state, stats = _train(kind, experts, top_k, "zero", stage, accum, clip, rank, switch, **more)
     assert_close(losses, ref_losses, rtol=1e-5, what=f"rank {rank}: losses (and clip norms) against DDP")
     assert state.keys() == ref_state.keys(), (sorted(state), sorted(ref_state))
     for k, ref in ref_state.items():
         assert_close(state[k], ref, rtol=0.0, atol=1e-5 * float(ref.abs().max()), what=f"rank {rank}: {k}")
-    if stage == 3 and switch:  # the cost switch chose whole gathers
+    if stage == 3 and switch:  # the cost switch chose whole gathers, placed compactly all the same
         assert stats["moe_full_gathers"] > 0 and stats["moe_gathered_bytes"] <= stats["moe_full_bytes"], stats
+        assert stats["moe_compact_gathers"] >= stats["moe_full_gathers"], stats
     elif stage == 3:
         # some expert was selected by no rank in some pass, and only the union moved
         assert 0 < stats["moe_union_experts"] < stats["moe_experts_seen"], stats
         assert stats["moe_full_gathers"] < stats["moe_gathers"] / 4, stats  # whole: the union's rows all on one rank
         assert 0 < stats["moe_gathered_bytes"] < stats["moe_full_bytes"], stats
         assert 0 < stats["moe_reduced_bytes"] < stats["moe_full_reduce_bytes"], stats
+        layer = stats["moe_full_bytes"] // stats["moe_gathers"]  # a whole gather's parameters: the full layer
+        if more.get("compact", True) and kind != "list":  # [U, ...] parameters: less than the full layer
+            assert stats["moe_compact_gathers"] > 0 and 0 < stats["moe_peak_layer_bytes"] < layer, (stats, layer)
+        else:  # zeroed full-size parameters (a ModuleList's idle members stay placeholders)
+            assert stats["moe_compact_gathers"] == 0 and stats["moe_peak_layer_bytes"] <= layer, (stats, layer)
+            assert kind == "list" or stats["moe_peak_layer_bytes"] == layer, (stats, layer)
 
 
 def _owners_cell(
@@ -297,6 +322,15 @@ def _cells() -> list[dict]:
         dict(kind="list", experts=8, top_k=2, stage=2, accum="plain", clip=None),
         dict(kind="mixtral", experts=8, top_k=2, stage=2, accum="no_sync", clip=0.05),
         dict(kind="qwen3_moe", experts=8, top_k=1, stage=2, accum="none", clip=None),
+        # compact gathers ([U, ...], expert_compact.py) under transformers' other experts forwards,
+        # activation checkpointing (recomputed in the backward, reentrant or not), GPT-OSS's
+        # transposed weights with biases, and the full-size placement kept as an option
+        dict(kind="mixtral", experts=32, top_k=2, stage=3, accum="no_sync", clip=None, experts_impl="grouped_mm"),
+        dict(kind="qwen3_moe", experts=32, top_k=2, stage=3, accum="plain", clip=0.05, experts_impl="batched_mm"),
+        dict(kind="mixtral", experts=32, top_k=2, stage=3, accum="plain", clip=None, ckpt="reentrant"),
+        dict(kind="qwen3_moe", experts=32, top_k=1, stage=3, accum="no_sync", clip=None, ckpt="plain"),
+        dict(kind="gpt_oss", experts=16, top_k=2, stage=3, accum="no_sync", clip=0.05),
+        dict(kind="mixtral", experts=32, top_k=2, stage=3, accum="no_sync", clip=0.05, compact=False),
     ]
 
 

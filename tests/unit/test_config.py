@@ -372,7 +372,8 @@ def test_auto_means_not_set():
          r"unknown key 'zero_strategy.comm_timout' in zero3.yaml; did you mean 'comm_timeout'\?"),
         ({"zero_strategy": {"zzz": 5}},
          r"unknown key 'zero_strategy.zzz' in zero3.yaml; valid keys under 'zero_strategy' are: check_unit_order, "
-         r"collective_impl, comm_timeout, compression, gather_checks, gather_dtype, load_balance, memory, moe_expert_cache, moe_expert_layout, "
+         r"collective_impl, comm_timeout, compression, gather_checks, gather_dtype, load_balance, memory, moe_compact_gather, "
+         r"moe_expert_cache, moe_expert_layout, "
          r"moe_full_gather_share, "
          r"prefetch, reduce_dtype"),
         ({"qqqq": 1}, r"unknown key 'qqqq' in zero3.yaml; valid keys at the top level are: .*zero_optimization"),

@@ -56,7 +56,7 @@ def not_applied_settings(cfg: ZeroConfig) -> list[str]:
 
 
 # zero_strategy's MoE knobs, which only ZeRO-3 applies
-_ZERO3_MOE = ("moe_full_gather_share", "moe_expert_cache", "moe_expert_layout")
+_ZERO3_MOE = ("moe_full_gather_share", "moe_expert_cache", "moe_expert_layout", "moe_compact_gather")
 
 # DeepSpeed's element-count knobs that a memory budget replaces
 _GOVERNED_BY_BUDGET = ("stage3_max_live_parameters", "stage3_max_reuse_distance")

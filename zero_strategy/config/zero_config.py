@@ -225,6 +225,9 @@ class ZeroConfig:
     # where a stacked experts unit's experts live: "sharded" (cut like any parameter; the union of
     # the selections is gathered) or "owners" (each expert whole on one rank, fetched from it)
     moe_expert_layout: str = setting("sharded", lambda value, where: to_choice(value, where, _EXPERT_LAYOUTS), ds=_OWN)
+    # the sharded layout's selective gathers place the union's rows as [U, ...] parameters and
+    # call the experts module with slots (sharding/expert_compact.py); false: zeroed full-size ones
+    moe_compact_gather: bool = setting(True, to_bool, ds=_OWN)
     # ZeRO-3's per-gather checks once the unit order is known: "immediate" (a host read per
     # gather; every rank raises UnitDivergence), "deferred" (compared on the device, read with
     # the step's gradient flags: no host sync per gather), "auto": deferred on an accelerator

@@ -227,11 +227,14 @@ class GradReducer:
         width = lay.shard_numel if rows is None else rows.width
         size = n * width if rows is None else rows.send_numel
         inp = self.ctx.pool.get(size, g.reduce_dtype if fb is None else g.master_dtype, g.device)
+        # compact expert gathers hold their gradients outside p.grad (sharding/expert_compact.py)
+        held = rows.grads if rows is not None else g.experts.full_grads() if g.experts is not None else None
         grads: list[torch.Tensor | None] = []
-        for p in g.params:
-            if p.grad is not None:
+        for i, p in enumerate(g.params):
+            grad = p.grad if held is None else held[i]
+            if grad is not None:
                 self._used[self._where[id(p)][2]] = 1
-                grads.append(p.grad.reshape(-1))
+                grads.append(grad.reshape(-1))
             else:
                 grads.append(None)
         if rows is None:
@@ -311,8 +314,8 @@ class GradReducer:
         self.wait_all()
         flags = torch.zeros(2 * self.num_params, dtype=torch.int32)
         for g in self.groups:
-            for p in g.params:
-                if p.grad is not None:
+            for i, p in enumerate(g.params):
+                if p.grad is not None or (g.experts is not None and g.experts.holds_grad(i)):
                     flat = self._where[id(p)][2]
                     flags[flat] = 1
                     self._used[flat] = 1
@@ -433,6 +436,8 @@ class GradReducer:
             self._zero_some(only, set_to_none=set_to_none)
             return
         for g in self.groups:
+            if g.experts is not None:
+                g.experts.drop_grads()
             for p in g.params:
                 if full_grads and not set_to_none and p.grad is not None:
                     p.grad.zero_()
@@ -451,6 +456,8 @@ class GradReducer:
         gradient shard are zeroed (a later reduction adds to the shard the others keep)."""
         for g in self.groups:
             mine = [i for i, p in enumerate(g.params) if id(p) in only]
+            if g.experts is not None and mine:
+                g.experts.drop_grads(mine)
             shard = g.grad_shard_if_allocated
             for i in mine:
                 g.params[i].grad = None
@@ -493,6 +500,11 @@ class GradReducer:
                 UserWarning,
                 stacklevel=4,
             )
+        for g in self.groups:  # compact expert gathers' gradients, full-size into p.grad (expert_compact.py)
+            held = g.experts.full_grads() if g.experts is not None else None
+            for p, h in zip(g.params, held or ()):
+                if h is not None:
+                    p.grad = h.view(p.shape)
         flags = torch.tensor([int(p.grad is not None) for g in self.groups for p in g.params], dtype=torch.int32)
         if not self.num_params:
             return

@@ -220,6 +220,7 @@ class ZeroEngine(WholeModelState):
                 cache=self.budget.cache if self.budget is not None else None,
                 moe_full_share=config.moe_full_gather_share,
                 moe_expert_cache=config.moe_expert_cache,
+                moe_compact=config.moe_compact_gather,
             )
             self.zero3 = UnitScheduler(self.params, self._plan, self.reducer, settings)
             self.params.refresh_persistent("initialize")  # never partitioned for their readers

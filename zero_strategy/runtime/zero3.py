@@ -59,6 +59,7 @@ class Zero3Settings:
     cache: int | None = None  # the cache cap in bytes (memory budget); None or 0: free each unit after use
     moe_full_share: float = FULL_SHARE  # experts units: gather whole above this share of a whole gather
     moe_expert_cache: int = 0  # experts units: bytes of kept expert rows per unit (sharding/expert_cache.py)
+    moe_compact: bool = True  # experts units: selected rows placed as [U, ...] (sharding/expert_compact.py)
 
 
 class UnitScheduler:
@@ -120,7 +121,9 @@ class UnitScheduler:
             x = (
                 OwnedExperts(found, eu, self.moe, settings.moe_full_share)
                 if eu.layout.cuts is not None  # moe_expert_layout: owners (sharding/expert_owners.py)
-                else ExpertRows(found, eu, self.moe, settings.moe_full_share, settings.moe_expert_cache)
+                else ExpertRows(
+                    found, eu, self.moe, settings.moe_full_share, settings.moe_expert_cache, settings.moe_compact
+                )
             )
             self.experts[id(found.module)] = x
             outer = max((f for f in unit_fqns if found.fqn.startswith(f"{f}.")), key=len, default=None)
@@ -456,7 +459,7 @@ class UnitScheduler:
         u.wait_unshard(self.names)
         for x in self.experts_of.get(u.tag, ()):  # a ModuleList of experts: its forward's union again
             if x.found.members and not x.unit.persistent:
-                x.gather(x.passes.pop() if x.passes else None, self.step)
+                x.backward_gather(self.step)
         if P.enabled():
             self._ranges[("backward", u.tag)] = P.open_range("zero: backward", u.name)
 
@@ -486,10 +489,7 @@ class UnitScheduler:
         backward and the reduction."""
         if x.unit.persistent:
             return
-        union = x.agree(selection, self.step)
-        if torch.is_grad_enabled():
-            x.remember(union)
-        x.gather(union, self.step)
+        x.forward_gather(x.agree(selection, self.step), self.step)
 
     def expert_post_forward(self, x: ExpertRows) -> None:
         x.release()
@@ -499,8 +499,7 @@ class UnitScheduler:
         stays until its block's unit finishes its backward (or the backward ends)."""
         if x.unit.persistent:
             return
-        union = x.passes.pop() if x.passes else None
-        x.gather(union, self.step)
+        x.backward_gather(self.step)
 
     def _finish_experts(self, tag: int | None) -> None:
         for x in self.experts_of.get(tag, ()):  # their backward ran inside the unit's
@@ -543,7 +542,7 @@ class UnitScheduler:
         for u in self.all_units:
             self._release(u)
         for x in self.experts.values():
-            x.passes.clear()
+            x.clear_passes()
             x.release()
         if self._seq:
             self._adopt_order(self._seq)

@@ -111,12 +111,18 @@ class Zero3Hooks:
                 expert_pre = eager(functools.partial(self._expert_pre, x))
                 handles.append(sub.register_forward_pre_hook(expert_pre, with_kwargs=True))
                 handles.append(sub.register_forward_hook(eager(functools.partial(self._expert_post, x))))
+                done = eager(functools.partial(self._expert_call_done, x))  # num_experts back, also after a raise
+                handles.append(sub.register_forward_hook(done, always_call=True))
             handles.append(sub.register_forward_hook(eager(self._outside_post_forward), always_call=True))
         return handles
 
     # -- MoE experts modules ---------------------------------------------------------------
-    def _expert_pre(self, x: ExpertRows, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def _expert_pre(self, x: ExpertRows, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         self.scheduler.expert_pre_forward(x, x.found.selection(args, kwargs))
+        return x.call_arguments(args, kwargs)  # compact rows: the selection as slots (expert_compact.py)
+
+    def _expert_call_done(self, x: ExpertRows, module: nn.Module, args: Any, output: Any) -> None:
+        x.call_done()
 
     def _expert_post(self, x: ExpertRows, module: nn.Module, args: Any, output: Any) -> Any:
         self.scheduler.expert_post_forward(x)

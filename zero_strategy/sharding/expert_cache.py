@@ -35,13 +35,20 @@ one layer kept at once: never above the cap).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from zero_strategy.sharding.cache import EvictionPolicy
 
 __all__ = ["ExpertCache"]
+
+
+def _rows(flat: torch.Tensor, e: int, a: int, b: int, at: Mapping[int, int] | None) -> torch.Tensor:
+    """Expert ``e``'s rows ``[a, b)`` of a full-size flat parameter (``a = e * (b - a)``: stacked),
+    or of a compact one with ``e`` in slot ``at[e]``."""
+    shift = 0 if at is None else (at[e] - e) * (b - a)
+    return flat[a + shift : b + shift]
 
 
 class ExpertCache:
@@ -68,15 +75,23 @@ class ExpertCache:
             self.policy.used(e)
         return tuple(e for e in union if e in self.kept)
 
-    def fill(self, flats: Sequence[torch.Tensor], experts: Sequence[int]) -> None:
-        """Write the kept rows of ``experts`` into the flat full parameters."""
+    def fill(self, flats: Sequence[torch.Tensor], experts: Sequence[int], at: Mapping[int, int] | None = None) -> None:
+        """Write the kept rows of ``experts`` into the flat parameters (full-size, or compact with
+        expert ``e`` in slot ``at[e]``: ``expert_compact.py``)."""
         for e in experts:
             for (i, a, b), rows in zip(self.slices[e], self.kept[e]):
-                flats[i][a:b].copy_(rows)
+                _rows(flats[i], e, a, b, at).copy_(rows)
 
-    def keep(self, flats: Sequence[torch.Tensor], experts: Sequence[int], upcoming: Sequence[Sequence[int]]) -> None:
-        """Keep copies of ``experts``' rows just gathered into ``flats``, evicting by the next
-        uses in ``upcoming`` (unions in the order they will be gathered; empty: LRU)."""
+    def keep(
+        self,
+        flats: Sequence[torch.Tensor],
+        experts: Sequence[int],
+        upcoming: Sequence[Sequence[int]],
+        at: Mapping[int, int] | None = None,
+    ) -> None:
+        """Keep copies of ``experts``' rows just gathered into ``flats`` (placed as for
+        :meth:`fill`), evicting by the next uses in ``upcoming`` (unions in the order they will
+        be gathered; empty: LRU)."""
         order = [e for union in upcoming for e in union]
         self.policy.set_order(order)
         position = -1 if order else None
@@ -92,7 +107,7 @@ class ExpertCache:
                 self.evictions += 1
             if self.bytes + size > self.cap:
                 continue
-            self.kept[e] = [flats[i][a:b].clone() for i, a, b in self.slices[e]]
+            self.kept[e] = [_rows(flats[i], e, a, b, at).clone() for i, a, b in self.slices[e]]
             self.bytes += size
             self.peak = max(self.peak, self.bytes)
 

@@ -34,6 +34,10 @@ gather's bytes, the whole unit is gathered (and reduced) in one collective inste
 The experts' cache (``moe_expert_cache``, ``expert_cache.py``): rows gathered by a step's earlier
 passes are kept per layer under a cap in bytes until the parameters change, and a later pass
 gathers only its union minus the kept experts (nothing at all when every one is kept).
+
+Compact gathers (``moe_compact_gather``, ``expert_compact.py``): the union's rows are placed in
+parameters of shape ``[U, ...]`` and the module's call sees slots instead of expert indices, so a
+layer's gathered memory follows the union too.
 """
 
 from __future__ import annotations
@@ -45,6 +49,17 @@ import torch
 
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.expert_cache import ExpertCache
+from zero_strategy.sharding.expert_compact import (
+    CompactPlan,
+    CompactRows,
+    Spans,
+    compact_start,
+    compactable,
+    span_numel,
+    span_segments,
+    spans_of,
+    with_selection,
+)
 from zero_strategy.sharding.expert_detect import (
     SELECT_HOOK,
     SELECTION_ARGUMENTS,
@@ -95,26 +110,11 @@ def row_segments(
             if owners[i] in wanted and lo < hi:
                 out.append((i, torch.arange(lo, hi, device=device)))
             continue
-        spans = _spans(sorted(wanted), r, lo, hi)
+        spans = spans_of(sorted(wanted), r, lo, hi)
         if spans:  # built on the device from host integers: no copy, no value-sized output
             parts = [torch.arange(a, b, device=device) for a, b in spans]
             out.append((i, parts[0] if len(parts) == 1 else torch.cat(parts)))
     return out
-
-
-def _spans(union: Sequence[int], r: int, lo: int, hi: int) -> list[tuple[int, int]]:
-    """The flat ranges ``[a, b)`` of the experts in ``union`` (ascending) of ``r`` elements each
-    that fall into ``[lo, hi)``, neighbours merged."""
-    spans: list[tuple[int, int]] = []
-    for e in union:
-        a, b = max(lo, e * r), min(hi, (e + 1) * r)
-        if a >= b:
-            continue
-        if spans and spans[-1][1] == a:
-            spans[-1] = (spans[-1][0], b)
-        else:
-            spans.append((a, b))
-    return spans
 
 
 def _width(segments: Sequence[Sequence[tuple[int, torch.Tensor]]]) -> int:
@@ -129,6 +129,8 @@ class MoeStats:
         self.full_gathers = 0  # of them, whole ones chosen by the cost switch
         self.gathered_bytes = 0  # bytes the expert gathers moved (received, with padding)
         self.peak_gather_bytes = 0  # the most one expert gather moved
+        self.peak_layer_bytes = 0  # the most one experts layer held gathered at once (full-size or compact)
+        self.compact_gathers = 0  # selective gathers placed compactly ([U, ...]: expert_compact.py)
         self.full_bytes = 0  # bytes whole gathers of the same units would have moved
         self.union_experts = 0  # experts in the agreed unions, summed over the forwards
         self.experts_seen = 0  # experts of the modules, summed over the same forwards
@@ -146,12 +148,18 @@ class MoeStats:
         self.gathered_bytes += nbytes
         self.peak_gather_bytes = max(self.peak_gather_bytes, nbytes)
 
+    def placed(self, nbytes: int) -> None:
+        """One experts layer holds ``nbytes`` of gathered parameters now."""
+        self.peak_layer_bytes = max(self.peak_layer_bytes, nbytes)
+
     def entries(self) -> dict[str, int]:
         return {
             "moe_gathers": self.gathers,
             "moe_full_gathers": self.full_gathers,
             "moe_gathered_bytes": self.gathered_bytes,
             "moe_peak_gather_bytes": self.peak_gather_bytes,
+            "moe_peak_layer_bytes": self.peak_layer_bytes,
+            "moe_compact_gathers": self.compact_gathers,
             "moe_full_bytes": self.full_bytes,
             "moe_union_experts": self.union_experts,
             "moe_experts_seen": self.experts_seen,
@@ -171,7 +179,13 @@ class ExpertRows:
     """The selective fetch of one detected experts module's unit (see the module doc)."""
 
     def __init__(
-        self, found: ExpertsModule, unit: UnitStorage, stats: MoeStats, full_share: float, cache_cap: int = 0
+        self,
+        found: ExpertsModule,
+        unit: UnitStorage,
+        stats: MoeStats,
+        full_share: float,
+        cache_cap: int = 0,
+        compact: bool = False,
     ) -> None:
         self.found, self.unit, self.stats, self.full_share = found, unit, stats, full_share
         self.num_experts = found.num_experts
@@ -202,6 +216,12 @@ class ExpertRows:
                         slices[e].append((i, lo, lo + r))
             self.cache = ExpertCache(cache_cap, slices, unit.full[0].element_size())
             stats.caches.append(self.cache)
+        # compact gathers (expert_compact.py): stacked experts whose call can run on [U, ...] rows
+        self.compact: CompactRows | None = None
+        if compact and not found.members and unit.params and compactable(found.module, found.num_experts):
+            shapes = [f.shape for f in unit.full]
+            self.compact = CompactRows(found.module, unit.params, shapes, self.rows, found.num_experts, self.ctx.device)
+        self._placed_bytes = 0  # what the meter counted for the selective gather held now
 
     @property
     def name(self) -> str:
@@ -240,8 +260,26 @@ class ExpertRows:
 
     def forget(self) -> None:
         """A backward was abandoned: no pass waits for its backward, nothing is pending."""
-        self.passes.clear()
+        self.clear_passes()
         self.pending, self.pending_full = set(), False
+
+    def clear_passes(self) -> None:
+        """No forward's backward is to come (the backward ended)."""
+        self.passes.clear()
+
+    def forward_gather(self, union: Any, step: str) -> None:
+        """A forward's gather of ``union``; one with gradients remembers it for its backward and
+        the reduction. Collective."""
+        if torch.is_grad_enabled():
+            self.remember(union)
+        self.gather(union, step)
+
+    def backward_gather(self, step: str) -> None:
+        """The gather for the backward of the latest forward not yet backpropagated: its union
+        again, placed as the forward placed it (compactly when the union is known, whichever
+        collective the cost switch or the experts' cache picks), since the views autograd saved
+        are of that placement. Collective."""
+        self.gather(self.passes.pop() if self.passes else None, step)
 
     def remember(self, union: tuple[int, ...] | None) -> None:
         """A forward with gradients used ``union``: its backward gathers it, the reduction covers it."""
@@ -252,8 +290,14 @@ class ExpertRows:
             self.pending.update(union)
 
     # -- gathers ---------------------------------------------------------------------------
-    def _whole(self, union: Sequence[int]) -> tuple[bool, list[list[tuple[int, torch.Tensor]]], int]:
+    def _whole(self, union: Sequence[int]) -> tuple[bool, list[Any], int]:
+        """Whether the cost switch gathers ``union`` whole, every rank's segments of its rows
+        (ranges for a compact placement, positions otherwise) and the padded width."""
         lay, n = self.unit.layout, self.ctx.world_size
+        if self.compact is not None:
+            spans = [span_segments(lay, self.rows, union, r) for r in range(n)]
+            width = max(span_numel(s) for s in spans)
+            return width >= self.full_share * lay.shard_numel, spans, width
         key = tuple(union)
         if key not in self._segments:  # the backward asks for its forward's union again
             if len(self._segments) > 4:
@@ -281,13 +325,41 @@ class ExpertRows:
         self.stats.full_bytes += full_bytes
         return full_bytes
 
-    def _gather_whole(self, full_bytes: int, step: str) -> None:
-        """The whole unit in one collective (the cost switch, or no selection)."""
+    def _gather_whole(self, full_bytes: int, step: str, union: tuple[int, ...] | None = None) -> None:
+        """The whole unit in one collective (the cost switch, or no selection). With compact
+        gathers and a ``union``, only its rows stay: placed as ``[U, ...]``, the full ones freed."""
         self.stats.full_gathers += 1
         self.stats.moved(full_bytes)
         self.current = None
+        c = self.compact
+        if c is not None:
+            c.fold()  # gradients of a compact placement leave p.grad before the parameters change shape
         self.unit.unshard_async(step)
         self.unit.wait_unshard(self.unit.checks.names)
+        if c is not None and union is not None:
+            self._compact_from_full(c, union)
+            return
+        self.stats.placed(self.unit.full_bytes)
+        if c is not None:
+            c.placed_whole()
+
+    def _compact_from_full(self, c: CompactRows, union: tuple[int, ...]) -> None:
+        """After a whole gather: the union's rows into ``[U, ...]`` parameters, the full ones freed."""
+        u = self.unit
+        self.current_union = union
+        with torch.no_grad():
+            flats = c.place(union)
+            ids = c.ids(union)
+            for f, flat in zip(u.full, flats):
+                flat.view(len(union), -1).copy_(f.view(self.num_experts, -1).index_select(0, ids))
+            for f in u.full:
+                f.untyped_storage().resize_(0)
+        nbytes = c.nbytes(len(union))
+        u.meter.add(nbytes - u.full_bytes)  # the meter counted the whole gather's parameters
+        self._placed_bytes = nbytes
+        self.stats.placed(nbytes)
+        self.stats.compact_gathers += 1
+        self.current = union
 
     def gather(self, union: tuple[int, ...] | None, step: str) -> None:
         """Gather ``union``'s rows (None: the whole unit). Collective."""
@@ -300,10 +372,11 @@ class ExpertRows:
         fetch = None if union is None else tuple(e for e in union if e not in kept)  # sorted, as union
         whole, segs, width = (True, [], 0) if fetch is None else self._whole(fetch)
         if whole:
-            self._gather_whole(full_bytes, step)
+            self._gather_whole(full_bytes, step, union)
             if cache is not None and union is not None:  # every row came: keep the union's
                 self.stats.cache_misses += len(union)
-                cache.keep([f.view(-1) for f in u.full], union, self.passes[::-1])
+                flats, at = self._placement()
+                cache.keep(flats, union, self.passes[::-1], at)
             return
         self.current_union = union or ()
         self._gather_rows(segs, width, step, kept)
@@ -315,26 +388,27 @@ class ExpertRows:
             if kept:  # what the gather of the whole union would have moved, less what moved
                 whole_union, _, union_width = self._whole(union)
                 self.stats.bytes_not_moved += (full_bytes if whole_union else size * union_width) - size * width
-            cache.keep([f.view(-1) for f in u.full], fetch or (), self.passes[::-1])
+            flats, at = self._placement()
+            cache.keep(flats, fetch or (), self.passes[::-1], at)
         self.current = union
 
-    def _gather_rows(
-        self, segs: list[list[tuple[int, torch.Tensor]]], width: int, step: str, kept: Sequence[int] = ()
-    ) -> None:
-        """Gather ``segs``' rows (none: no collective, every expert of the union is ``kept``) and
+    def _gather_rows(self, segs: list[Any], width: int, step: str, kept: Sequence[int] = ()) -> None:
+        """Gather ``segs``' rows (each rank's positions, or ranges for a compact placement) (none: no collective, every expert of the union is ``kept``) and
         write them, with the experts' cache's ``kept`` rows, into zeroed full parameters."""
         u, ctx = self.unit, self.ctx
         n, s = ctx.world_size, width + TAG
         if not any(segs[r] for r in range(n)):  # every selected expert is in the experts' cache
             u._to(ShardedState.UNSHARDING, "rows from the experts' cache")
-            u.meter.add(u.full_bytes)
+            self._meter_placed()
             self._fill([], [], kept)
             self.stats.cache_passes += 1
             return
         buf = ctx.pool.get(n * s, u.dtype, ctx.device)
         slot = buf.view(n, s)[ctx.rank]
         with u.resident():
-            pos = self._pack(segs[ctx.rank], slot, 0)
+            pos = (
+                self._pack(segs[ctx.rank], slot, 0) if self.compact is None else self._pack_spans(segs[ctx.rank], slot)
+            )
         slot[pos : s - TAG].zero_()
         self._tag(slot, s - TAG)
         u._to(ShardedState.UNSHARDING, "a selective expert gather")
@@ -356,6 +430,17 @@ class ExpertRows:
             pos += idx.numel()
         return pos
 
+    def _pack_spans(self, segs: Spans, out: torch.Tensor) -> int:
+        """:meth:`_pack` of ranges (a compact placement's segments); the position after them."""
+        u, pos = self.unit, 0
+        for i, spans in segs:
+            lo = u.layout.local_range(i)[0]
+            piece = u.piece(i)
+            for a, b in spans:
+                out[pos : pos + b - a].copy_(piece[a - lo : b - lo])
+                pos += b - a
+        return pos
+
     def _tag(self, out: torch.Tensor, pos: int) -> None:
         """The unit's tag in ``TAG`` elements at ``pos`` (digits that 16-bit floats carry exactly)."""
         write_tag(out, pos, self.unit.tag)
@@ -375,20 +460,39 @@ class ExpertRows:
     def _gathered(self, numel: int) -> None:
         """The meter's count of a gather that received ``numel`` elements."""
         u = self.unit
-        u.meter.add(u.full_bytes)  # the full-shaped parameters exist from here on
+        self._meter_placed()  # the gathered parameters exist from here on
         u.meter.gathers += 1
         u.meter.gathered_bytes += numel * u.full[0].element_size()
         u.gathers += 1
 
+    def _meter_placed(self) -> None:
+        """The meter's and the stats' count of the parameters a selective gather places."""
+        c, u = self.compact, self.unit
+        nbytes = c.nbytes(len(self.current_union)) if c is not None else u.full_bytes
+        self._placed_bytes = nbytes
+        u.meter.add(nbytes)
+        self.stats.placed(nbytes)
+
+    def _placement(self) -> tuple[list[torch.Tensor], dict[int, int] | None]:
+        """The flat parameters a selective gather wrote, and each expert's slot in them (None:
+        full-size, expert ``e`` at ``e``)."""
+        c = self.compact
+        if c is None or c.slots is None:
+            return [f.view(-1) for f in self.unit.full], None
+        return [h.view(-1) for h in c.holders], {e: k for k, e in enumerate(c.slots)}
+
     def _fill(
         self,
         chunks: Sequence[torch.Tensor],
-        segs: Sequence[Sequence[tuple[int, torch.Tensor]]],
+        segs: Sequence[Any],
         kept: Sequence[int] = (),
     ) -> None:
         """Allocate the full parameters, zeroed, and write each source rank's gathered ``chunks``
         (the rows of its ``segs``, side by side) and the kept rows."""
         u = self.unit
+        if self.compact is not None:
+            self._fill_compact(chunks, segs, kept)
+            return
         wanted = set(self.current_union)
         with torch.no_grad():
             flats = []
@@ -408,6 +512,66 @@ class ExpertRows:
                 self.cache.fill(flats, kept)
         u._to(ShardedState.UNSHARDED, "a selective expert gather")
 
+    def _fill_compact(self, chunks: Sequence[torch.Tensor], segs: Sequence[Spans], kept: Sequence[int]) -> None:
+        """:meth:`_fill` into ``[U, ...]`` parameters, range by range: every slot is written (each
+        expert's rows are the pieces of every rank, or kept rows), so nothing is zeroed."""
+        c, u = self.compact, self.unit
+        if c is None:
+            raise AssertionError("a compact fill without a compact placement")
+        union = tuple(self.current_union)
+        at = {e: k for k, e in enumerate(union)}
+        with torch.no_grad():
+            flats = c.place(union)
+            for chunk, per_rank in zip(chunks, segs):
+                pos = 0
+                for i, spans in per_rank:
+                    for a, b in spans:
+                        start = compact_start(a, self.rows[i], at)
+                        flats[i][start : start + b - a].copy_(chunk[pos : pos + b - a])
+                        pos += b - a
+            if kept and self.cache is not None:
+                self.cache.fill(flats, kept, at)
+        self.stats.compact_gathers += 1
+        u._to(ShardedState.UNSHARDED, "a selective expert gather")
+
+    # -- the experts module's call -------------------------------------------------------------
+    def call_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+        """The call's arguments with the selection remapped to slots, when the rows are placed
+        compactly (``num_experts`` is the union's size until :meth:`call_done`); None: unchanged."""
+        c = self.compact
+        if c is None or c.slots is None or self.unit.state is not ShardedState.UNSHARDED:
+            return None
+        selection = self.found.selection(args, kwargs)
+        if selection is None:
+            raise AssertionError(
+                f"rank {self.ctx.rank}: {self.name} is placed compactly for a call without a selection"
+            )
+        c.enter()
+        return with_selection(self.found, args, kwargs, c.remap(selection))
+
+    def call_done(self) -> None:
+        """After the module's call (also when it raised): its ``num_experts`` is ``E`` again."""
+        if self.compact is not None:
+            self.compact.exit()
+
+    # -- compact gradients, for the reducer ------------------------------------------------------
+    def full_grads(self) -> list[torch.Tensor | None] | None:
+        """The gradients a compact placement accumulated, full-size and flat, for a whole
+        reduction (emptied); None: they are in ``p.grad`` (no compact placement)."""
+        g = self.unit.group
+        if self.compact is None or g is None:
+            return None
+        return self.compact.take_full()[: len(g.params)]
+
+    def holds_grad(self, i: int) -> bool:
+        """Whether trainable parameter ``i`` has a gradient held outside ``p.grad``."""
+        return self.compact is not None and self.compact.acc[i] is not None
+
+    def drop_grads(self, only: Sequence[int] | None = None) -> None:
+        """``zero_grad``: forget the held gradients (of the parameters ``only``, or all)."""
+        if self.compact is not None:
+            self.compact.drop(only)
+
     def _sharded(self) -> bool:
         return self.unit.state is ShardedState.SHARDED
 
@@ -418,12 +582,18 @@ class ExpertRows:
         if self._sharded():
             self.current = None
             return
-        if self.current is not None and force:
+        drop = self.current is not None and force
+        c = self.compact
+        if c is not None and c.slots is not None and (drop or not (u.persistent or u.holds)):
+            u.meter.add(u.full_bytes - self._placed_bytes)  # the meter counted the compact rows, not full ones
+        if drop:
             u.reshard()
         else:
             u.release()
         if self._sharded():
             self.current = None
+            if c is not None:
+                c.free()
 
     # -- reduction -------------------------------------------------------------------------
     def reduce_plan(self) -> ReducePlan | None:
@@ -433,6 +603,8 @@ class ExpertRows:
         union, full = sorted(self.pending), self.pending_full or not self.pending
         self.pending, self.pending_full = set(), False
         g = self.unit.group
+        if self.compact is not None and g is not None:
+            return self._compact_plan(g)
         if full or g is None:
             if g is not None:
                 self._count_reduce(g.layout.shard_numel, g)
@@ -446,6 +618,34 @@ class ExpertRows:
             return None
         self._count_reduce(width, g)
         return ReducePlan(segs, width, frozenset(i for per_rank in segs for i, _ in per_rank))
+
+    def _compact_plan(self, g: Any) -> ReducePlan | None:
+        """The reduction of compactly accumulated gradients: the rows of their slots, packed from
+        the accumulator (no cost switch: a selective reduction never moves more than a whole one).
+        None: nothing accumulated (a whole reduction of zeros, as the full-size path's)."""
+        c = self.compact
+        if c is None:
+            raise AssertionError("a compact plan without a compact placement")
+        slots, acc = c.take()
+        k = len(g.params)
+        if not slots or all(a is None for a in acc[:k]):
+            self._count_reduce(g.layout.shard_numel, g)
+            return None
+        n = self.ctx.world_size
+        spans = [span_segments(g.layout, self.rows[:k], slots, r) for r in range(n)]
+        width = max(span_numel(s) for s in spans)
+        self._count_reduce(width, g)
+        at = {e: j for j, e in enumerate(slots)}
+        covered = frozenset(i for per_rank in spans for i, _ in per_rank)
+        return CompactPlan(
+            [[] for _ in range(n)],
+            width,
+            covered,
+            grads=tuple(acc[:k]),
+            spans=spans,
+            at=at,
+            per_expert=tuple(self.rows[:k]),
+        )
 
     def _count_reduce(self, width: int, g: Any) -> None:
         size = self.ctx.world_size * torch.empty(0, dtype=g.reduce_dtype).element_size()

@@ -99,6 +99,8 @@ class ReducePlan:
     segments: list[list[tuple[int, torch.Tensor]]]  # per rank: (parameter, flat positions)
     width: int
     covered: frozenset[int] = frozenset()  # the parameters some rank reduces rows of
+    # compact gradients (expert_compact.py): packed from these instead of ``p.grad``
+    grads: tuple[torch.Tensor | None, ...] | None = field(default=None, kw_only=True)
 
     @property
     def send_numel(self) -> int:
@@ -146,9 +148,16 @@ class ReducePlan:
 
 
 class RowSelection(Protocol):
-    """What the reducer asks an MoE experts unit (``experts.py``): the rows of its next reduction."""
+    """What the reducer asks an MoE experts unit (``experts.py``): the rows of its next
+    reduction, and the gradients it holds outside ``p.grad`` (compact gathers)."""
 
     def reduce_plan(self) -> ReducePlan | None: ...
+
+    def full_grads(self) -> list[torch.Tensor | None] | None: ...
+
+    def holds_grad(self, i: int) -> bool: ...
+
+    def drop_grads(self, only: Sequence[int] | None = None) -> None: ...
 
 
 class ShardGroup:

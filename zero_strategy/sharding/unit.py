@@ -484,7 +484,7 @@ class UnitStorage:
         if self.state is ShardedState.UNSHARDING:  # a prefetch nobody used
             self.wait_unshard({})
         for p, f in zip(self.params, self.full):
-            p.data = placeholder(p.shape, f.dtype, f.device)
+            p.data = placeholder(f.shape, f.dtype, f.device)  # f's: a compact expert placement is smaller
             f.untyped_storage().resize_(0)
         self._to(ShardedState.SHARDED, "reshard")
         self.meter.freed(self)
