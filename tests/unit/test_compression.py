@@ -340,3 +340,30 @@ def test_owner_momentum_keeps_adams_momentum_of_what_was_received() -> None:
     with pytest.raises(ValueError, match="owner_momentum.*variance_refresh"):
         CompressionConfig(type="topk", optimizer="adam", warmup="dense", warmup_steps=1, owner_momentum=True,
                           variance_refresh=4)  # fmt: skip
+
+
+def test_adam_precondition_floor_median_once_per_freeze(monkeypatch) -> None:
+    """The floor's median is taken once while the variance is frozen (not on every compressed
+    step), and again after the variance changes in place (a dense step, a load) or its step."""
+    from zero_strategy.runtime.compressed_adam import _scale
+
+    calls = []
+    median = torch.Tensor.median
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return median(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "median", counted)
+    root = torch.tensor([0.0, 1e-6, 1.0, 2.0, 4.0])
+    state = {"exp_avg_sq": root**2 * (1 - 0.999), "variance_step": torch.tensor(1.0)}
+    first = _scale(state, 0.999, 1e-8, 0.5)
+    for _ in range(3):  # compressed steps: the same frozen variance
+        assert torch.equal(_scale(state, 0.999, 1e-8, 0.5), first)
+    assert len(calls) == 1
+    state["exp_avg_sq"].mul_(4.0)  # in place, as a dense step: sqrt(v_hat) doubles, so does the median
+    assert_close(_scale(state, 0.999, 1e-8, 0.5)[1], torch.tensor(1 / (1.0 + 1e-8)), rtol=1e-5, what="new median")
+    assert len(calls) == 2
+    state["variance_step"] = torch.tensor(2.0)  # another correction: taken again
+    _scale(state, 0.999, 1e-8, 0.5)
+    assert len(calls) == 3

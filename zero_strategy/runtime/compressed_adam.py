@@ -48,6 +48,7 @@ handles as it handles SGD. This mode is that idea with top-k in place of their s
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -94,17 +95,38 @@ def bind_adam(optimizer: torch.optim.Optimizer, feedback: ErrorFeedback | None, 
     fb.preconditioners.clear()
 
 
+# the frozen variance -> (its version counter, variance_step, the median of its nonzero
+# sqrt(v_hat)): the variance changes only on dense steps and loads, so the median (a masked
+# select and a sort: a host sync on a GPU) is taken once per freeze, not on every compressed
+# step; kept outside the optimizer state, so checkpoints do not change
+# (keyed by id: a WeakKeyDictionary would compare tensors with ==; each entry goes with its tensor)
+_MEDIANS: dict[int, tuple[weakref.ref[torch.Tensor], int, float, float | None]] = {}
+
+
+def _median(v: torch.Tensor, root: torch.Tensor, steps: float) -> float | None:
+    """The median of ``root`` (``sqrt(v_hat)``) where ``v`` is nonzero, None if it is zero everywhere."""
+    hit = _MEDIANS.get(id(v))
+    if hit is not None and hit[0]() is v and hit[1] == v._version and hit[2] == steps:
+        return hit[3]
+    nonzero = root[v > 0]
+    median = float(nonzero.median()) if nonzero.numel() else None
+    if hit is None or hit[0]() is not v:
+        weakref.finalize(v, _MEDIANS.pop, id(v), None)
+    _MEDIANS[id(v)] = (weakref.ref(v), v._version, steps, median)
+    return median
+
+
 def _scale(state: dict, beta2: float, eps: float, floor: float = 0.0) -> torch.Tensor:
     """``1 / (max(sqrt(v_hat), floor * median) + eps)`` of the frozen variance, 0 where it is
-    still zero (``median``: of the nonzero ``sqrt(v_hat)`` of this tensor)."""
+    still zero (``median``: of the nonzero ``sqrt(v_hat)`` of this tensor, taken once per freeze)."""
     v = state["exp_avg_sq"]
     steps = float(state["variance_step"])
     correction = math.sqrt(1.0 - beta2**steps) if steps > 0 else 1.0
     root = v.sqrt() / correction
     if floor > 0:
-        nonzero = root[v > 0]
-        if nonzero.numel():
-            root = root.clamp(min=float(nonzero.median()) * floor)
+        median = _median(v, root, steps)
+        if median is not None:
+            root = root.clamp(min=median * floor)
     denom = root.add_(eps)
     return torch.where(v > 0, denom.reciprocal(), torch.zeros((), dtype=v.dtype, device=v.device))
 
