@@ -499,11 +499,124 @@ def _cache_checkpoint_case(rank: int, tmp: str) -> None:
         assert model.zero_engine.memory_stats()["moe_cache_hits"] > hits, load
 
 
+def _tied_moe(calls: int, as_list: bool):
+    """A block that calls one transformers ``MixtralExperts`` module ``calls`` times (two routers),
+    optionally with its selection as a Python list (a call whose selection the engine cannot read:
+    the union is every expert)."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from torch import nn
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    d, e = 16, 8
+    cfg = transformers.MixtralConfig(hidden_size=d, intermediate_size=8, num_local_experts=e, num_experts_per_tok=2)
+    cfg._experts_implementation = "eager"
+
+    class Out(dict):
+        @property
+        def loss(self):
+            return self["loss"]
+
+    class Experts(MixtralExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            if isinstance(top_k_index, list):
+                top_k_index = torch.tensor(top_k_index)
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, d)
+            self.gates = nn.ModuleList(nn.Linear(d, e, bias=False) for _ in range(calls))
+            self.experts = Experts(cfg)
+            self.head = nn.Linear(d, VOCAB)
+
+        def forward(self, input_ids, labels=None):
+            h = self.emb(input_ids).view(-1, d)
+            for gate in self.gates:
+                w, idx = F.softmax(gate(h), -1).topk(2, -1)
+                h = h + self.experts(h, idx.tolist() if as_list else idx, w)
+            logits = self.head(h)
+            return Out(loss=F.cross_entropy(logits, labels.view(-1)), logits=logits)
+
+    torch.manual_seed(0)
+    net = Net()
+    with torch.no_grad():
+        for p in net.experts.parameters():
+            p.normal_(0, 0.3)
+    return net
+
+
+def _placement_case(
+    rank: int, calls: int = 1, as_list: bool = False, threshold: int = 0, evals: bool = False, inside: bool = False
+) -> None:
+    """Compact placements in the corners: a persistent experts unit (``threshold``: the default
+    keeps a small one gathered whole), a call whose selection is unreadable (gathered whole, its
+    backward too), one module called twice per forward, an evaluation forward between a forward
+    and its backward, a training step inside ``gathered_parameters`` (``inside``), and a forward
+    inside ``gathered_parameters`` after the steps (no stale slots): the weights of SGD on both
+    ranks' batches in one process, and its logits."""
+    import contextlib
+    import copy
+
+    import torch
+
+    import zero_strategy as zs
+
+    ref = _tied_moe(calls, as_list)
+    model = copy.deepcopy(ref)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(2):
+        for micro in range(2):
+            for r in range(2):
+                ids = _batch(step, micro, r)
+                (ref(input_ids=ids, labels=ids).loss / 4).backward()
+        ropt.step()
+        ropt.zero_grad()
+    cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=threshold, moe_full_gather_share=1.0)
+    net, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), config=cfg)
+    for step in range(2):
+        for micro in range(2):
+            ids = _batch(step, micro, rank)
+            with zs.gathered_parameters(model) if inside else contextlib.nullcontext():
+                loss = net(input_ids=ids, labels=ids).loss
+                if evals:  # a no-grad forward of other tokens before the backward
+                    with torch.no_grad():
+                        more = _batch(step, 7, rank)
+                        net(input_ids=more, labels=more)
+                with net.no_sync() if micro == 0 else contextlib.nullcontext():
+                    (loss / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    probe = _batch(9, 9, rank)
+    with torch.no_grad(), zs.gathered_parameters(model):
+        got = net(input_ids=probe, labels=probe)["logits"]
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = ref(input_ids=probe, labels=probe)["logits"]
+    for k, v in ref.state_dict().items():
+        assert_close(state[k], v, rtol=0.0, atol=1e-5 * float(v.abs().max()), what=f"rank {rank}: {k}")
+    assert_close(got, want, rtol=1e-5, atol=1e-6, what=f"rank {rank}: logits inside gathered_parameters")
+    stats = net.zero_engine.memory_stats()
+    if threshold == 0 and not as_list and not inside:
+        assert stats["moe_compact_gathers"] > 0, stats
+
+
+_PLACEMENT_CELLS = [
+    dict(threshold=100_000),  # the default threshold: the experts unit stays gathered whole
+    dict(as_list=True),  # every call gathered whole, and so are the backwards
+    dict(calls=2, evals=True),
+    dict(inside=True),
+]
+
+
 def _worker(rank: int, world: int, tmp: str) -> int:
     cells = _cells()
     run_subtests(lambda **kw: _parity_cell(rank, **kw), cells, label="moe parity")
     run_subtests(lambda **kw: _cache_cell(rank, **kw), _CACHE_CELLS, label="moe expert cache")
     run_subtests(lambda **kw: _owners_cell(rank, **kw), _OWNER_CELLS, label="moe expert owners")
+    run_subtests(lambda **kw: _placement_case(rank, **kw), _PLACEMENT_CELLS, label="moe compact placements")
     _generate_case(rank)
     _checkpoint_case(rank, tmp)
     _checkpoint_case(rank, tmp, "owners", "sharded", experts=5)  # uneven owners: 3 + 2 experts

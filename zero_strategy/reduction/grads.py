@@ -500,11 +500,6 @@ class GradReducer:
                 UserWarning,
                 stacklevel=4,
             )
-        for g in self.groups:  # compact expert gathers' gradients, full-size into p.grad (expert_compact.py)
-            held = g.experts.full_grads() if g.experts is not None else None
-            for p, h in zip(g.params, held or ()):
-                if h is not None:
-                    p.grad = h.view(p.shape)
         flags = torch.tensor([int(p.grad is not None) for g in self.groups for p in g.params], dtype=torch.int32)
         if not self.num_params:
             return

@@ -522,6 +522,8 @@ class UnitScheduler:
         for u in self.all_units:
             if not u.persistent:  # persistent units stay gathered (a backward never changes their values)
                 u.reshard()
+        for x in self.experts.values():  # their compact rows go with their units
+            x.release()
 
     def _drop_reads(self) -> None:
         """Rows read ahead from disk and not used (the step took another path): their slabs go."""

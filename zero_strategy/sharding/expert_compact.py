@@ -8,7 +8,8 @@ ranks selected. Without this module it writes them into zeroed full-size paramet
 - **Placement.** Each stacked parameter ``[E, ...]`` becomes ``[U, ...]`` for the call: slot
   ``k`` holds the ``k``-th expert of the union, in ascending order. The rows live in one storage
   per parameter that is resized, not replaced, so the views that autograd saved in the forward
-  see the backward's gather of the same union.
+  see the backward's gather of the same union (``ExpertRows.backward_gather`` places as the
+  forward did: compactly, or full-size for a forward that ran on full-size parameters).
 - **The call.** The experts module sees its selection argument remapped, expert ``e`` to its
   slot and any value outside ``[0, E)`` to ``U``, the "no expert" value of transformers' experts.
   It also sees ``num_experts = U`` for the call, restored after it (also when it raises).
@@ -25,9 +26,10 @@ ranks selected. Without this module it writes them into zeroed full-size paramet
 - **Gradients.** A backward pass leaves ``p.grad`` of its placement's shape ``[U_k, ...]``.
   Before another placement, or another pass's gradients, can meet it, :meth:`CompactRows.fold`
   adds it into an accumulator over the union of the slots of every pass since the last
-  reduction. The reduction (:class:`CompactPlan`) packs from that accumulator, or from a
-  full-size copy where a whole reduction needs one (top-k compression, DDP's reduction without
-  an optimizer). The gradient shard is the same as the full-size path's.
+  reduction. The reduction (:class:`CompactPlan`) packs from that accumulator, over the union
+  the ranks agreed on (so every rank issues the same collective), or from a full-size copy
+  where a whole reduction needs one (top-k compression). The gradient shard is the same as the
+  full-size path's.
 - **Spans, not positions.** Which rows a rank sends, receives and reduces are flat ranges
   ``[a, b)`` of the full parameter (:func:`span_segments`: the union's experts inside the rank's
   piece, neighbours merged), copied slice by slice. Two experts next to each other in the union
@@ -145,7 +147,6 @@ class CompactRows:
         self.grad_slots: tuple[int, ...] | None = None  # the slots of what ``p.grad`` holds now
         self.acc: list[torch.Tensor | None] = [None] * len(self.params)  # folded gradients, flat
         self.acc_slots: tuple[int, ...] = ()
-        self.peak_bytes = 0  # the most bytes placed at once
 
     # -- placement -------------------------------------------------------------------------
     def nbytes(self, count: int) -> int:
@@ -169,8 +170,14 @@ class CompactRows:
                 reattach(p, h)
         self.slots, self.grad_slots = slots, slots
         self._lut = self.lut(slots)
-        self.peak_bytes = max(self.peak_bytes, self.nbytes(u))
         return flats
+
+    def holds(self, params: Sequence[nn.Parameter]) -> bool:
+        """Whether ``params`` are the placed rows now (not replaced by a reshard or a whole gather)."""
+        return all(
+            p.shape[0] == len(self.slots or ()) and p.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+            for p, h in zip(params, self.holders)
+        )
 
     def placed_whole(self) -> None:
         """The unit was gathered whole (the cost switch, or a call without a selection): the
@@ -216,16 +223,19 @@ class CompactRows:
         self.module.num_experts = self.num_experts  # type: ignore[assignment]
 
     # -- gradients -------------------------------------------------------------------------
-    def fold(self) -> None:
-        """Move ``p.grad`` (of ``grad_slots``) into the accumulator over the union of slots."""
-        slots = self.grad_slots
-        if slots is None:
-            return
-        self.grad_slots = None
+    def fold(self, target: Sequence[int] = ()) -> None:
+        """Move ``p.grad`` (of ``grad_slots``; full-shaped ones, of a unit used whole without a
+        placement here, cover every expert) into the accumulator, over the union of its slots,
+        the gradients' and ``target``."""
+        slots, self.grad_slots = self.grad_slots, None
         grads = [p.grad for p in self.params]
         if all(g is None for g in grads):
-            return
-        union = tuple(sorted(set(self.acc_slots) | set(slots)))
+            slots = ()
+        elif slots is None:
+            if any(g is not None and g.shape != shape for g, shape in zip(grads, self.shapes)):
+                raise AssertionError("compact gradients whose placement is unknown")
+            slots = tuple(range(self.num_experts))
+        union = tuple(sorted(set(self.acc_slots) | set(slots) | set(target)))
         if union != self.acc_slots:
             where = _slot_positions(self.acc_slots, union, self.device)
             for i, a in enumerate(self.acc):
@@ -234,6 +244,8 @@ class CompactRows:
                     wider.view(len(union), -1).index_copy_(0, where, a.view(len(self.acc_slots), -1))
                     self.acc[i] = wider
             self.acc_slots = union
+        if not slots:
+            return
         at = _slot_positions(slots, union, self.device)
         for i, (p, g) in enumerate(zip(self.params, grads)):
             if g is None:
@@ -248,14 +260,9 @@ class CompactRows:
                 acc = self.acc[i] = flat.new_zeros(len(union) * self.rows[i])
             acc.view(len(union), -1).index_add_(0, at, flat.view(len(slots), -1))
 
-    def holds_grads(self) -> bool:
-        return any(a is not None for a in self.acc) or (
-            self.grad_slots is not None and any(p.grad is not None for p in self.params)
-        )
-
-    def take(self) -> tuple[tuple[int, ...], list[torch.Tensor | None]]:
-        """The accumulated gradients (flat, over the returned slots), emptied."""
-        self.fold()
+    def take(self, target: Sequence[int] = ()) -> tuple[tuple[int, ...], list[torch.Tensor | None]]:
+        """The accumulated gradients (flat, over the returned slots: at least ``target``), emptied."""
+        self.fold(target)
         slots, acc = self.acc_slots, self.acc
         self.acc, self.acc_slots = [None] * len(self.params), ()
         return slots, acc

@@ -199,10 +199,12 @@ class ExpertRows:
         self.ctx = unit.ctx
         self.current: tuple[int, ...] | None = None  # the union gathered now (None: whole, or nothing)
         self.passes: list[tuple[int, ...]] = []  # unions of forwards whose backward is to come
+        self.kinds: list[bool] = []  # per pass: whether its forward's rows were placed compactly
         self.pending: set[int] = set()  # experts of every forward since the last reduction
         self.pending_full = False  # some forward since the last reduction did not say its selection
         self.current_union: tuple[int, ...] = ()  # the union being gathered
         self._segments: dict[tuple[int, ...], list[list[tuple[int, torch.Tensor]]]] = {}  # by union
+        self._spans: dict[tuple[int, ...], tuple[list[Spans], int]] = {}  # the same as ranges (compact)
         if unit.group is not None:
             unit.group.experts = self
         self.cache: ExpertCache | None = None  # the experts' cache (moe_expert_cache), or none
@@ -221,7 +223,6 @@ class ExpertRows:
         if compact and not found.members and unit.params and compactable(found.module, found.num_experts):
             shapes = [f.shape for f in unit.full]
             self.compact = CompactRows(found.module, unit.params, shapes, self.rows, found.num_experts, self.ctx.device)
-        self._placed_bytes = 0  # what the meter counted for the selective gather held now
 
     @property
     def name(self) -> str:
@@ -266,20 +267,31 @@ class ExpertRows:
     def clear_passes(self) -> None:
         """No forward's backward is to come (the backward ended)."""
         self.passes.clear()
+        self.kinds.clear()
 
     def forward_gather(self, union: Any, step: str) -> None:
-        """A forward's gather of ``union``; one with gradients remembers it for its backward and
-        the reduction. Collective."""
-        if torch.is_grad_enabled():
+        """A forward's gather of ``union``; one with gradients remembers it, and how its rows
+        were placed, for its backward and the reduction. Collective."""
+        grad = torch.is_grad_enabled()
+        if grad:
             self.remember(union)
         self.gather(union, step)
+        if grad:
+            self.kinds.append(self.placed_compactly())
 
     def backward_gather(self, step: str) -> None:
         """The gather for the backward of the latest forward not yet backpropagated: its union
-        again, placed as the forward placed it (compactly when the union is known, whichever
-        collective the cost switch or the experts' cache picks), since the views autograd saved
-        are of that placement. Collective."""
-        self.gather(self.passes.pop() if self.passes else None, step)
+        again, placed as the forward placed it, since the views autograd saved are of that
+        placement. A forward that ran on full-size parameters (gathered whole without a
+        selection, or inside ``gathered_parameters``) gets a whole gather. Collective."""
+        union = self.passes.pop() if self.passes else None
+        compact = self.kinds.pop() if self.kinds else True
+        self.gather(union if compact or self.compact is None else None, step)
+
+    def placed_compactly(self) -> bool:
+        """Whether the parameters are this unit's compact rows now (not full-size, not sharded)."""
+        c = self.compact
+        return c is not None and c.slots is not None and c.holds(self.unit.params)
 
     def remember(self, union: tuple[int, ...] | None) -> None:
         """A forward with gradients used ``union``: its backward gathers it, the reduction covers it."""
@@ -294,9 +306,14 @@ class ExpertRows:
         """Whether the cost switch gathers ``union`` whole, every rank's segments of its rows
         (ranges for a compact placement, positions otherwise) and the padded width."""
         lay, n = self.unit.layout, self.ctx.world_size
-        if self.compact is not None:
-            spans = [span_segments(lay, self.rows, union, r) for r in range(n)]
-            width = max(span_numel(s) for s in spans)
+        if self.compact is not None:  # the forward's union again in the backward: kept a while
+            key = tuple(union)
+            if key not in self._spans:
+                if len(self._spans) > 4:
+                    self._spans.clear()
+                spans = [span_segments(lay, self.rows, union, r) for r in range(n)]
+                self._spans[key] = spans, max(span_numel(s) for s in spans)
+            spans, width = self._spans[key]
             return width >= self.full_share * lay.shard_numel, spans, width
         key = tuple(union)
         if key not in self._segments:  # the backward asks for its forward's union again
@@ -314,6 +331,8 @@ class ExpertRows:
         to gather (gathered already, whole or this union, or held whole by
         ``gathered_parameters``: a superset)."""
         u = self.unit
+        if self._sharded() and self.compact is not None and self.compact.slots is not None:
+            self.compact.free()  # resharded by someone else (the end of the backward, a load)
         if u.state is ShardedState.UNSHARDED and (self.current is None or self.current == union):
             return None
         if not self._sharded():
@@ -351,13 +370,10 @@ class ExpertRows:
             flats = c.place(union)
             ids = c.ids(union)
             for f, flat in zip(u.full, flats):
-                flat.view(len(union), -1).copy_(f.view(self.num_experts, -1).index_select(0, ids))
+                torch.index_select(f.view(self.num_experts, -1), 0, ids, out=flat.view(len(union), -1))
             for f in u.full:
                 f.untyped_storage().resize_(0)
-        nbytes = c.nbytes(len(union))
-        u.meter.add(nbytes - u.full_bytes)  # the meter counted the whole gather's parameters
-        self._placed_bytes = nbytes
-        self.stats.placed(nbytes)
+        self.stats.placed(c.nbytes(len(union)))
         self.stats.compact_gathers += 1
         self.current = union
 
@@ -393,8 +409,9 @@ class ExpertRows:
         self.current = union
 
     def _gather_rows(self, segs: list[Any], width: int, step: str, kept: Sequence[int] = ()) -> None:
-        """Gather ``segs``' rows (each rank's positions, or ranges for a compact placement) (none: no collective, every expert of the union is ``kept``) and
-        write them, with the experts' cache's ``kept`` rows, into zeroed full parameters."""
+        """Gather ``segs``' rows (each rank's positions, or ranges for a compact placement; none:
+        no collective, every expert of the union is ``kept``) and write them, with the experts'
+        cache's ``kept`` rows, into the parameters (compact, or zeroed full-size ones)."""
         u, ctx = self.unit, self.ctx
         n, s = ctx.world_size, width + TAG
         if not any(segs[r] for r in range(n)):  # every selected expert is in the experts' cache
@@ -466,12 +483,12 @@ class ExpertRows:
         u.gathers += 1
 
     def _meter_placed(self) -> None:
-        """The meter's and the stats' count of the parameters a selective gather places."""
+        """The meter's and the stats' count of the parameters a selective gather places. The
+        meter counts a whole layer either way (an upper bound that never drifts, whoever
+        reshards the unit); ``moe_peak_layer_bytes`` counts what was placed."""
         c, u = self.compact, self.unit
-        nbytes = c.nbytes(len(self.current_union)) if c is not None else u.full_bytes
-        self._placed_bytes = nbytes
-        u.meter.add(nbytes)
-        self.stats.placed(nbytes)
+        u.meter.add(u.full_bytes)
+        self.stats.placed(c.nbytes(len(self.current_union)) if c is not None else u.full_bytes)
 
     def _placement(self) -> tuple[list[torch.Tensor], dict[int, int] | None]:
         """The flat parameters a selective gather wrote, and each expert's slot in them (None:
@@ -539,7 +556,7 @@ class ExpertRows:
         """The call's arguments with the selection remapped to slots, when the rows are placed
         compactly (``num_experts`` is the union's size until :meth:`call_done`); None: unchanged."""
         c = self.compact
-        if c is None or c.slots is None or self.unit.state is not ShardedState.UNSHARDED:
+        if c is None or self.unit.state is not ShardedState.UNSHARDED or not self.placed_compactly():
             return None
         selection = self.found.selection(args, kwargs)
         if selection is None:
@@ -578,21 +595,15 @@ class ExpertRows:
     def release(self, *, force: bool = False) -> None:
         """Free the gathered rows (unless persistent, or held by ``gathered_parameters``; with
         ``force`` a selective gather goes even then, since it is not the whole parameter)."""
-        u = self.unit
+        u, c = self.unit, self.compact
+        if not self._sharded():
+            if self.current is not None and force:
+                u.reshard()
+            else:
+                u.release()
         if self._sharded():
             self.current = None
-            return
-        drop = self.current is not None and force
-        c = self.compact
-        if c is not None and c.slots is not None and (drop or not (u.persistent or u.holds)):
-            u.meter.add(u.full_bytes - self._placed_bytes)  # the meter counted the compact rows, not full ones
-        if drop:
-            u.reshard()
-        else:
-            u.release()
-        if self._sharded():
-            self.current = None
-            if c is not None:
+            if c is not None and c.slots is not None:  # also when the unit was resharded elsewhere
                 c.free()
 
     # -- reduction -------------------------------------------------------------------------
@@ -600,11 +611,12 @@ class ExpertRows:
         """The segments of this reduction (the union of every forward since the last one), or
         None for a whole reduction (the cost switch, or a forward that named no selection).
         Resets the union: each reduction covers the forwards before it."""
-        union, full = sorted(self.pending), self.pending_full or not self.pending
+        union, every = sorted(self.pending), self.pending_full
+        full = every or not self.pending
         self.pending, self.pending_full = set(), False
         g = self.unit.group
         if self.compact is not None and g is not None:
-            return self._compact_plan(g)
+            return self._compact_plan(g, None if every else union)
         if full or g is None:
             if g is not None:
                 self._count_reduce(g.layout.shard_numel, g)
@@ -619,16 +631,19 @@ class ExpertRows:
         self._count_reduce(width, g)
         return ReducePlan(segs, width, frozenset(i for per_rank in segs for i, _ in per_rank))
 
-    def _compact_plan(self, g: Any) -> ReducePlan | None:
-        """The reduction of compactly accumulated gradients: the rows of their slots, packed from
-        the accumulator (no cost switch: a selective reduction never moves more than a whole one).
-        None: nothing accumulated (a whole reduction of zeros, as the full-size path's)."""
+    def _compact_plan(self, g: Any, union: Sequence[int] | None) -> ReducePlan | None:
+        """The reduction of compactly accumulated gradients over the agreed ``union`` (None:
+        every expert), the same on every rank whatever gradients this rank holds: the rows of
+        its experts, packed from the accumulator (zeros where this rank has none). No cost
+        switch: a selective reduction never moves more than a whole one. None: no forward since
+        the last reduction (a whole reduction of zeros, as the full-size path's)."""
         c = self.compact
         if c is None:
             raise AssertionError("a compact plan without a compact placement")
-        slots, acc = c.take()
+        target = tuple(range(self.num_experts)) if union is None else tuple(union)
+        slots, acc = c.take(target)
         k = len(g.params)
-        if not slots or all(a is None for a in acc[:k]):
+        if not slots:
             self._count_reduce(g.layout.shard_numel, g)
             return None
         n = self.ctx.world_size
