@@ -257,3 +257,36 @@ def _deferred_copies_worker(rank: int, world: int) -> dict:
 def test_offloaded_gradients_reach_the_host_without_a_blocking_copy(launch) -> None:
     for counts in launch(_deferred_copies_worker, 2, timeout=300):
         assert counts["direct"] > 0 and counts["staged"] > 0, counts
+
+
+def _overlapped_host_step_worker(rank: int, world: int) -> dict:
+    """ZeRO-3 with the optimizer on the host steps group by group, each group's upload into its
+    row issued before the next group steps (``offload/host_step.py``), with the CPU stand-in
+    that writes each upload only when it is waited for: a reader of a row that does not wait
+    (the next gather, a checkpoint read) gathers the previous step's values, and parity fails."""
+    import os
+
+    from zero_strategy.storage import uploads
+    from zero_strategy.testing.parity import Cell, compare
+
+    os.environ["ZERO_STRATEGY_TEST_HOST_COPIES"] = "deferred"
+    counts = {"uploads": 0}
+    start = uploads.DeferredUpload.start
+
+    def counted(self, dsts, srcs):  # type: ignore[no-untyped-def]
+        counts["uploads"] += 1
+        return start(self, dsts, srcs)
+
+    uploads.DeferredUpload.start = counted  # type: ignore[method-assign]
+    cells = [
+        {"stage": 3, "offload": "cpu", "steps": 4},
+        {"stage": 3, "offload": "cpu", "accum": "plain", "clip": 0.05, "optim": "adam", "tied": True, "steps": 4},
+        {"stage": 3, "offload": "cpu", "frozen": True, "groups": True, "persist": 10_000, "optim": "sgd", "steps": 4},
+    ]
+    run_subtests(lambda **kw: compare(Cell(**kw), rank, world), cells, label="overlapped host step")
+    return counts
+
+
+def test_host_step_overlaps_the_upload_of_each_group(launch) -> None:
+    for counts in launch(_overlapped_host_step_worker, 2, timeout=300):
+        assert counts["uploads"] > 0, counts

@@ -40,6 +40,7 @@ from zero_strategy.comm import collectives as C
 from zero_strategy.comm.balance import check_load_balance, shard_fractions
 from zero_strategy.config import ZeroConfig, not_applied_settings
 from zero_strategy.offload.disk_tier import DiskTier
+from zero_strategy.offload.host_step import HostStep
 from zero_strategy.offload.swapped_state import SwappedOptimizerState
 from zero_strategy.reduction.compression import build_compression
 from zero_strategy.reduction.grads import (
@@ -231,6 +232,7 @@ class ZeroEngine(WholeModelState):
             self.reducer.deferred_check = self.params.checks  # read with the gradient flags
         else:
             self.zero3 = None
+        self.host_step = HostStep.build(getattr(self, "params", None), self.ctx.device)  # None: nothing to overlap
         self.schedule: GradSchedule = self._schedule_for(())
         self._install_hooks()
         _LIVE.add(self)
@@ -628,6 +630,8 @@ class ZeroEngine(WholeModelState):
             self._stashed_grads = [(m, m.grad) for g in self.swapped.groups for m in g.masters]
             for m, _ in self._stashed_grads:
                 m.grad = None
+        if self.host_step is not None and optimizer is self.optimizer:  # ZeRO-3, host masters: step and upload
+            self._stashed_grads += self.host_step.run(optimizer, self._internal_step)  # group by group
 
     def _restore_stashed_grads(self) -> None:
         for m, grad in self._stashed_grads:
@@ -648,6 +652,8 @@ class ZeroEngine(WholeModelState):
         self.step_depth = 0
         self.internal_step = False
         self._restore_stashed_grads()
+        if self.host_step is not None:
+            self.host_step.forget()
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._restore_stashed_grads()

@@ -75,6 +75,7 @@ def _state_tensors(engine: Any, kinds: Sequence[str]) -> Iterator[torch.Tensor]:
     units = getattr(engine.params, "units", [])
     if "lp_params" in kinds:
         for u in units:
+            u.settle()  # an upload after the host step may still be writing the row (host_step.py)
             yield from (t for t in (u.row, u.frozen_row) if t is not None)
         yield from (p for _, p in engine.module.named_parameters(remove_duplicate=True))
     if "lp_grads" in kinds:

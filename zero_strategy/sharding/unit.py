@@ -47,6 +47,7 @@ from zero_strategy.sharding.states import SHARDED_TRANSITIONS, ShardedState, che
 from zero_strategy.storage.disk_rows import DiskRows, RowSwap
 from zero_strategy.storage.host_memory import HostPeak
 from zero_strategy.storage.offload import HOST, OffloadPolicy, OnDevice, OnDisk
+from zero_strategy.storage.uploads import PendingUpload, Uploader
 
 if TYPE_CHECKING:
     from zero_strategy.sharding.precision import Precision
@@ -263,6 +264,7 @@ class UnitStorage:
         codec: GatherCodec = EXACT,  # the forward's and backward's gathers (gather_codec.py)
     ) -> None:
         self.label, self.tag, self.ctx, self.meter = label, tag, ctx, meter
+        self._upload: PendingUpload | None = None  # the row's copy from the host masters in flight (host_step.py)
         self.codec, self._codec = codec, codec  # the configured one, the one of the gather now
         self.checks = checks or GatherChecks({})
         named = list(trainable) + list(frozen)
@@ -393,6 +395,7 @@ class UnitStorage:
     def _rows(self, offset: int) -> tuple[torch.Tensor, int]:
         """The persistent row holding flat position ``offset`` of this rank's shard, and the
         position inside it."""
+        self.settle()
         t = self.row.numel()
         return (self.row, offset) if offset < t else (self.frozen_row, offset - t)
 
@@ -435,6 +438,7 @@ class UnitStorage:
         handle = self.secondary.gather(self, buf, what) if hpz and self.secondary is not None else None
         if handle is None:
             slot = buf.view(n, s)[self.ctx.rank]
+            self.settle()  # the row's upload after the host step (host_step.py, sync point 3)
             with self.resident():
                 codec.encode(slot, (self.row, self.frozen_row), self.tag)
             handle = C.all_gather(self.ctx, buf, slot, what=what)
@@ -508,6 +512,21 @@ class UnitStorage:
             with torch.no_grad(), self.resident():
                 self.group.masters[i].copy_(self.piece(i))
 
+    def start_upload(self, uploader: Uploader) -> None:
+        """The separate masters were just stepped: their copy into the row is issued, not
+        waited for (``host_step.py``); the row's next reader waits in :meth:`settle`."""
+        if self.separate_masters and self.group is not None:
+            self.settle(host=True)
+            self._upload = uploader.start([self.piece(i) for i in range(len(self.group.masters))],
+                                          [m.detach() for m in self.group.masters])  # fmt: skip
+
+    def settle(self, *, host: bool = False) -> None:
+        """Wait for the row's upload in flight, if any: on the device before a device reader
+        uses the row, on the host (``host``) before the masters are written again."""
+        pending, self._upload = self._upload, None
+        if pending is not None:
+            (pending.host_wait if host else pending.device_wait)()
+
     def pull_masters(self) -> None:
         """The masters changed (a step, a load): separate masters are copied into the row."""
         if self.separate_masters and self.group is not None:
@@ -569,6 +588,7 @@ class ShardedParams(ParamStorage):
         offload_optimizer = offload_optimizer or OnDevice()
         self.ctx = ctx
         self.meter = GatherMeter()
+        self.skip_pull: set[int] = set()  # units whose row upload the host step issued (host_step.py)
         self.units: list[UnitStorage] = []
         self.groups: list[ShardGroup] = []
         self.names: dict[int, str] = {}
@@ -710,7 +730,8 @@ class ShardedParams(ParamStorage):
         # persistence threshold is never partitioned for its readers, so code that reads it
         # outside forward (Accelerate's test script reads a 0-dim ``model.a``) gets the new value.
         for u in self.units:
-            u.pull_masters()
+            if id(u) not in self.skip_pull:  # else its upload is in flight already (host_step.py)
+                u.pull_masters()
             u.version += 1
             u.reshard()
         if self.secondary is not None:  # stale: the next forward takes new ones

@@ -1,0 +1,104 @@
+"""The host optimizer step of one group overlapped with the upload of the previous one.
+
+With ``offload_optimizer: {device: cpu}`` at ZeRO-3 the fp32 masters and the optimizer state
+live in host memory and each unit's persistent row stays on the device (in the compute dtype).
+Stepped the plain way, the optimizer updates every group on the host, and only then are the
+updated pieces copied up, unit after unit, before the first gather of the next forward: the
+device idles through the whole host step, then the host waits through the copies.
+
+Here the engine steps the host groups itself, one at a time (:meth:`HostStep.run`); as soon as
+group k is updated, the copy of its pieces into its unit's row is issued (``storage/uploads.py``),
+and group k+1 steps on the host while the copy runs. The reader of a row (the unit's next
+gather, a checkpoint or ``state_dict`` read of a piece) waits on that copy first
+(``UnitStorage.settle``), and so does the host before it writes group k's masters again.
+
+Sync points (CUDA, ``StreamUpload`` (``storage/uploads.py``)), in order:
+
+1. Before group k's host step: ``event.synchronize()`` of group k's previous upload, if one is
+   still pending (it reads the pinned masters the step is about to overwrite; normally long done).
+2. After it: a side stream waits for the current stream (the row may still be read by kernels
+   queued earlier), the copies are queued on the side stream with ``non_blocking=True`` from
+   pinned memory, each destination's storage is recorded on the side stream
+   (``Tensor.record_stream``, so the allocator never hands it out while the copy is pending),
+   and an event is recorded. The CPU goes on to group k+1 at once.
+3. The next reader of the row: ``torch.cuda.current_stream().wait_event(event)``, a wait queued
+   on the device (no host block) before the gather's encode kernel.
+
+On CPU there is nothing to overlap: ``uploads.choose`` returns None and the plain step runs (a
+no-op). ``DeferredUpload`` is the tests' stand-in (``ZERO_STRATEGY_TEST_HOST_COPIES=deferred``,
+as for the gradient copies of ``host_copies.py``): it reads the source when the copy is
+issued and writes the row only when waited for, so a reader that skipped the wait would
+gather the previous step's values and a DDP parity test fails.
+
+Not covered: the gradient copies (``host_copies.py``) are all drained at the end of the
+backward (they overlap the backward), so each group's step finds its gradient shard complete;
+ZeRO-1/2 pack the updated pieces into their all-gather buffer right after the whole step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from zero_strategy._swap import original_class
+from zero_strategy.offload.swapped_state import step_subset
+from zero_strategy.storage.uploads import Uploader, choose
+
+if TYPE_CHECKING:
+    from zero_strategy.sharding.unit import UnitStorage
+
+__all__ = ["HostStep"]
+
+
+@dataclass
+class HostStep:
+    """Steps the units whose masters are separate host copies, one by one, each followed by
+    the upload of its pieces into its row. ``skip_pull`` is ``ShardedParams``' set of the units
+    whose upload this step issued (its ``after_step`` does not copy them again)."""
+
+    uploader: Uploader
+    units: Sequence[UnitStorage]
+    skip_pull: set[int]
+
+    @classmethod
+    def build(cls, params: object, device: torch.device) -> HostStep | None:
+        """For ZeRO-3 storage ``params`` with separate host masters on ``device``; None where
+        there is nothing to overlap (CPU, no such unit)."""
+        units = [u for u in getattr(params, "units", []) if u.separate_masters and u.group is not None]
+        uploader = choose(device)
+        skip = getattr(params, "skip_pull", None)
+        if not units or uploader is None or skip is None:
+            return None
+        return cls(uploader, units, skip)
+
+    def run(
+        self, optimizer: torch.optim.Optimizer, guard: Callable[[], AbstractContextManager[None]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Step every unit's group of ``optimizer`` on the host and issue its upload; returns
+        the (master, gradient) pairs stepped, whose gradients the caller hides from the
+        optimizer's own step. Only torch's own classes are stepped here: a subclass's step
+        code (an EMA, a logger) runs once per step in the plain path, so it stays there."""
+        self.forget()
+        if original_class(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+            return []
+        stashed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        with guard():
+            for u in self.units:
+                if u.group is None:
+                    continue
+                u.settle(host=True)  # sync point 1: its previous upload has read the masters
+                step_subset(optimizer, u.group.masters)
+                u.start_upload(self.uploader)  # sync point 2
+                self.skip_pull.add(id(u))
+                stashed += [(m, m.grad) for m in u.group.masters]
+        for m, _ in stashed:
+            m.grad = None
+        return stashed
+
+    def forget(self) -> None:
+        """The step is over (or failed): the next ``after_step`` copies every unit's masters."""
+        self.skip_pull.clear()
