@@ -290,3 +290,45 @@ def _overlapped_host_step_worker(rank: int, world: int) -> dict:
 def test_host_step_overlaps_the_upload_of_each_group(launch) -> None:
     for counts in launch(_overlapped_host_step_worker, 2, timeout=300):
         assert counts["uploads"] > 0, counts
+
+
+def _fed_gathers_worker(rank: int, world: int) -> dict:
+    """ZeRO-3 gathers of rows on the host or read from disk go through a feed
+    (``storage/uploads.py``): on CUDA the rows' copy and the all-gather run on a side stream,
+    beside the current unit's compute. The CPU stand-in keeps each copy pending until its fence
+    and raises if the host writes the rows before (the optimizer step, a load, a reused disk
+    slab), as that write would race the copy engine on a GPU."""
+    import os
+
+    from zero_strategy.storage import uploads
+    from zero_strategy.testing.parity import Cell, compare
+
+    os.environ["ZERO_STRATEGY_TEST_HOST_COPIES"] = "deferred"
+    counts = {"fed": 0}
+    run = uploads.DeferredFeed.run
+
+    def counted(self, buf, srcs, fill, issue):  # type: ignore[no-untyped-def]
+        counts["fed"] += 1
+        return run(self, buf, srcs, fill, issue)
+
+    uploads.DeferredFeed.run = counted  # type: ignore[method-assign]
+    cells = [
+        {"stage": 3, "offload": "param", "accum": "plain", "prefetch": 2, "optim": "adam", "steps": 4},
+        {
+            "stage": 3,
+            "offload": "param",
+            "persist": 10_000,
+            "frozen": True,
+            "ckpt": "reentrant",
+            "evals": True,
+            "steps": 4,
+        },
+        {"stage": 3, "offload": "param_nvme", "tied": True, "clip": 0.05, "steps": 4},
+    ]
+    run_subtests(lambda **kw: compare(Cell(**kw), rank, world), cells, label="fed gathers")
+    return counts
+
+
+def test_offloaded_rows_reach_their_gathers_through_a_fenced_feed(launch) -> None:
+    for counts in launch(_fed_gathers_worker, 2, timeout=300):
+        assert counts["fed"] > 0, counts

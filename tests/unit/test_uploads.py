@@ -4,6 +4,7 @@ the source's values at the time the copy was issued."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zero_strategy.storage import uploads
@@ -26,3 +27,36 @@ def test_the_stand_in_writes_at_the_wait_what_the_source_held_at_the_start() -> 
     dst.zero_()
     pending.host_wait()  # once only: a second wait does not write again
     assert dst.eq(0).all()
+
+
+def test_cpu_has_no_feed_unless_the_tests_ask(monkeypatch) -> None:
+    monkeypatch.delenv("ZERO_STRATEGY_TEST_HOST_COPIES", raising=False)
+    assert uploads.choose_feed(torch.device("cpu")) is None
+    monkeypatch.setenv("ZERO_STRATEGY_TEST_HOST_COPIES", "deferred")
+    assert isinstance(uploads.choose_feed(torch.device("cpu")), uploads.DeferredFeed)
+
+
+def _feed(feed: uploads.DeferredFeed, buf: torch.Tensor, row: torch.Tensor, log: list[str]):  # type: ignore[no-untyped-def]
+    return feed.run(buf, [row], lambda: buf.copy_(row), lambda: log.append("issued") or len(log))
+
+
+def test_the_feed_stand_in_fills_then_issues_and_refuses_a_host_write_before_the_fence() -> None:
+    feed, log = uploads.DeferredFeed(), []
+    row, buf = torch.arange(4.0), torch.zeros(4)
+    out, fence = _feed(feed, buf, row, log)
+    assert out == 1 and log == ["issued"] and buf.tolist() == row.tolist()  # filled before the issue
+    row.add_(1.0)  # the host writes the row while its copy is pending: the next gather says so
+    with pytest.raises(RuntimeError, match="still pending"):
+        _feed(feed, torch.zeros(4), torch.ones(4), log)
+    row.sub_(1.0)
+    fence()  # after the fence the host may write the row
+    row.mul_(2.0)
+    _feed(feed, torch.zeros(4), torch.ones(4), log)
+    _, fence = _feed(feed, buf, row, log)
+    _, fence2 = _feed(feed, buf, row, log)  # a later copy from the same memory supersedes the first
+    fence()  # the superseded fence checks nothing
+    assert feed.pending == 2
+    row.zero_()
+    with pytest.raises(RuntimeError, match="still pending"):
+        fence2()
+    fence2()  # once only

@@ -68,7 +68,10 @@ class HostStep:
     def build(cls, params: object, device: torch.device) -> HostStep | None:
         """For ZeRO-3 storage ``params`` with separate host masters on ``device``; None where
         there is nothing to overlap (CPU, no such unit)."""
-        units = [u for u in getattr(params, "units", []) if u.separate_masters and u.group is not None]
+        # rows on disk are in memory only while resident: their masters are written back by after_step
+        units = [
+            u for u in getattr(params, "units", []) if u.separate_masters and u.group is not None and u.disk is None
+        ]
         uploader = choose(device)
         skip = getattr(params, "skip_pull", None)
         if not units or uploader is None or skip is None:

@@ -597,6 +597,7 @@ class ZeroEngine(WholeModelState):
                 "clip_grad_norm_ with the same value)"
             )
         self.finalize_grads()
+        self.params.fence_rows()  # the step writes host rows that a gather's copy may still read (uploads.py)
         scope = self.opts.scope(optimizer)
         total = self.reducer.clip_grad_norm_(max_norm, norm_type, only=scope)
         self._clipped.add(0 if scope is None or optimizer is None else key(optimizer))
@@ -614,6 +615,7 @@ class ZeroEngine(WholeModelState):
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._expect_idle("optimizer.step()", "call it after loss.backward() returns", forward_ok=True)
         self.finalize_grads()
+        self.params.fence_rows()  # the step writes host rows that a gather's copy may still read (uploads.py)
         scope = self.opts.scope(optimizer)
         clipped = 0 in self._clipped or (scope is not None and key(optimizer) in self._clipped)
         if self.config.gradient_clipping is not None and not clipped:
@@ -621,9 +623,7 @@ class ZeroEngine(WholeModelState):
         if self._skip_step:
             self.reducer.drop_master_grads()
             return
-        adam_direction(
-            self.reducer.compression, optimizer, self.step_count
-        )  # the frozen-variance Adam mode of compression (else nothing)
+        adam_direction(self.reducer.compression, optimizer, self.step_count)  # frozen-variance Adam (or nothing)
         if self.swapped is not None and self.optimizer is not None:
             self.disk.step(self.optimizer, self.params.masters_resident, self._step_label())
             # the optimizer's own step skips the disk groups (stepped already); their gradients come back after

@@ -48,11 +48,14 @@ class GatherCodec:
         """Elements of the wire dtype one rank sends, the tag included."""
         return shard_numel + TAG
 
-    def encode(self, slot: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], tag: int) -> None:
-        """Write this rank's ``rows`` (trainable, frozen) and ``tag`` into ``slot``."""
+    def encode(
+        self, slot: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], tag: int, *, non_blocking: bool = False
+    ) -> None:
+        """Write this rank's ``rows`` (trainable, frozen) and ``tag`` into ``slot``; ``non_blocking``:
+        rows in pinned host memory are copied without a host wait (a feed fences them, ``storage/uploads.py``)."""
         t, f = rows[0].numel(), rows[1].numel()
-        slot[:t].copy_(rows[0])  # cast to the wire dtype
-        slot[t : t + f].copy_(rows[1])
+        slot[:t].copy_(rows[0], non_blocking=non_blocking)  # cast to the wire dtype
+        slot[t : t + f].copy_(rows[1], non_blocking=non_blocking)
         write_tag(slot, slot.numel() - TAG, tag)
 
     def decode(self, gathered: torch.Tensor, shard_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +91,9 @@ class Int8(GatherCodec):
     def slot_numel(self, shard_numel: int) -> int:
         return quantize.packed_bytes(shard_numel) + TAG
 
-    def encode(self, slot: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], tag: int) -> None:
+    def encode(
+        self, slot: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], tag: int, *, non_blocking: bool = False
+    ) -> None:
         flat = torch.cat([rows[0].reshape(-1), rows[1].reshape(-1).to(rows[0].dtype)])
         quantize.pack(flat, slot)
         write_tag(slot, slot.numel() - TAG, tag)

@@ -47,7 +47,7 @@ from zero_strategy.sharding.states import SHARDED_TRANSITIONS, ShardedState, che
 from zero_strategy.storage.disk_rows import DiskRows, RowSwap
 from zero_strategy.storage.host_memory import HostPeak
 from zero_strategy.storage.offload import HOST, OffloadPolicy, OnDevice, OnDisk
-from zero_strategy.storage.uploads import PendingUpload, Uploader
+from zero_strategy.storage.uploads import PendingUpload, RowFeed, Uploader, choose_feed
 
 if TYPE_CHECKING:
     from zero_strategy.sharding.precision import Precision
@@ -94,6 +94,9 @@ class ParamStorage:
         """Group ``g``'s master pieces in memory inside the block (they always are, unless they
         are views of ZeRO-3 rows on disk); what the block changes is kept."""
         return contextlib.nullcontext()
+
+    def fence_rows(self) -> None:
+        """Before the optimizer step writes the masters: copies that read them are done."""
 
     def mapped(self, *, writable: bool) -> contextlib.AbstractContextManager[None]:
         """Rows on disk as memory maps inside the block, for checkpoints (nothing elsewhere)."""
@@ -262,9 +265,11 @@ class UnitStorage:
         cuts: tuple[int, ...] | None = None,  # expert owners' boundaries (expert_owners.py)
         peak: HostPeak | None = None,  # counts the host memory the originals free (host_memory.py)
         codec: GatherCodec = EXACT,  # the forward's and backward's gathers (gather_codec.py)
+        feed: RowFeed | None = None,  # rows in host memory into the gathers (storage/uploads.py)
     ) -> None:
         self.label, self.tag, self.ctx, self.meter = label, tag, ctx, meter
         self._upload: PendingUpload | None = None  # the row's copy from the host masters in flight (host_step.py)
+        self._fed: Callable[[], None] | None = None  # the fence of the rows' last copy into a gather
         self.codec, self._codec = codec, codec  # the configured one, the one of the gather now
         self.checks = checks or GatherChecks({})
         named = list(trainable) + list(frozen)
@@ -278,6 +283,7 @@ class UnitStorage:
         master_dtype = precision.master_dtype_for(self.params[0]) if trainable else self.dtype
         row_policy = row_policy or OnDevice()
         self.row_tier = row_policy.tier
+        self.feed = None if isinstance(row_policy, OnDevice) else feed
         separate = host_masters is not None and row_policy.tier != "host"
         row_dtype = self.dtype if separate else master_dtype  # separate host masters: the row only feeds gathers
 
@@ -440,8 +446,16 @@ class UnitStorage:
             slot = buf.view(n, s)[self.ctx.rank]
             self.settle()  # the row's upload after the host step (host_step.py, sync point 3)
             with self.resident():
-                codec.encode(slot, (self.row, self.frozen_row), self.tag)
-            handle = C.all_gather(self.ctx, buf, slot, what=what)
+                rows, feed = (self.row, self.frozen_row), self.feed
+                fill = lambda: codec.encode(slot, rows, self.tag, non_blocking=feed is not None)
+                issue = lambda: C.all_gather(self.ctx, buf, slot, what=what)
+                if feed is None:
+                    fill()
+                    handle = issue()
+                else:  # a side stream (storage/uploads.py); rows read from disk: their slab is fenced
+                    handle, self._fed = feed.run(buf, rows, fill, issue)
+                    if self.disk is not None:
+                        self.disk.fence(self._fed)
         self._buf, self._step, self._codec, self._handle = buf, step, codec, handle
         self._to(ShardedState.UNSHARDING, "unshard_async")
         self.meter.gathered(self)  # counted from the moment its gather buffer exists
@@ -498,6 +512,7 @@ class UnitStorage:
         (and its separate master); a gathered copy is dropped, so the next use gathers the new
         values."""
         mine = full.reshape(-1)[slice(*self.layout.local_range(i))]
+        self.fence_rows()
         with self.resident(write=True):
             self.piece(i).copy_(mine)
             if self.separate_masters and self.group is not None and i < self.n_trainable:
@@ -527,9 +542,16 @@ class UnitStorage:
         if pending is not None:
             (pending.host_wait if host else pending.device_wait)()
 
+    def fence_rows(self) -> None:
+        """Before the host writes the rows: wait for their last copy into a gather, if it may be pending."""
+        fed, self._fed = self._fed, None
+        if fed is not None:
+            fed()
+
     def pull_masters(self) -> None:
         """The masters changed (a step, a load): separate masters are copied into the row."""
         if self.separate_masters and self.group is not None:
+            self.fence_rows()
             with torch.no_grad(), self.resident(write=True, overwrite=0):  # every trainable piece is written
                 for i, m in enumerate(self.group.masters):
                     self.piece(i).copy_(m.detach(), non_blocking=m.is_pinned())
@@ -587,6 +609,7 @@ class ShardedParams(ParamStorage):
         first, so that such an error leaves the model's parameters untouched."""
         offload_optimizer = offload_optimizer or OnDevice()
         self.ctx = ctx
+        feed = choose_feed(ctx.device)  # for the units whose rows are offloaded
         self.meter = GatherMeter()
         self.skip_pull: set[int] = set()  # units whose row upload the host step issued (host_step.py)
         self.units: list[UnitStorage] = []
@@ -622,7 +645,7 @@ class ShardedParams(ParamStorage):
                             persistence_threshold, group_index=len(self.groups), row_policy=rows,
                             host_masters=host, row_swap=row_swap, checks=self.checks,
                             fractions=fractions, cuts=(unit_cuts or {}).get(label), peak=peak,
-                            codec=codec)  # fmt: skip
+                            codec=codec, feed=feed)  # fmt: skip
             self.units.append(u)
             if u.group is not None:
                 self.groups.append(u.group)
@@ -650,6 +673,8 @@ class ShardedParams(ParamStorage):
 
     @contextlib.contextmanager
     def mapped(self, *, writable: bool) -> Iterator[None]:
+        if writable:  # a checkpoint load writes the rows and masters
+            self.fence_rows()
         with contextlib.ExitStack() as stack:
             for u in self.units:
                 stack.enter_context(u.mapped(writable=writable))
@@ -685,6 +710,7 @@ class ShardedParams(ParamStorage):
                 with torch.no_grad():
                     for u in units:
                         u.version += 1
+                        u.fence_rows()  # the pieces are written
                         with u.resident(write=True):
                             for i, p in enumerate(u.params):
                                 u.piece(i).copy_(p.detach().reshape(-1)[slice(*u.layout.local_range(i))])
@@ -720,6 +746,10 @@ class ShardedParams(ParamStorage):
             self._loading_unit = u
             self._loading.enter_context(u.resident(write=True))
         u.store_full(i, full)
+
+    def fence_rows(self) -> None:
+        for u in self.units:
+            u.fence_rows()
 
     def after_step(self, step: str, only: frozenset[int] | None = None) -> None:
         # The masters are views of the rows (already updated) or, offloaded, copied into them

@@ -63,7 +63,7 @@ class RowSwap:
         self.buffer_size = buffer_size  # elements per read or write (DeepSpeed's offload_param.buffer_size)
         self.pinned = pinned
         self.files: list[DiskFile] = []
-        self._free: list[torch.Tensor] = []
+        self._free: list[tuple[torch.Tensor, Callable[[], None] | None]] = []  # with the fence of a copy reading it
         self.allocated = 0  # bytes of all slabs alive, in use or free
         self.read_ahead = os.environ.get("ZERO_STRATEGY_DISK_READ_AHEAD", "1") != "0"
         self._reader: ThreadPoolExecutor | None = None
@@ -84,20 +84,25 @@ class RowSwap:
     def take(self, nbytes: int) -> torch.Tensor:
         """An aligned uint8 slab of at least ``nbytes`` (block-rounded)."""
         need = _round_up(nbytes)
-        for k, slab in enumerate(self._free):
+        for k, (slab, fence) in enumerate(self._free):
             if slab.numel() >= need:
-                return self._free.pop(k)
+                del self._free[k]
+                if fence is not None:  # a gather's copy may still read it (storage/uploads.py)
+                    fence()
+                return slab
         if self._free:  # too small: the largest free one goes before a larger one is made
-            self.allocated -= self._free.pop().numel()
+            self.allocated -= self._free.pop()[0].numel()
         slab = aligned_empty(need, self.pinned)
         self.allocated += slab.numel()
         return slab
 
-    def give(self, slab: torch.Tensor) -> None:
-        self._free.append(slab)
-        self._free.sort(key=lambda t: t.numel())
+    def give(self, slab: torch.Tensor, fence: Callable[[], None] | None = None) -> None:
+        """``slab`` is free; ``fence``: to call before it is written again (a copy may read it).
+        A slab dropped for good needs none: the pinned allocator keeps it until its copies ran."""
+        self._free.append((slab, fence))
+        self._free.sort(key=lambda t: t[0].numel())
         while len(self._free) > self.KEEP:
-            self.allocated -= self._free.pop(0).numel()
+            self.allocated -= self._free.pop(0)[0].numel()
 
     def chunk_bytes(self) -> int:
         """Bytes per read or write call: ``buffer_size`` fp32 elements, block-rounded."""
@@ -164,6 +169,7 @@ class DiskRows:
         self.users = 0
         self.dirty = False
         self._slab: torch.Tensor | None = None
+        self._fence: Callable[[], None] | None = None  # a copy reading the resident slab (storage/uploads.py)
         self._ahead: tuple[torch.Tensor, Future[None]] | None = None  # a read ahead: its slab and its read
         slab = swap.take(self.file.nbytes)
         try:
@@ -206,8 +212,12 @@ class DiskRows:
                 finally:
                     self.dirty = False
                     self.detach()
-                    self._slab = None
-                    self.swap.give(current)
+                    self._slab, fence, self._fence = None, self._fence, None
+                    self.swap.give(current, fence)
+
+    def fence(self, fence: Callable[[], None]) -> None:
+        """A copy reading the resident rows was issued: their slab is not written again before ``fence``."""
+        self._fence = fence
 
     def read_ahead(self) -> None:
         """Start reading the rows in the background, unless they are in memory or on their way."""
