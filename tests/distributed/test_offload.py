@@ -263,25 +263,37 @@ def _overlapped_host_step_worker(rank: int, world: int) -> dict:
     """ZeRO-3 with the optimizer on the host steps group by group, each group's upload into its
     row issued before the next group steps (``offload/host_step.py``), with the CPU stand-in
     that writes each upload only when it is waited for: a reader of a row that does not wait
-    (the next gather, a checkpoint read) gathers the previous step's values, and parity fails."""
+    (the next gather, a checkpoint read) gathers the previous step's values, and parity fails.
+    ZeRO-1/2: each host group's copy and all-gather are issued as soon as it is stepped, through
+    the feed's stand-in, which raises if the host writes masters whose copy is still pending."""
     import os
 
+    from zero_strategy.sharding.replicated import ReplicatedParams
     from zero_strategy.storage import uploads
     from zero_strategy.testing.parity import Cell, compare
 
     os.environ["ZERO_STRATEGY_TEST_HOST_COPIES"] = "deferred"
-    counts = {"uploads": 0}
-    start = uploads.DeferredUpload.start
+    counts = {"uploads": 0, "early gathers": 0}
+    start, early = uploads.DeferredUpload.start, ReplicatedParams.issue_early
 
     def counted(self, dsts, srcs):  # type: ignore[no-untyped-def]
         counts["uploads"] += 1
         return start(self, dsts, srcs)
 
+    def counted_early(self, g):  # type: ignore[no-untyped-def]
+        counts["early gathers"] += 1
+        return early(self, g)
+
     uploads.DeferredUpload.start = counted  # type: ignore[method-assign]
+    ReplicatedParams.issue_early = counted_early  # type: ignore[method-assign]
     cells = [
         {"stage": 3, "offload": "cpu", "steps": 4},
         {"stage": 3, "offload": "cpu", "accum": "plain", "clip": 0.05, "optim": "adam", "tied": True, "steps": 4},
         {"stage": 3, "offload": "cpu", "frozen": True, "groups": True, "persist": 10_000, "optim": "sgd", "steps": 4},
+        # ZeRO-1/2: each host group's copy and all-gather issued as soon as it is stepped (replicated.py)
+        {"stage": 2, "offload": "cpu", "accum": "plain", "clip": 0.05, "optim": "adam", "steps": 4},
+        {"stage": 1, "offload": "cpu_half", "groups": True, "frozen": True, "steps": 4},
+        {"stage": 2, "offload": "cpu", "overlap": False, "dtype": "float32", "tied": True, "steps": 4},
     ]
     run_subtests(lambda **kw: compare(Cell(**kw), rank, world), cells, label="overlapped host step")
     return counts
@@ -289,7 +301,7 @@ def _overlapped_host_step_worker(rank: int, world: int) -> dict:
 
 def test_host_step_overlaps_the_upload_of_each_group(launch) -> None:
     for counts in launch(_overlapped_host_step_worker, 2, timeout=300):
-        assert counts["uploads"] > 0, counts
+        assert counts["uploads"] > 0 and counts["early gathers"] > 0, counts
 
 
 def _fed_gathers_worker(rank: int, world: int) -> dict:

@@ -30,9 +30,16 @@ as for the gradient copies of ``host_copies.py``): it reads the source when the 
 issued and writes the row only when waited for, so a reader that skipped the wait would
 gather the previous step's values and a DDP parity test fails.
 
+ZeRO-1/2 (``sharding/replicated.py``): the parts are the host groups, and what is issued after
+group k's step is its copy into the all-gather's send buffer and the all-gather itself, both on
+the feed's side stream (``storage/uploads.py``, ``StreamFeed``): sync point 1 is the feed's
+fence, point 2 the feed's issue, and the reader is the all-gather's completion (the compute
+stream waits for it before the unpack, no host block). At most ``max_in_flight`` of them are
+pending; ``after_step`` completes them and gathers the rest.
+
 Not covered: the gradient copies (``host_copies.py``) are all drained at the end of the
-backward (they overlap the backward), so each group's step finds its gradient shard complete;
-ZeRO-1/2 pack the updated pieces into their all-gather buffer right after the whole step.
+backward (they overlap the backward), so each group's step finds its gradient shard complete
+(the global norm of clipping and the overflow check need every group's anyway).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -49,34 +56,46 @@ from zero_strategy.offload.swapped_state import step_subset
 from zero_strategy.storage.uploads import Uploader, choose
 
 if TYPE_CHECKING:
-    from zero_strategy.sharding.unit import UnitStorage
+    from zero_strategy.sharding.group import ShardGroup
+    from zero_strategy.sharding.unit import ParamStorage
 
 __all__ = ["HostStep"]
 
 
+class StepPart(Protocol):
+    """What is stepped as one: a ZeRO-3 unit with separate host masters (its upload goes into
+    its device row), or a ZeRO-1/2 host group (its copy and all-gather into the full parameters,
+    ``sharding/replicated.py``)."""
+
+    @property
+    def group(self) -> ShardGroup | None: ...
+
+    def settle(self, *, host: bool = False) -> None: ...
+
+    def start_upload(self, uploader: Uploader) -> None: ...
+
+
 @dataclass
 class HostStep:
-    """Steps the units whose masters are separate host copies, one by one, each followed by
-    the upload of its pieces into its row. ``skip_pull`` is ``ShardedParams``' set of the units
-    whose upload this step issued (its ``after_step`` does not copy them again)."""
+    """Steps the storage's parts (``ParamStorage.step_parts``) one by one, each followed by the
+    issue of its copy. ``skip_pull`` is the storage's set of the parts whose copy this step
+    issued (its ``after_step`` does not copy them again)."""
 
     uploader: Uploader
-    units: Sequence[UnitStorage]
+    units: Sequence[StepPart]
     skip_pull: set[int]
+    params: ParamStorage
 
     @classmethod
-    def build(cls, params: object, device: torch.device) -> HostStep | None:
-        """For ZeRO-3 storage ``params`` with separate host masters on ``device``; None where
-        there is nothing to overlap (CPU, no such unit)."""
-        # rows on disk are in memory only while resident: their masters are written back by after_step
-        units = [
-            u for u in getattr(params, "units", []) if u.separate_masters and u.group is not None and u.disk is None
-        ]
+    def build(cls, params: ParamStorage | None, device: torch.device) -> HostStep | None:
+        """For the storage ``params`` on ``device``; None where there is nothing to overlap
+        (CPU, no part)."""
+        units = cast("list[StepPart]", list(params.step_parts())) if params is not None else []
         uploader = choose(device)
         skip = getattr(params, "skip_pull", None)
-        if not units or uploader is None or skip is None:
+        if params is None or not units or uploader is None or skip is None:
             return None
-        return cls(uploader, units, skip)
+        return cls(uploader, units, skip, params)
 
     def run(
         self, optimizer: torch.optim.Optimizer, guard: Callable[[], AbstractContextManager[None]]
@@ -103,5 +122,6 @@ class HostStep:
         return stashed
 
     def forget(self) -> None:
-        """The step is over (or failed): the next ``after_step`` copies every unit's masters."""
+        """The step is over (or failed): the next ``after_step`` copies every part's masters."""
+        self.params.forget_issued()
         self.skip_pull.clear()

@@ -77,6 +77,7 @@ from zero_strategy.sharding.members import unit_members
 from zero_strategy.sharding.partition import UnitPolicy, find_units
 from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, sharded_init_piece
 from zero_strategy.sharding.precision import select_precision, select_scaler
+from zero_strategy.sharding.replicated import ReplicatedParams
 from zero_strategy.sharding.secondary import SecondaryShards, secondary_context
 from zero_strategy.sharding.setup_checks import (
     agree_on_setup,
@@ -90,7 +91,7 @@ from zero_strategy.sharding.states import (
     TrainingState,
     check_transition,
 )
-from zero_strategy.sharding.unit import ParamStorage, ReplicatedParams, ShardedParams, refresh_masters
+from zero_strategy.sharding.unit import ParamStorage, ShardedParams
 from zero_strategy.storage.host_memory import HostPeak
 from zero_strategy.storage.offload import OffloadPolicy, optimizer_offload, param_offload
 
@@ -417,6 +418,10 @@ class ZeroEngine(WholeModelState):
         else:  # masters that are not views of the parameters must follow a load
             self._hooks.append(m.register_load_state_dict_post_hook(lambda mod, incompatible: self._refresh_masters()))
 
+    def _refresh_masters(self) -> None:
+        if isinstance(self.params, ReplicatedParams):
+            self.params.refresh_all_masters()
+
     def _install_schedule_hooks(self) -> list[Any]:
         if not self.schedule.reduces_when_ready:
             return []
@@ -434,11 +439,6 @@ class ZeroEngine(WholeModelState):
             self._set_training(TrainingState.IDLE, "a forward that raised")
         if self.zero3 is not None:
             self.zero3.root_post_forward(ok=ok)
-
-    def _refresh_masters(self) -> None:
-        with torch.no_grad():
-            for g in self.groups:
-                refresh_masters(g)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if self._root_depth > 1:  # the root called inside its own forward (Lightning's training_step

@@ -163,13 +163,14 @@ class ShardLayout:
             if rem:
                 flat[full_rows * c :].copy_(src[full_rows, :rem])
 
-    def pack_local(self, pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    def pack_local(self, pieces: Sequence[torch.Tensor], out: torch.Tensor, *, non_blocking: bool = False) -> None:
         """Write this rank's pieces (each ``local_numel(i)`` long) into a flat row of
-        ``shard_numel`` elements, zero-padding each to its chunk."""
+        ``shard_numel`` elements, zero-padding each to its chunk (``non_blocking``: pieces in
+        pinned host memory are copied without a host wait; the caller fences them)."""
         for i, piece in enumerate(pieces):
             off, c = self.offsets[i], self.chunks[i]
             k = piece.numel()
-            out[off : off + k].copy_(piece)
+            out[off : off + k].copy_(piece, non_blocking=non_blocking)
             if k < c:
                 out[off + k : off + c].zero_()
 

@@ -2,8 +2,8 @@
 
 Two policies, chosen by type:
 
-- :class:`ReplicatedParams` (ZeRO-1/2): every rank holds full parameters; after the optimizer
-  step each group's updated pieces are all-gathered into them.
+- :class:`~zero_strategy.sharding.replicated.ReplicatedParams` (ZeRO-1/2): every rank holds
+  full parameters; after the optimizer step each group's updated pieces are all-gathered into them.
 - :class:`ShardedParams` (ZeRO-3): every rank holds only its flat row of each unit (its pieces
   of every parameter, trainable and frozen, side by side). A unit moves SHARDED -> UNSHARDING -> UNSHARDED ->
   SHARDED; the full parameters exist only while UNSHARDED (outside, each parameter keeps its
@@ -21,7 +21,6 @@ on the device and the outcome is read once per step, with the gradient flags.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -53,7 +52,7 @@ if TYPE_CHECKING:
     from zero_strategy.sharding.precision import Precision
     from zero_strategy.sharding.secondary import SecondaryShards
 
-__all__ = ["ParamStorage", "ReplicatedParams", "ShardedParams", "ShardedState", "UnitDivergence", "UnitStorage"]
+__all__ = ["ParamStorage", "ShardedParams", "ShardedState", "UnitDivergence", "UnitStorage"]
 
 
 class ParamStorage:
@@ -98,87 +97,17 @@ class ParamStorage:
     def fence_rows(self) -> None:
         """Before the optimizer step writes the masters: copies that read them are done."""
 
+    def step_parts(self) -> Sequence[object]:
+        """What the overlapped host step (``offload/host_step.py``) steps one by one: objects with
+        ``group``, ``settle(host=True)`` and ``start_upload(uploader)``; none by default."""
+        return []
+
+    def forget_issued(self) -> None:
+        """A step is over or failed: copies the host step issued are completed or forgotten."""
+
     def mapped(self, *, writable: bool) -> contextlib.AbstractContextManager[None]:
         """Rows on disk as memory maps inside the block, for checkpoints (nothing elsewhere)."""
         return contextlib.nullcontext()
-
-
-class ReplicatedParams(ParamStorage):
-    """ZeRO-1/2: full parameters everywhere; refreshed by an all-gather after each step."""
-
-    def __init__(
-        self, ctx: C.CommContext, groups: Sequence[ShardGroup], params: Sequence[torch.Tensor], max_in_flight: int
-    ) -> None:
-        self.ctx, self.groups, self.params, self.max_in_flight = ctx, list(groups), list(params), max_in_flight
-        self._where = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
-
-    @contextlib.contextmanager
-    def gathered(self, params: Sequence[torch.Tensor] | None, modifier_rank: int | None, step: str) -> Iterator[None]:
-        """Parameters are full already; with a modifier rank, its values are broadcast and
-        the masters refreshed."""
-        yield
-        if modifier_rank is not None:
-            plist = self.params if params is None else list(params)
-            C.broadcast_coalesced(
-                self.ctx, [p.detach() for p in plist], src=modifier_rank, what="gathered_parameters(modifier_rank=...)"
-            )
-            with torch.no_grad():
-                for g in self.groups:
-                    refresh_masters(g)
-
-    def load_full(self, p: torch.Tensor, full: torch.Tensor) -> None:
-        p.copy_(full)
-        where = self._where.get(id(p))
-        if where is None:  # frozen: no master
-            return
-        g, i = where
-        if not g.master_is_view(i):
-            g.masters[i].data.copy_(full.reshape(-1)[slice(*g.layout.local_range(i))])
-
-    def after_step(self, step: str, only: frozenset[int] | None = None) -> None:
-        """All-gather the updated pieces into the full parameters: every group's, or with
-        ``only`` (one of several optimizers stepped) just those parameters', in a layout of
-        their own pieces (a piece's range depends only on its parameter, so it is the same)."""
-        n, ctx = self.ctx.world_size, self.ctx
-        pending: list[tuple[ShardLayout, list[torch.Tensor], C.Handle, torch.Tensor]] = []
-
-        def complete(entry: tuple[ShardLayout, list[torch.Tensor], C.Handle, torch.Tensor]) -> None:
-            lay, params, h, buf = entry
-            h.wait()
-            with torch.no_grad():
-                lay.unpack_full(buf, [p.detach().view(-1) for p in params])
-            ctx.pool.put(buf)
-
-        for g in self.groups:
-            picked = [i for i, p in enumerate(g.params) if only is None or id(p) in only]
-            if not picked:
-                continue
-            lay = g.layout if len(picked) == len(g.params) else _sub_layout(g.layout, picked)
-            buf = ctx.pool.get(n * lay.shard_numel, g.params[0].dtype, g.device)
-            row = buf.view(n, lay.shard_numel)[ctx.rank]
-            with torch.no_grad():
-                lay.pack_local([g.masters[i].detach() for i in picked], row)
-            what = f"parameters of {g.name} ({step})"
-            pending.append((lay, [g.params[i] for i in picked], C.all_gather(ctx, buf, row, what=what), buf))
-            if len(pending) > self.max_in_flight:
-                complete(pending.pop(0))
-        for entry in pending:
-            complete(entry)
-
-    def flat_value(self, p: torch.Tensor) -> torch.Tensor:
-        return p.data.view(-1)
-
-
-def _sub_layout(layout: ShardLayout, picked: Sequence[int]) -> ShardLayout:
-    """The layout of parameters ``picked`` of ``layout`` alone: each keeps its pieces' ranges."""
-    return dataclasses.replace(layout, numels=tuple(layout.numels[i] for i in picked))
-
-
-def refresh_masters(g: ShardGroup) -> None:
-    """Copy this rank's pieces of ``g``'s full parameters into masters that are not views."""
-    for i, p in enumerate(g.params):
-        if not g.master_is_view(i):
-            g.masters[i].data.copy_(p.detach().reshape(-1)[slice(*g.layout.local_range(i))])
 
 
 class GatherMeter:
@@ -750,6 +679,14 @@ class ShardedParams(ParamStorage):
     def fence_rows(self) -> None:
         for u in self.units:
             u.fence_rows()
+
+    def step_parts(self) -> list[UnitStorage]:
+        """Units whose masters are separate host copies of a device row (rows on disk are in
+        memory only while resident: their masters are written back by ``after_step``)."""
+        return [u for u in self.units if u.separate_masters and u.group is not None and u.disk is None]
+
+    def forget_issued(self) -> None:
+        self.skip_pull.clear()  # the next after_step copies every unit's masters
 
     def after_step(self, step: str, only: frozenset[int] | None = None) -> None:
         # The masters are views of the rows (already updated) or, offloaded, copied into them

@@ -50,8 +50,8 @@ class Uploader:
 
 
 @dataclass(frozen=True)
-class StreamUpload(Uploader):
-    """CUDA: the copies on a side stream of ``device``, non-blocking from pinned memory, and an event."""
+class _SideStream:
+    """A side stream of ``device``, made at its first use."""
 
     device: torch.device
     _streams: dict[int, torch.cuda.Stream] = field(default_factory=dict, compare=False)
@@ -61,6 +61,11 @@ class StreamUpload(Uploader):
         if s is None:
             s = self._streams[0] = torch.cuda.Stream(self.device)
         return s
+
+
+@dataclass(frozen=True)
+class StreamUpload(_SideStream, Uploader):
+    """CUDA: the copies on a side stream of ``device``, non-blocking from pinned memory, and an event."""
 
     def start(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> PendingUpload:
         side, current = self._side(), torch.cuda.current_stream(self.device)
@@ -114,7 +119,7 @@ class RowFeed:
 
 
 @dataclass(frozen=True)
-class StreamFeed(RowFeed):
+class StreamFeed(_SideStream, RowFeed):
     """CUDA: the copy and the all-gather on a side stream of ``device``.
 
     Sync points, in order:
@@ -140,15 +145,6 @@ class StreamFeed(RowFeed):
 
     Before this feed, the copy ran on the compute stream with ``non_blocking=False``: each
     gather of an offloaded unit blocked the host until everything queued had run."""
-
-    device: torch.device
-    _streams: dict[int, torch.cuda.Stream] = field(default_factory=dict, compare=False)
-
-    def _side(self) -> torch.cuda.Stream:
-        s = self._streams.get(0)
-        if s is None:
-            s = self._streams[0] = torch.cuda.Stream(self.device)
-        return s
 
     def run(
         self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], fill: Callable[[], None], issue: Callable[[], T]
