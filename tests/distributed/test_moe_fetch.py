@@ -14,6 +14,8 @@ dropped)."""
 
 from __future__ import annotations
 
+import pytest
+
 from zero_strategy.testing import assert_close, run_subtests
 
 VOCAB = 32
@@ -549,12 +551,21 @@ def _tied_moe(calls: int, as_list: bool):
 
 
 def _placement_case(
-    rank: int, calls: int = 1, as_list: bool = False, threshold: int = 0, evals: bool = False, inside: bool = False
+    rank: int,
+    calls: int = 1,
+    as_list: bool = False,
+    threshold: int = 0,
+    evals: bool = False,
+    inside: bool = False,
+    raised: bool = False,
+    compact: bool = True,
 ) -> None:
     """Compact placements in the corners: a persistent experts unit (``threshold``: the default
     keeps a small one gathered whole), a call whose selection is unreadable (gathered whole, its
     backward too), one module called twice per forward, an evaluation forward between a forward
-    and its backward, a training step inside ``gathered_parameters`` (``inside``), and a forward
+    and its backward, a training step inside ``gathered_parameters`` (``inside``), a forward
+    whose experts call raised after the engine placed its selection (``raised``: a user's
+    pre-hook registered later; with ``compact`` off the rows are placed full-size), and a forward
     inside ``gathered_parameters`` after the steps (no stale slots): the weights of SGD on both
     ranks' batches in one process, and its logits."""
     import contextlib
@@ -566,6 +577,7 @@ def _placement_case(
 
     ref = _tied_moe(calls, as_list)
     model = copy.deepcopy(ref)
+    start = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(2):
         for micro in range(2):
@@ -574,8 +586,24 @@ def _placement_case(
                 (ref(input_ids=ids, labels=ids).loss / 4).backward()
         ropt.step()
         ropt.zero_grad()
-    cfg = zs.ZeroConfig(stage=3, stage3_param_persistence_threshold=threshold, moe_full_gather_share=1.0)
+    cfg = zs.ZeroConfig(
+        stage=3, stage3_param_persistence_threshold=threshold, moe_full_gather_share=1.0, moe_compact_gather=compact
+    )
     net, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.5), config=cfg)
+    if raised:  # the engine's pre-hook placed the selected rows, then the call raised
+
+        def refuse(module, args):
+            raise ValueError("refused by a later pre-hook")
+
+        handle = model.experts.register_forward_pre_hook(refuse)
+        ids = _batch(5, 5, rank)
+        with pytest.raises(ValueError, match="refused"):
+            net(input_ids=ids, labels=ids)
+        handle.remove()
+        with torch.no_grad(), zs.gathered_parameters(model):  # the whole experts, not the placed rows
+            for k, v in model.state_dict().items():
+                assert tuple(v.shape) == tuple(start[k].shape), f"rank {rank}: {k} is {tuple(v.shape)} after a raise"
+                assert_close(v, start[k], rtol=0.0, atol=0.0, what=f"rank {rank}: {k} after a raise")
     for step in range(2):
         for micro in range(2):
             ids = _batch(step, micro, rank)
@@ -599,8 +627,8 @@ def _placement_case(
         assert_close(state[k], v, rtol=0.0, atol=1e-5 * float(v.abs().max()), what=f"rank {rank}: {k}")
     assert_close(got, want, rtol=1e-5, atol=1e-6, what=f"rank {rank}: logits inside gathered_parameters")
     stats = net.zero_engine.memory_stats()
-    if threshold == 0 and not as_list and not inside:
-        assert stats["moe_compact_gathers"] > 0, stats
+    if threshold == 0 and not as_list and not inside:  # placed compactly, or full-size when asked
+        assert (stats["moe_compact_gathers"] > 0) == compact, stats
 
 
 _PLACEMENT_CELLS = [
@@ -608,6 +636,8 @@ _PLACEMENT_CELLS = [
     dict(as_list=True),  # every call gathered whole, and so are the backwards
     dict(calls=2, evals=True),
     dict(inside=True),
+    dict(raised=True),
+    dict(raised=True, compact=False),
 ]
 
 

@@ -494,6 +494,16 @@ class UnitScheduler:
     def expert_post_forward(self, x: ExpertRows) -> None:
         x.release()
 
+    def expert_call_raised(self, x: ExpertRows) -> None:
+        """The experts module's call raised after its gather. In a forward its rows go now
+        (:meth:`ExpertRows.abandon`); in a backward they stay: non-reentrant activation
+        checkpointing stops a recomputation with an exception once it has what the backward
+        needs, which reads these rows, and they go with their block."""
+        if self._in_backward:
+            x.open_call = False
+        else:
+            x.abandon()
+
     def expert_pre_backward(self, x: ExpertRows) -> None:
         """Gradients reached an experts module's output: gather its forward's union again. It
         stays until its block's unit finishes its backward (or the backward ends)."""

@@ -119,12 +119,16 @@ class Zero3Hooks:
     # -- MoE experts modules ---------------------------------------------------------------
     def _expert_pre(self, x: ExpertRows, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         self.scheduler.expert_pre_forward(x, x.found.selection(args, kwargs))
+        x.open_call = True
         return x.call_arguments(args, kwargs)  # compact rows: the selection as slots (expert_compact.py)
 
     def _expert_call_done(self, x: ExpertRows, module: nn.Module, args: Any, output: Any) -> None:
         x.call_done()
+        if x.open_call:  # the call raised between the gather and the forward hook
+            self.scheduler.expert_call_raised(x)
 
     def _expert_post(self, x: ExpertRows, module: nn.Module, args: Any, output: Any) -> Any:
+        x.open_call = False
         self.scheduler.expert_post_forward(x)
         if torch.is_grad_enabled():  # its backward gathers the same union again
             hooked = False

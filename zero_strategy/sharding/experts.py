@@ -200,6 +200,8 @@ class ExpertRows:
         self.current: tuple[int, ...] | None = None  # the union gathered now (None: whole, or nothing)
         self.passes: list[tuple[int, ...]] = []  # unions of forwards whose backward is to come
         self.kinds: list[bool] = []  # per pass: whether its forward's rows were placed compactly
+        self.open_call = False  # the module's call gathered its rows and has not returned yet
+        self._pushed = False  # the latest forward gather left a pass for its backward
         self.pending: set[int] = set()  # experts of every forward since the last reduction
         self.pending_full = False  # some forward since the last reduction did not say its selection
         self.current_union: tuple[int, ...] = ()  # the union being gathered
@@ -273,11 +275,13 @@ class ExpertRows:
         """A forward's gather of ``union``; one with gradients remembers it, and how its rows
         were placed, for its backward and the reduction. Collective."""
         grad = torch.is_grad_enabled()
+        self._pushed = False
         if grad:
             self.remember(union)
         self.gather(union, step)
         if grad:
             self.kinds.append(self.placed_compactly())
+            self._pushed = True
 
     def backward_gather(self, step: str) -> None:
         """The gather for the backward of the latest forward not yet backpropagated: its union
@@ -570,6 +574,19 @@ class ExpertRows:
         """After the module's call (also when it raised): its ``num_experts`` is ``E`` again."""
         if self.compact is not None:
             self.compact.exit()
+
+    def abandon(self) -> None:
+        """The call raised after its gather (a pre-hook registered after the engine's, the
+        module's forward): no backward comes for it, and the selected rows go now, since the
+        parameters hold a selection (compact rows, or full-size ones zero outside it) that a
+        later reader (``gathered_parameters``, a checkpoint) would take for the whole. The
+        union stays in the next reduction's (rows of zero gradient)."""
+        self.open_call = False
+        if self._pushed and self.passes and self.kinds:
+            self.passes.pop()
+            self.kinds.pop()
+        self._pushed = False
+        self.release(force=True)
 
     # -- compact gradients, for the reducer ------------------------------------------------------
     def full_grads(self) -> list[torch.Tensor | None] | None:
