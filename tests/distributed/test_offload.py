@@ -324,6 +324,13 @@ def _fed_gathers_worker(rank: int, world: int) -> dict:
         return run(self, buf, srcs, fill, issue)
 
     uploads.DeferredFeed.run = counted  # type: ignore[method-assign]
+    if world == 1:  # no collective orders the reader after the copy: only the handle's wait does
+        cells = [
+            {"stage": 3, "offload": "param", "accum": "plain", "optim": "adam", "steps": 3},
+            {"stage": 2, "offload": "cpu", "clip": 0.05, "steps": 3},
+        ]
+        run_subtests(lambda **kw: compare(Cell(**kw), rank, world), cells, label="fed gathers, one rank")
+        return counts
     cells = [
         {"stage": 3, "offload": "param", "accum": "plain", "prefetch": 2, "optim": "adam", "steps": 4},
         {
@@ -344,3 +351,5 @@ def _fed_gathers_worker(rank: int, world: int) -> dict:
 def test_offloaded_rows_reach_their_gathers_through_a_fenced_feed(launch) -> None:
     for counts in launch(_fed_gathers_worker, 2, timeout=300):
         assert counts["fed"] > 0, counts
+    (alone,) = launch(_fed_gathers_worker, 1, timeout=120)  # a group of one rank: the reader waits on the copy
+    assert alone["fed"] > 0, alone

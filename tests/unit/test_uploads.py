@@ -36,15 +36,30 @@ def test_cpu_has_no_feed_unless_the_tests_ask(monkeypatch) -> None:
     assert isinstance(uploads.choose_feed(torch.device("cpu")), uploads.DeferredFeed)
 
 
-def _feed(feed: uploads.DeferredFeed, buf: torch.Tensor, row: torch.Tensor, log: list[str]):  # type: ignore[no-untyped-def]
-    return feed.run(buf, [row], lambda: buf.copy_(row), lambda: log.append("issued") or len(log))
+class _Issued:
+    """A collective's handle as the feed sees it: ``local`` (a group of one rank: nothing in
+    flight) and the steps its ``wait`` runs at the end."""
+
+    def __init__(self, n: int, local: bool = False) -> None:
+        self.n, self.local, self.after = n, local, []
+
+    def then(self, step) -> None:  # type: ignore[no-untyped-def]
+        self.after.append(step)
+
+    def wait(self) -> None:
+        for step in self.after:
+            step()
+
+
+def _feed(feed: uploads.DeferredFeed, buf: torch.Tensor, row: torch.Tensor, log: list[str], local: bool = False):  # type: ignore[no-untyped-def]
+    return feed.run(buf, [row], lambda: buf.copy_(row), lambda: log.append("issued") or _Issued(len(log), local))
 
 
 def test_the_feed_stand_in_fills_then_issues_and_refuses_a_host_write_before_the_fence() -> None:
     feed, log = uploads.DeferredFeed(), []
     row, buf = torch.arange(4.0), torch.zeros(4)
     out, fence = _feed(feed, buf, row, log)
-    assert out == 1 and log == ["issued"] and buf.tolist() == row.tolist()  # filled before the issue
+    assert out.n == 1 and log == ["issued"] and buf.tolist() == row.tolist()  # filled before the issue
     row.add_(1.0)  # the host writes the row while its copy is pending: the next gather says so
     with pytest.raises(RuntimeError, match="still pending"):
         _feed(feed, torch.zeros(4), torch.ones(4), log)
@@ -60,3 +75,16 @@ def test_the_feed_stand_in_fills_then_issues_and_refuses_a_host_write_before_the
     with pytest.raises(RuntimeError, match="still pending"):
         fence2()
     fence2()  # once only
+
+
+def test_a_one_rank_gather_shows_its_rows_only_after_the_wait() -> None:
+    """A group of one rank issues no collective, so nothing but the handle's wait orders its
+    reader after the side stream's copy: the stand-in hides the rows until that wait."""
+    feed, row, buf = uploads.DeferredFeed(), torch.arange(4.0), torch.zeros(4)
+    handle, fence = _feed(feed, buf, row, [], local=True)
+    assert buf.isnan().all()  # all-ones bytes: what a reader that skipped the wait could see
+    handle.wait()
+    assert buf.tolist() == row.tolist()
+    fence()
+    handle, _ = _feed(feed, buf.zero_(), row, [])  # a collective in flight reads the buffer: filled at once
+    assert buf.tolist() == row.tolist()

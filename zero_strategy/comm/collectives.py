@@ -331,6 +331,23 @@ class Handle:
         self._elements, self._element_size, self._seconds = elements, element_size, issue_seconds
         self.done = False
 
+    @property
+    def local(self) -> bool:
+        """Nothing in flight: a group of one rank, whose collective moved nothing."""
+        return not self._works
+
+    def then(self, step: Callable[[], None]) -> None:
+        """Run ``step`` at the end of :meth:`wait` too: a device-side wait for a stream that the
+        collective was not ordered after (a group of one rank issues no work to order it)."""
+        first = self._finish
+
+        def both() -> None:
+            if first is not None:
+                first()
+            step()
+
+        self._finish = both
+
     def wait(self) -> None:
         if self.done:
             return

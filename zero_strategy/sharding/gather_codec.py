@@ -94,6 +94,8 @@ class Int8(GatherCodec):
     def encode(
         self, slot: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], tag: int, *, non_blocking: bool = False
     ) -> None:
+        if non_blocking:  # rows in pinned host memory: copied first, quantized on the device (no host block)
+            rows = (rows[0].to(slot.device, non_blocking=True), rows[1].to(slot.device, non_blocking=True))
         flat = torch.cat([rows[0].reshape(-1), rows[1].reshape(-1).to(rows[0].dtype)])
         quantize.pack(flat, slot)
         write_tag(slot, slot.numel() - TAG, tag)

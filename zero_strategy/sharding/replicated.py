@@ -44,8 +44,10 @@ class GroupPart:
         self.owner, self.group = owner, group
 
     def settle(self, *, host: bool = False) -> None:
+        """Before the host steps this group: its own last copy has read its masters (the
+        other groups' copies may still run: they read other masters)."""
         if host:
-            self.owner.fence_rows()
+            self.owner.fence_group(self.group)
 
     def start_upload(self, uploader: Uploader) -> None:
         """The group's masters were just stepped: their copy and all-gather are issued (through
@@ -65,14 +67,20 @@ class ReplicatedParams(ParamStorage):
         self.parts = [GroupPart(self, g) for g in self.groups if g.tier == "host"] if self.feed is not None else []
         self.skip_pull: set[int] = set()  # parts whose gather the host step issued (it fills it: host_step.py)
         self._issued: list[_Pending] = []  # those gathers, not completed yet, in issue order
-        self._fences: list[Callable[[], None]] = []  # copies that read host masters, maybe pending
+        self._fences: dict[int, list[Callable[[], None]]] = {}  # by group: copies reading its masters, maybe pending
 
     def step_parts(self) -> list[GroupPart]:
         return self.parts
 
     def fence_rows(self) -> None:
-        fences, self._fences = self._fences, []
-        for fence in fences:
+        fences, self._fences = self._fences, {}
+        for per_group in fences.values():
+            for fence in per_group:
+                fence()
+
+    def fence_group(self, g: ShardGroup) -> None:
+        """Before the host writes group ``g``'s masters: wait for the copies that read them."""
+        for fence in self._fences.pop(id(g), ()):
             fence()
 
     @contextlib.contextmanager
@@ -127,7 +135,7 @@ class ReplicatedParams(ParamStorage):
                 handle = issue()
             else:  # a side stream (storage/uploads.py): the host goes on at once
                 handle, fence = feed.run(buf, masters, fill, issue)
-                self._fences.append(fence)
+                self._fences.setdefault(id(g), []).append(fence)
         return lay, [g.params[i] for i in picked], handle, buf
 
     def _complete(self, entry: _Pending) -> None:

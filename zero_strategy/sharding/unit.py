@@ -467,9 +467,15 @@ class UnitStorage:
     def settle(self, *, host: bool = False) -> None:
         """Wait for the row's upload in flight, if any: on the device before a device reader
         uses the row, on the host (``host``) before the masters are written again."""
-        pending, self._upload = self._upload, None
-        if pending is not None:
-            (pending.host_wait if host else pending.device_wait)()
+        pending = self._upload
+        if pending is None:
+            return
+        if host:
+            self._upload = None
+            pending.host_wait()
+        else:  # the host's wait stays due: the masters may not be written until the copy read them
+            pending.device_wait()
+            self._upload = PendingUpload(_nothing, pending.host_wait)
 
     def fence_rows(self) -> None:
         """Before the host writes the rows: wait for their last copy into a gather, if it may be pending."""
@@ -484,6 +490,10 @@ class UnitStorage:
             with torch.no_grad(), self.resident(write=True, overwrite=0):  # every trainable piece is written
                 for i, m in enumerate(self.group.masters):
                     self.piece(i).copy_(m.detach(), non_blocking=m.is_pinned())
+
+
+def _nothing() -> None:
+    """No wait left."""
 
 
 def unit_dtype(label: str, params: Sequence[torch.Tensor], precision: Precision) -> torch.dtype:

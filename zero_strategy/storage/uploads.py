@@ -21,16 +21,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
+
+from zero_strategy.comm.collectives import Handle
 
 __all__ = [
     "DeferredFeed", "DeferredUpload", "PendingUpload", "RowFeed", "StreamFeed", "StreamUpload", "Uploader", "choose",
     "choose_feed",
 ]  # fmt: skip
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -110,12 +109,20 @@ class RowFeed:
     """How a ZeRO-3 unit's rows in host memory reach its gather's send buffer."""
 
     def run(
-        self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], fill: Callable[[], None], issue: Callable[[], T]
-    ) -> tuple[T, Callable[[], None]]:
+        self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], fill: Callable[[], None], issue: Callable[[], Handle]
+    ) -> tuple[Handle, Callable[[], None]]:
         """``fill`` copies ``srcs`` (the rows) into ``buf``, ``issue`` starts the collective that
-        sends ``buf``; returns what ``issue`` returned and the host's fence: called before the
-        host writes ``srcs`` again (or reuses their memory)."""
-        raise NotImplementedError(f"{type(self).__name__}.run")
+        sends ``buf``; returns its handle, whose ``wait`` also orders the reader after the copy,
+        and the host's fence: called before the host writes ``srcs`` again (or reuses their memory)."""
+        handle, device_wait, fence = self._start(buf, srcs, fill, issue)
+        handle.then(device_wait)
+        return handle, fence
+
+    def _start(
+        self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], fill: Callable[[], None], issue: Callable[[], Handle]
+    ) -> tuple[Handle, Callable[[], None], Callable[[], None]]:
+        """Issue the copy and the collective: their handle, the reader's wait, the host's fence."""
+        raise NotImplementedError(f"{type(self).__name__}._start")
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,10 @@ class StreamFeed(_SideStream, RowFeed):
        not after the compute stream. ``buf`` is recorded on the side stream
        (``Tensor.record_stream``) and an event is recorded after the issue.
     3. The reader: ``wait_unshard`` waits for the collective's work, which queues a wait of
-       the compute stream on NCCL's stream (no host block) before the unpack.
+       the compute stream on NCCL's stream (no host block) before the unpack, then a wait of
+       the reader's stream on the copy's event (``Handle.then``). NCCL's stream already
+       follows the side stream; a group of one rank issues no work, so this second wait is
+       what orders its reader after the copy.
     4. The host's fence, ``event.synchronize()`` of the copy's event (normally long done),
        before the host writes the rows again: the engine calls it for every unit before the
        optimizer step and a checkpoint load (``ShardedParams.fence_rows``), and a unit before it
@@ -146,9 +156,9 @@ class StreamFeed(_SideStream, RowFeed):
     Before this feed, the copy ran on the compute stream with ``non_blocking=False``: each
     gather of an offloaded unit blocked the host until everything queued had run."""
 
-    def run(
-        self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], fill: Callable[[], None], issue: Callable[[], T]
-    ) -> tuple[T, Callable[[], None]]:
+    def _start(
+        self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], fill: Callable[[], None], issue: Callable[[], Handle]
+    ) -> tuple[Handle, Callable[[], None], Callable[[], None]]:
         side = self._side()
         side.wait_stream(torch.cuda.current_stream(self.device))  # sync point 1
         with torch.cuda.stream(side):
@@ -157,7 +167,7 @@ class StreamFeed(_SideStream, RowFeed):
         buf.record_stream(side)
         event = torch.cuda.Event()
         event.record(side)
-        return out, event.synchronize
+        return out, lambda: torch.cuda.current_stream(self.device).wait_event(event), event.synchronize  # 3, 4
 
 
 @dataclass
@@ -165,7 +175,9 @@ class DeferredFeed(RowFeed):
     """Tests on CPU: the copy runs at once, but stays pending until its fence is called or a
     later copy from the same memory supersedes it (on a GPU the side stream runs them in
     order); each gather, and the fence, raise if the host wrote a pending copy's rows, as it
-    would have raced the copy engine on a GPU."""
+    would have raced the copy engine on a GPU. A gather in a group of one rank (nothing in
+    flight) shows its rows only when its handle is waited for: a reader that skips the wait
+    reads bytes of all ones, as it could read the buffer before the side stream's copy."""
 
     _pending: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
 
@@ -177,13 +189,21 @@ class DeferredFeed(RowFeed):
                 "fence before a host write: an engine bug, please report it)"
             )
 
-    def run(
-        self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], fill: Callable[[], None], issue: Callable[[], T]
-    ) -> tuple[T, Callable[[], None]]:
+    def _start(
+        self, buf: torch.Tensor, srcs: Sequence[torch.Tensor], fill: Callable[[], None], issue: Callable[[], Handle]
+    ) -> tuple[Handle, Callable[[], None], Callable[[], None]]:
         for entry in self._pending.values():
             self._check(entry)
         fill()
         out = issue()
+        copied = buf.clone() if out.local else None  # no collective reads the buffer: the copy lands at the wait
+        if copied is not None:
+            buf.view(torch.uint8).fill_(255)
+
+        def landed() -> None:
+            if copied is not None:
+                buf.copy_(copied)
+
         key = tuple(s.data_ptr() for s in srcs)  # a later copy from the same memory supersedes this one
         entry = self._pending[key] = (list(srcs), [s.detach().clone() for s in srcs])
 
@@ -192,7 +212,7 @@ class DeferredFeed(RowFeed):
                 del self._pending[key]
                 self._check(entry)
 
-        return out, fence
+        return out, landed, fence
 
     @property
     def pending(self) -> int:
