@@ -294,9 +294,53 @@ def _overlapped_host_step_worker(rank: int, world: int) -> dict:
         {"stage": 2, "offload": "cpu", "accum": "plain", "clip": 0.05, "optim": "adam", "steps": 4},
         {"stage": 1, "offload": "cpu_half", "groups": True, "frozen": True, "steps": 4},
         {"stage": 2, "offload": "cpu", "overlap": False, "dtype": "float32", "tied": True, "steps": 4},
+        # optimizer state on disk: the disk tier steps those groups, the host step the others
+        {"stage": 2, "offload": "nvme", "clip": 0.05, "steps": 3},
+        {"stage": 3, "offload": "nvme", "accum": "plain", "steps": 3},
+        {"stage": 3, "offload": "all_nvme", "steps": 3},
     ]
     run_subtests(lambda **kw: compare(Cell(**kw), rank, world), cells, label="overlapped host step")
+    run_subtests(
+        lambda **kw: _disk_groups_after_a_host_step(rank, **kw), [{"stage": 2}, {"stage": 3}], label="disk groups"
+    )
     return counts
+
+
+def _disk_groups_after_a_host_step(rank: int, stage: int) -> None:
+    """The optimizer state on disk: the disk tier steps its groups before the host step runs
+    the others. After the step every gradient is still readable, and a second ``step()``
+    without ``zero_grad`` steps every group again, as without the overlapped host step."""
+    import copy
+    import os
+
+    import torch
+
+    import zero_strategy as zs
+    from zero_strategy.testing import assert_close
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32))
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(rank))
+    got = {}
+    for copies in ("", "deferred"):  # the plain step, then the overlapped one
+        os.environ["ZERO_STRATEGY_TEST_HOST_COPIES"] = copies
+        model = copy.deepcopy(base)
+        cfg = zs.ZeroConfig(stage=stage, offload_optimizer={"device": "nvme"}, stage3_param_persistence_threshold=0)
+        net, opt = zs.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=cfg)
+        net(x).sum().backward()
+        opt.step()
+        grads = [zs.full_grad(model, p) for p in model.parameters()]
+        opt.step()  # the same gradients again
+        with zs.gathered_parameters(model):
+            weights = [p.detach().clone() for p in model.parameters()]
+        got[copies] = grads, weights
+        zs.destroy(net)
+    for i, (want, have) in enumerate(zip(*[got[""][0], got["deferred"][0]])):
+        if want is None or have is None:
+            raise AssertionError(f"rank {rank}: gradient {i} after the step: {have} (plain step: {want})")
+        assert_close(have, want, rtol=1e-6, atol=1e-7, what=f"rank {rank}: gradient {i} after the step")
+    for i, (want, have) in enumerate(zip(got[""][1], got["deferred"][1])):
+        assert_close(have, want, rtol=1e-6, atol=1e-7, what=f"rank {rank}: weight {i} after two steps")
 
 
 def test_host_step_overlaps_the_upload_of_each_group(launch) -> None:

@@ -40,6 +40,14 @@ pending; ``after_step`` completes them and gathers the rest.
 Not covered: the gradient copies (``host_copies.py``) are all drained at the end of the
 backward (they overlap the backward), so each group's step finds its gradient shard complete
 (the global norm of clipping and the overflow check need every group's anyway).
+
+Groups whose optimizer state is on disk are stepped by the disk tier before this runs, and are
+skipped here. The host groups are stepped from the engine's step pre-hook, so a pre-hook that
+the user registers on the optimizer after ``initialize`` runs after them: what it changes (a
+learning rate, a gradient) reaches only the device groups. Set the learning rate before
+``step()`` (as schedulers do). An exception in the middle (an optimizer error on one group)
+leaves the groups before it stepped, as torch's own step leaves the param groups before a
+failing one: reload a checkpoint rather than call ``step()`` again.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 
 from zero_strategy._swap import original_class
-from zero_strategy.offload.swapped_state import step_subset
+from zero_strategy.offload.swapped_state import SwappedOptimizerState, step_subset
 from zero_strategy.storage.uploads import Uploader, choose
 
 if TYPE_CHECKING:
@@ -98,19 +106,25 @@ class HostStep:
         return cls(uploader, units, skip, params)
 
     def run(
-        self, optimizer: torch.optim.Optimizer, guard: Callable[[], AbstractContextManager[None]]
+        self,
+        optimizer: torch.optim.Optimizer,
+        guard: Callable[[], AbstractContextManager[None]],
+        disk: SwappedOptimizerState | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Step every unit's group of ``optimizer`` on the host and issue its upload; returns
         the (master, gradient) pairs stepped, whose gradients the caller hides from the
-        optimizer's own step. Only torch's own classes are stepped here: a subclass's step
-        code (an EMA, a logger) runs once per step in the plain path, so it stays there."""
+        optimizer's own step. The groups of ``disk`` (the disk tier's optimizer state: stepped
+        already, their gradients hidden by the caller) are not stepped again. Only torch's own classes are
+        stepped here: a subclass's step code (an EMA, a logger) runs once per step in the
+        plain path, so it stays there."""
         self.forget()
         if original_class(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
             return []
         stashed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        stepped = {id(g) for g in disk.groups} if disk is not None else set()
         with guard():
             for u in self.units:
-                if u.group is None:
+                if u.group is None or id(u.group) in stepped:
                     continue
                 u.settle(host=True)  # sync point 1: its previous upload has read the masters
                 step_subset(optimizer, u.group.masters)

@@ -630,8 +630,8 @@ class ZeroEngine(WholeModelState):
             self._stashed_grads = [(m, m.grad) for g in self.swapped.groups for m in g.masters]
             for m, _ in self._stashed_grads:
                 m.grad = None
-        if self.host_step is not None and optimizer is self.optimizer:  # ZeRO-3, host masters: step and upload
-            self._stashed_grads += self.host_step.run(optimizer, self._internal_step)  # group by group
+        if self.host_step is not None and optimizer is self.optimizer:  # host masters: step and upload
+            self._stashed_grads += self.host_step.run(optimizer, self._internal_step, self.swapped)  # not disk groups
 
     def _restore_stashed_grads(self) -> None:
         for m, grad in self._stashed_grads:
