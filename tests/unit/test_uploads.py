@@ -4,6 +4,8 @@ the source's values at the time the copy was issued."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -88,3 +90,35 @@ def test_a_one_rank_gather_shows_its_rows_only_after_the_wait() -> None:
     fence()
     handle, _ = _feed(feed, buf.zero_(), row, [])  # a collective in flight reads the buffer: filled at once
     assert buf.tolist() == row.tolist()
+
+
+def test_the_overlap_switch_turns_every_host_copy_back_into_a_blocking_one(monkeypatch) -> None:
+    """``ZERO_STRATEGY_OFFLOAD_OVERLAP=0``: no side-stream policy on CUDA (the uploads of the
+    host step, the feeds of the gathers, the gradients' copies to the host)."""
+    from zero_strategy.reduction import host_copies
+
+    cuda = torch.device("cuda", 0)  # only named: no policy touches the device when it is chosen
+    monkeypatch.delenv("ZERO_STRATEGY_TEST_HOST_COPIES", raising=False)
+    monkeypatch.delenv("ZERO_STRATEGY_OFFLOAD_OVERLAP", raising=False)
+    assert isinstance(uploads.choose(cuda), uploads.StreamUpload)
+    assert isinstance(uploads.choose_feed(cuda), uploads.StreamFeed)
+    assert isinstance(host_copies.choose(cuda), host_copies.StreamCopy)
+    monkeypatch.setenv("ZERO_STRATEGY_OFFLOAD_OVERLAP", "0")
+    assert uploads.choose(cuda) is None and uploads.choose_feed(cuda) is None and host_copies.choose(cuda) is None
+
+
+def test_the_overlap_bench_runs_as_documented() -> None:
+    """``bench/bench_offload_overlap.py --tiny``: its smoke run (on CPU both rows take one path)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "bench/bench_offload_overlap.py", "--tiny", "--steps", "1", "--warmup", "1",
+           "--repeats", "1", "--seq", "16", "--batch", "2"]  # fmt: skip
+    out = subprocess.run(
+        cmd, cwd=root, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(root)}
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| zero")]
+    assert len(rows) == 3, out.stdout

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zero_strategy.sharding.group import ShardGroup
+from zero_strategy.storage.uploads import overlapped
 
 __all__ = ["DeferredCopy", "HostCopies", "StreamCopy", "choose"]
 
@@ -104,7 +105,7 @@ def choose(reduce_device: torch.device) -> Copier | None:
     (``ZERO_STRATEGY_TEST_HOST_COPIES=deferred``: :class:`DeferredCopy`, for the tests)."""
     if os.environ.get("ZERO_STRATEGY_TEST_HOST_COPIES") == "deferred":
         return DeferredCopy()
-    return StreamCopy() if reduce_device.type == "cuda" else None
+    return StreamCopy() if overlapped(reduce_device) else None  # ZERO_STRATEGY_OFFLOAD_OVERLAP=0: blocking
 
 
 @dataclass

@@ -14,6 +14,9 @@ Two kinds, each a policy chosen by type, None on CPU (nothing to overlap there):
   copy runs while the current unit computes, and the host never waits for it.
   :class:`DeferredFeed` is the tests' stand-in on CPU: it fails when the host writes rows
   whose copy is still pending. The sync points are listed in :class:`StreamFeed`.
+
+``ZERO_STRATEGY_OFFLOAD_OVERLAP=0`` turns both off on CUDA (the plain, blocking copies), to
+measure them (``bench/bench_offload_overlap.py``) or to rule them out.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from zero_strategy.comm.collectives import Handle
 
 __all__ = [
     "DeferredFeed", "DeferredUpload", "PendingUpload", "RowFeed", "StreamFeed", "StreamUpload", "Uploader", "choose",
-    "choose_feed",
+    "choose_feed", "overlapped",
 ]  # fmt: skip
 
 
@@ -97,12 +100,18 @@ class DeferredUpload(Uploader):
         return PendingUpload(wait, wait)
 
 
+def overlapped(device: torch.device) -> bool:
+    """Whether host copies to ``device`` run beside the compute: on CUDA, unless
+    ``ZERO_STRATEGY_OFFLOAD_OVERLAP=0`` (to measure the overlap, or to rule it out)."""
+    return device.type == "cuda" and os.environ.get("ZERO_STRATEGY_OFFLOAD_OVERLAP", "1") != "0"
+
+
 def choose(device: torch.device) -> Uploader | None:
     """The uploader for rows on ``device`` (``ZERO_STRATEGY_TEST_HOST_COPIES=deferred``:
     :class:`DeferredUpload`, for the tests); None: the plain step, nothing to overlap."""
     if os.environ.get("ZERO_STRATEGY_TEST_HOST_COPIES") == "deferred":
         return DeferredUpload()
-    return StreamUpload(device) if device.type == "cuda" else None
+    return StreamUpload(device) if overlapped(device) else None
 
 
 class RowFeed:
@@ -224,4 +233,4 @@ def choose_feed(device: torch.device) -> RowFeed | None:
     :class:`DeferredFeed`, for the tests); None: copied on the current stream, nothing to overlap."""
     if os.environ.get("ZERO_STRATEGY_TEST_HOST_COPIES") == "deferred":
         return DeferredFeed()
-    return StreamFeed(device) if device.type == "cuda" else None
+    return StreamFeed(device) if overlapped(device) else None
