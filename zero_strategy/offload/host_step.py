@@ -136,6 +136,6 @@ class HostStep:
         return stashed
 
     def forget(self) -> None:
-        """The step is over (or failed): the next ``after_step`` copies every part's masters."""
+        """The step is over (or failed): the next ``after_step`` copies every part's masters
+        (the storage completes what was issued and empties ``skip_pull``)."""
         self.params.forget_issued()
-        self.skip_pull.clear()
