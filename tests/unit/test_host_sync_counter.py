@@ -32,14 +32,24 @@ WAITING = {
     "torch.tensor([1, 2], device=t.device)": "torch.tensor(device=)",
     "torch.as_tensor([1, 2], device=t.device)": "torch.as_tensor(device=)",
     "t.tolist()": "tolist",
+    # on CUDA a copy from the host that waits for the device (issue 45)
+    "m = t.clone(); m[1] = 3": "__setitem__",
+    "m = t.clone(); m[torch.arange(2)] = 0": "__setitem__",  # index_put_ copies the 0 to the device
+    "t.to('cpu')": "to",
+    "t.to(device=t.device, dtype=torch.float32)": "to",
+    "t.to(t)": "to",
 }
 NOT_WAITING = [
     "t[torch.tensor([0, 2])]",  # integer indices: gathered on the device
-    "m = t.clone(); m[torch.arange(2)] = 0",
     "t.repeat_interleave(torch.ones(5, dtype=torch.long), output_size=5)",
     "torch.where(t > 1, t, 0)",
     "torch.tensor([1, 2])",  # a host tensor stays on the host
     "t[1:3]",
+    "t.to(torch.float32)",  # a cast: no copy between devices
+    "t.to('cpu', non_blocking=True)",
+    "m = t.clone(); m[1:3].fill_(2)",  # the number is a kernel argument
+    "m = t.clone(); m.index_fill_(0, torch.tensor([1]), 2)",
+    "m = t.clone(); m[torch.arange(2)] = torch.zeros(2, dtype=m.dtype)",  # a tensor already on the device
 ]
 
 

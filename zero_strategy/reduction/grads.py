@@ -35,6 +35,7 @@ from zero_strategy.reduction import host_copies
 from zero_strategy.reduction.compression import ErrorFeedback, SparseExchange
 from zero_strategy.reduction.quantized import EXACT, Exchange, GradCodec
 from zero_strategy.sharding.group import ReducePlan, ShardGroup
+from zero_strategy.storage.uploads import to_device
 
 __all__ = [
     "AllReduceAtEnd",
@@ -155,7 +156,8 @@ class GradReducer:
                 self._where[id(p)] = (g, i, flat)
                 flat += 1
         self.num_params = flat
-        self._used = torch.zeros(flat, dtype=torch.int32)
+        # "had a gradient in this window" per parameter: host bytes, never a device tensor written element-wise
+        self._used = bytearray(flat)
         # ZeRO-3's deferred gather checks: their flag travels with the gradient flags
         self.deferred_check: DeferredCheck | None = None
         self._ready: list[int] = []
@@ -270,7 +272,7 @@ class GradReducer:
         g = f.group
         if f.sparse is not None:  # averaged and unscaled by the sender already
             scratch = f.sparse.finish()
-            out = scratch.to(g.master_device)
+            out = scratch if g.master_device == scratch.device else scratch.to(g.master_device)
         else:
             f.handle.wait()
             if f.inp is None or f.out is None:
@@ -285,13 +287,16 @@ class GradReducer:
             host = self.host_copies if f.rows is None else None
             to_host = host is not None and host.handles(g, scratch)
             if _narrow(g):  # divided by the world size already; the loss scale comes off in the master dtype
-                out = scratch.to(device=scratch.device if to_host else g.master_device, dtype=g.master_dtype)
+                out = scratch.to(dtype=g.master_dtype)
+                if not to_host and g.master_device != out.device:
+                    out = out.to(g.master_device)
                 rest = self._grad_factor() * self.world.world_size
                 if rest != 1.0:
                     out.mul_(rest)
             else:
                 scratch.mul_(self._grad_factor())
-                out = scratch if to_host else scratch.to(g.master_device)  # offloaded (g.tier "host")
+                # offloaded (g.tier "host"): a blocking copy without host_copies (docs/advanced.md)
+                out = scratch if to_host or g.master_device == scratch.device else scratch.to(g.master_device)
             if to_host and host is not None:  # queued behind the bucket's kernels: no host block (host_copies.py)
                 host.start(g, out)
                 self.ctx.pool.put(scratch)
@@ -312,15 +317,16 @@ class GradReducer:
         """Reduce whatever is still pending on any rank; return the per-parameter "used on
         some rank" mask (bool, in group order)."""
         self.wait_all()
-        flags = torch.zeros(2 * self.num_params, dtype=torch.int32)
+        pending = bytearray(self.num_params)
         for g in self.groups:
             for i, p in enumerate(g.params):
                 if p.grad is not None or (g.experts is not None and g.experts.holds_grad(i)):
                     flat = self._where[id(p)][2]
-                    flags[flat] = 1
+                    pending[flat] = 1
                     self._used[flat] = 1
-        flags[self.num_params :] = self._used
-        flags = flags.to(self.ctx.device)
+        # built on the host and copied once, pinned and non-blocking on CUDA (no host wait)
+        host = torch.tensor(list(pending + self._used), dtype=torch.int32)
+        flags = to_device(host, self.ctx.device)
         check = self.deferred_check
         extra = check.flag() if check is not None else None
         if check is not None:  # its slot on every rank, pending or not: the all-reduce has one length
@@ -353,10 +359,16 @@ class GradReducer:
                 k += 1
         if not check_overflow:
             return False
-        flag = torch.zeros(1, dtype=torch.int32, device=self.ctx.device)
+        dev, shards = self.ctx.device, dict[torch.device, list[torch.Tensor]]()
         for g in self.groups:
-            if g.grad_valid:  # compared where the shard is; no host read per group
-                flag |= (~torch.isfinite(g.grad_shard).all()).to(device=flag.device, dtype=flag.dtype)
+            if g.grad_valid and g.grad_shard.numel():
+                shards.setdefault(g.grad_shard.device, []).append(g.grad_shard)
+        hits = []  # per device where shards are: one foreach max-norm (NaN or inf if any value is), no host read
+        for device, tensors in shards.items():
+            hit = (~torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf"))))).any()
+            hit = hit.to(torch.int32).reshape(1)
+            hits.append(hit if device == dev else to_device(hit, dev))
+        flag = torch.stack(hits).amax(0) if hits else torch.zeros(1, dtype=torch.int32, device=dev)
         C.all_reduce(self.world, flag, op="max", what=f"overflow check ({self._describe_step()})").wait()
         overflow = bool(flag.item())  # the fp16 step's one more host read
         if overflow and self.compression is not None:
@@ -390,16 +402,25 @@ class GradReducer:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): use a positive p-norm or float('inf')")
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         dev, what = self.ctx.device, f"gradient norm ({self._describe_step()})"
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        # one foreach norm per device (offloaded gradients are on the host: their part comes back once)
+        parts: list[torch.Tensor] = []
+        for tensors in by_device.values():
+            norms = torch._foreach_norm([t for t in tensors if t.numel()], norm_type, dtype=dtype)
+            if not norms:
+                continue
+            stacked = torch.stack(norms)
+            part = stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum()
+            parts.append(part if part.device == dev else to_device(part, dev))
         if norm_type == float("inf"):
-            maxima = [g.abs().max().to(device=dev, dtype=dtype) for g in grads if g.numel()]
-            local = torch.stack(maxima).max() if maxima else torch.zeros((), dtype=dtype, device=dev)
+            local = torch.stack(parts).max() if parts else torch.zeros((), dtype=dtype, device=dev)
             total = local.reshape(1).clone()
             C.all_reduce(self.ctx, total, op="max", what=what).wait()
             total = total[0]
         else:
-            local = torch.zeros((), dtype=dtype, device=dev)
-            for g in grads:  # offloaded gradients are on the host: each norm comes back to the device
-                local += (torch.linalg.vector_norm(g, norm_type, dtype=dtype) ** norm_type).to(dev)
+            local = torch.stack(parts).sum() if parts else torch.zeros((), dtype=dtype, device=dev)
             total = local.reshape(1).clone()
             C.all_reduce(self.ctx, total, op="sum", what=what).wait()
             total = total[0] ** (1.0 / norm_type)
@@ -407,11 +428,8 @@ class GradReducer:
         # a non-finite norm leaves them as they are
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
         for device, tensors in by_device.items():
-            torch._foreach_mul_(tensors, coef.to(device))
+            torch._foreach_mul_(tensors, coef if coef.device == device else coef.to(device))
         return total
 
     def clip_grad_value_(self, clip_value: float, *, only: Collection[int] | None = None) -> None:
@@ -503,7 +521,7 @@ class GradReducer:
         flags = torch.tensor([int(p.grad is not None) for g in self.groups for p in g.params], dtype=torch.int32)
         if not self.num_params:
             return
-        flags = flags.to(self.ctx.device)
+        flags = to_device(flags, self.ctx.device)
         C.all_reduce(self.world, flags, op="max", what=f"gradient flags ({self._describe_step()})").wait()
         used = flags.cpu().bool().tolist()
         pending: deque[tuple[ShardGroup, C.Handle, torch.Tensor, list[bool]]] = deque()
@@ -563,6 +581,6 @@ class GradReducer:
 
     def reset_window(self) -> None:
         """Forget gradients (``zero_grad``): the next reduction overwrites each shard."""
-        self._used.zero_()
+        self._used = bytearray(self.num_params)
         for g in self.groups:
             g.grad_valid = False

@@ -52,6 +52,7 @@ from torch import nn
 
 from zero_strategy.sharding.group import ReducePlan
 from zero_strategy.sharding.layout import ShardLayout
+from zero_strategy.storage.uploads import to_device
 
 __all__ = ["CompactPlan", "CompactRows", "Spans", "compactable", "reattach", "span_segments", "spans_of"]
 
@@ -112,8 +113,7 @@ def reattach(p: nn.Parameter, data: torch.Tensor) -> None:
 def _ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """Host integers on ``device`` without a host sync: on a GPU a non-blocking copy from pinned
     memory (the caching host allocator keeps the source until the copy has run)."""
-    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
-    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=torch.long), device)
 
 
 def _slot_positions(slots: Sequence[int], within: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -212,9 +212,10 @@ class CompactRows:
         if self._lut is None:
             raise AssertionError("a selection remapped with nothing placed")
         e = self.num_experts
-        idx = selection.to(self._lut.device)
+        idx = selection if selection.device == self._lut.device else selection.to(self._lut.device)
         idx = torch.where((idx >= 0) & (idx < e), idx, torch.full_like(idx, e))
-        return self._lut[idx.long()].to(dtype=selection.dtype, device=selection.device)
+        slots = self._lut[idx.long()].to(dtype=selection.dtype)
+        return slots if slots.device == selection.device else slots.to(selection.device)
 
     def enter(self) -> None:
         self.module.num_experts = len(self.slots or ())  # type: ignore[assignment]

@@ -247,12 +247,15 @@ class ExpertRows:
         "all": a rank that cannot say."""
         e = self.num_experts
         if selection is None:
-            mask[e] = 1
+            mask[e:].fill_(1)
         else:
-            idx = selection.detach().reshape(-1).to(device=mask.device, dtype=torch.long)
-            # integer indices, those out of range sent to a spare element: no value-sized output
+            idx = selection.detach().reshape(-1).long()
+            if idx.device != mask.device:
+                idx = idx.to(mask.device)
+            # integer indices, those out of range sent to a spare element: no value-sized output,
+            # and the 1 a kernel argument (no host number copied into the device)
             hit = torch.zeros(e + 1, dtype=mask.dtype, device=mask.device)
-            hit[torch.where((idx >= 0) & (idx < e), idx, e)] = 1
+            hit.index_fill_(0, torch.where((idx >= 0) & (idx < e), idx, e), 1)
             torch.maximum(mask[:e], hit[:e], out=mask[:e])
 
     def _counted(self, union: tuple[int, ...] | None) -> tuple[int, ...] | None:

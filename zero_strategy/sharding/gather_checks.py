@@ -6,6 +6,10 @@ fp16, and those count integers exactly only up to 256 (bf16) and 2048 (fp16). A 
 therefore written as ``TAG`` base-256 digits, each exact in every float dtype, and read back
 by converting the digits to int64 *before* combining them (a sum in bf16 would round again).
 ``TAG`` digits name up to 256**TAG units; a model with more is refused when it is built.
+
+A tag is written by copying from a small device tensor of its digits (made once per tag, dtype
+and device with ``fill_``, which passes each digit to the kernel): writing a Python number into
+a device tensor by indexing is a blocking host-to-device copy on CUDA, two per gather.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import torch
 
 from zero_strategy.sharding.pieces import check_placeholder, is_placeholder, written_while_sharded
 
-__all__ = ["MAX_TAG", "TAG", "GatherChecks", "UnitDivergence", "check_unit_count", "read_tags", "write_tag"]
+__all__ = [
+    "MAX_TAG", "TAG", "GatherChecks", "UnitDivergence", "check_unit_count", "read_tags", "tag_digits", "write_tag",
+]  # fmt: skip
 
 TAG = 2  # tag elements appended to every rank's row
 _BASE = 256  # every digit 0..255 is exact in bf16, fp16 and wider
@@ -51,10 +57,25 @@ def check_unit_count(n: int) -> None:
         )
 
 
+_DIGITS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}  # at most MAX_TAG per dtype and device
+
+
+def tag_digits(tag: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``tag`` (1..``MAX_TAG``) as ``TAG`` base-256 digits on ``device``, least significant first (cached)."""
+    key = (tag, dtype, device)
+    got = _DIGITS.get(key)
+    if got is None:
+        got = torch.empty(TAG, dtype=dtype, device=device)
+        for k in range(TAG):
+            got[k : k + 1].fill_((tag // _BASE**k) % _BASE)  # the digit is a kernel argument: no copy
+        _DIGITS[key] = got
+    return got
+
+
 def write_tag(out: torch.Tensor, pos: int, tag: int) -> None:
-    """Write ``tag`` (1..``MAX_TAG``) as ``TAG`` base-256 digits into ``out[pos : pos + TAG]``, least significant first."""
-    for k in range(TAG):
-        out[pos + k] = (tag // _BASE**k) % _BASE
+    """Write ``tag`` (1..``MAX_TAG``) as ``TAG`` base-256 digits into ``out[pos : pos + TAG]``: one
+    device copy, no host wait."""
+    out[pos : pos + TAG].copy_(tag_digits(tag, out.dtype, out.device))
 
 
 def read_tags(digits: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,19 @@ from zero_strategy.comm.collectives import Handle
 
 __all__ = [
     "DeferredFeed", "DeferredUpload", "PendingUpload", "RowFeed", "StreamFeed", "StreamUpload", "Uploader", "choose",
-    "choose_feed", "overlapped",
+    "choose_feed", "overlapped", "to_device",
 ]  # fmt: skip
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host-built tensor (flags, indices) on ``device`` without a host wait: on CUDA
+    it is pinned (torch's caching host allocator keeps the block until the copy has run) and
+    copied ``non_blocking``; a copy from pageable memory would wait for the device."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

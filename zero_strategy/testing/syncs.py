@@ -15,6 +15,14 @@ whose output size depends on the values (boolean-mask indexing ``t[mask]`` and `
 tensor repeats and no ``output_size``), and ``torch.tensor``/``torch.as_tensor`` of host data
 with a ``device``: on a GPU a blocking copy from pageable memory, which waits for the stream.
 ``torch.tensor`` is not seen by torch function modes, so the counter wraps it while active.
+
+It also counts the writes that, on CUDA, copy from the host into a device tensor and so wait
+for it (issue 45): a Python number written by indexing (``t[i] = 3``: a blocking copy of a
+one-element host tensor), and a ``.to(device)`` of a host tensor that is neither pinned nor
+``non_blocking``. On a machine without a GPU the engine's device is the host, so every such
+call in the engine's code counts: the engine builds host-side values from Python lists
+(``torch.tensor(list)``) and fills device tensors with ``fill_``, which passes the number to
+the kernel and copies nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ SYNC_CALLS = frozenset({"tolist", "item", "__bool__", "__float__", "__int__", "_
 # output sizes that depend on the values: the host waits for them
 SHAPE_SYNC_CALLS = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"})
 _INDEXING = frozenset({"__getitem__", "__setitem__", "index_put", "index_put_"})
+_NUMBER = (bool, int, float)
 
 
 def _has_mask(index: Any) -> bool:
@@ -43,9 +52,33 @@ def _has_mask(index: Any) -> bool:
     return isinstance(index, (tuple, list)) and any(_has_mask(i) for i in index)
 
 
+def _names_device(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` names a device (not only a dtype)."""
+    if "device" in kwargs:
+        return kwargs["device"] is not None
+    return any(isinstance(a, (str, torch.device, torch.Tensor)) for a in args[1:])
+
+
+def _host_copy(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether the call copies host data into the device, blocking: a Python number written by
+    indexing, or ``.to(device)`` of a host tensor neither pinned nor ``non_blocking``."""
+    if name == "__setitem__":
+        return len(args) > 2 and isinstance(args[2], _NUMBER)
+    if name in ("to", "cuda") and args and isinstance(args[0], torch.Tensor):
+        t = args[0]
+        if t.device.type != "cpu" or kwargs.get("non_blocking") or (len(args) > 2 and args[-1] is True):
+            return False
+        if name == "to" and not _names_device(args, kwargs):
+            return False
+        return not (torch.cuda.is_available() and t.is_pinned())
+    return False
+
+
 def _waits(name: str, args: tuple, kwargs: dict) -> bool:
     """Whether the call ``name(*args, **kwargs)`` waits for the device."""
     if name in SYNC_CALLS or name in SHAPE_SYNC_CALLS:
+        return True
+    if _host_copy(name, args, kwargs):
         return True
     if name in _INDEXING:
         return len(args) > 1 and _has_mask(args[1])
