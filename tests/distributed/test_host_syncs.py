@@ -115,6 +115,10 @@ def _run(c: dict, rank: int, world: int) -> dict:
     values = torch.stack(losses).tolist()
     if not all(v == v and abs(v) < 1e3 for v in values):
         raise AssertionError(f"{c}: losses not finite: {values}")
+    # zero_grad(set_to_none=True) frees the gradient shards, as DDP's p.grad = None does (issue 45, item 6)
+    held = model.zero_engine.memory_stats()["grad_shards"]
+    if held:
+        raise AssertionError(f"{c}: {held} bytes of gradient shards kept after zero_grad(set_to_none=True)")
     return {"counts": [s.total for s in steady]}
 
 

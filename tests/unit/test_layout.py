@@ -126,3 +126,30 @@ def test_bad_fractions_are_refused() -> None:
     for bad in ((0.5,), (0.5, 0.6), (1.0, 0.0)):
         with pytest.raises(AssertionError, match="fractions"):
             ShardLayout((4,), 2, 0, bad)
+
+
+def test_the_one_kernel_paths_equal_the_copy_per_parameter() -> None:
+    """``pack_full``'s ``_chunk_cat`` and ``unpack_full``'s split copy (issue 45: a few kernels per
+    gather and reduction) write what the copy per parameter writes, padding and casts included."""
+    import zero_strategy.sharding.layout as L
+
+    for world in (1, 2, 3, 4):
+        for numels in ((12, 8, 4), (10, 7, 1, 12, 3), (5,)):
+            lay = ShardLayout(numels, world, 0)
+            flats = [torch.randn(k) for k in numels]
+            for dtype in (torch.float32, torch.bfloat16):
+                fast = torch.full((world * lay.shard_numel,), 7.0, dtype=dtype)
+                lay.pack_full(flats, fast)
+                slow = torch.full_like(fast, 7.0)
+                chunk_cat, L._CHUNK_CAT = L._CHUNK_CAT, None
+                try:
+                    lay.pack_full(flats, slow)
+                finally:
+                    L._CHUNK_CAT = chunk_cat
+                assert torch.equal(fast, slow), (world, numels, dtype)
+            gathered = torch.randn(world, lay.shard_numel + 2)  # a tag's columns after the rows
+            got = [torch.full((k,), float("nan")) for k in numels]
+            lay.unpack_full(gathered, got)
+            for i, k in enumerate(numels):
+                want = torch.cat([gathered[r, lay.offsets[i] : lay.offsets[i] + lay.chunks[i]] for r in range(world)])
+                assert torch.equal(got[i], want[:k]), (world, numels, i)

@@ -277,7 +277,8 @@ class GradReducer:
             f.handle.wait()
             if f.inp is None or f.out is None:
                 raise AssertionError(f"rank {self.ctx.rank}: a reduction of {g.name} lost its buffers")
-            self.ctx.pool.put(f.inp)
+            if f.out is not f.inp:  # one rank: the reduction's output is its input (put back once, below)
+                self.ctx.pool.put(f.inp)
             if f.coded is not None:
                 scratch = self.codec.combine(self.ctx, f.coded, g.layout.shard_numel, g.reduce_dtype)
             else:
@@ -293,6 +294,12 @@ class GradReducer:
                 rest = self._grad_factor() * self.world.world_size
                 if rest != 1.0:
                     out.mul_(rest)
+            elif (
+                f.rows is None and not to_host and scratch.dtype == g.master_dtype and g.master_device == scratch.device
+            ):
+                self._into_shard(g, scratch, self._grad_factor())
+                self.ctx.pool.put(scratch)
+                return
             else:
                 scratch.mul_(self._grad_factor())
                 # offloaded (g.tier "host"): a blocking copy without host_copies (docs/advanced.md)
@@ -312,6 +319,20 @@ class GradReducer:
             g.grad_shard.copy_(out)
             g.grad_valid = True
         self.ctx.pool.put(scratch)
+
+    def _into_shard(self, g: ShardGroup, reduced: torch.Tensor, factor: float) -> None:
+        """``reduced`` times ``factor`` into ``g``'s gradient shard on its device: one pass when
+        the window's first (written scaled), none for a factor of exactly 1."""
+        if self.host_copies is not None and self.host_copies.pending:
+            self.host_copies.drain()
+        shard = g.grad_shard
+        if g.grad_valid:
+            shard.add_(reduced.mul_(factor) if factor != 1.0 else reduced)
+        elif factor != 1.0:
+            torch.mul(reduced, factor, out=shard)
+        else:
+            shard.copy_(reduced)
+        g.grad_valid = True
 
     def finalize(self) -> list[bool]:
         """Reduce whatever is still pending on any rank; return the per-parameter "used on
@@ -461,7 +482,9 @@ class GradReducer:
                     p.grad.zero_()
                 else:
                     p.grad = None
-            if set_to_none:
+            if set_to_none and g.tier == "device":
+                g.release_grad_shard()  # as p.grad = None frees DDP's: the next reduction allocates it again
+            elif set_to_none:  # pinned host memory is slow to allocate: kept, overwritten by the next reduction
                 for m in g.masters:
                     m.grad = None
             elif g.grad_shard_if_allocated is not None:

@@ -67,7 +67,8 @@ class GradCodec:
     def launch(self, ctx: C.CommContext, inp: torch.Tensor, width: int, *, what: str) -> Exchange:
         """Start reducing ``inp`` (``ranks * width``, rank-major). After ``handle.wait()``,
         :meth:`combine` gives this rank's summed row."""
-        out = ctx.pool.get(width, inp.dtype, inp.device)
+        # one rank: its row is the whole input, reduced in place (no copy)
+        out = inp if ctx.world_size == 1 else ctx.pool.get(width, inp.dtype, inp.device)
         return Exchange(C.reduce_scatter(ctx, out, inp, what=what), out)
 
     def combine(self, ctx: C.CommContext, x: Exchange, width: int, dtype: torch.dtype) -> torch.Tensor:

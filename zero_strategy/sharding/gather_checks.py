@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from zero_strategy.sharding.pieces import check_placeholder, is_placeholder, written_while_sharded
+from zero_strategy.sharding.pieces import check_placeholder, is_placeholder, reset_placeholder, written_while_sharded
 
 __all__ = [
     "MAX_TAG", "TAG", "GatherChecks", "UnitDivergence", "check_unit_count", "read_tags", "tag_digits", "write_tag",
@@ -102,7 +102,7 @@ class GatherChecks:
         self.deferred = False
         self._bad: torch.Tensor | None = None
         self._tags: list[tuple[str, int, torch.Tensor, str]] = []
-        self._written: list[tuple[list[str], torch.Tensor]] = []
+        self._written: list[tuple[list[str], torch.Tensor, list[torch.Tensor]]] = []
 
     def gathered(self, unit: GatheredUnit, tags: torch.Tensor, step: str) -> None:
         """``tags``: the unit tag each rank sent. Before the full parameters replace the placeholders."""
@@ -119,7 +119,7 @@ class GatherChecks:
         if held:
             base = torch.cat([t.as_strided((1,), (1,), t.storage_offset()) for t, _ in held])
             written = ~torch.isnan(base) if base.dtype.is_floating_point else base.ne(0)
-            self._written.append(([fqn for _, fqn in held], written))
+            self._written.append(([fqn for _, fqn in held], written, [t for t, _ in held]))
             bad = bad | written.any()
         self._bad = bad if self._bad is None else self._bad | bad
         if len(self._tags) > self.MAX_PENDING:
@@ -135,7 +135,10 @@ class GatherChecks:
         self._bad, self._tags, self._written = None, [], []
         if not failed:
             return
-        for fqns, w in written:
+        for _, _, placeholders in written:  # reused at the next reshard: the write is reported once
+            for t in placeholders:
+                reset_placeholder(t)
+        for fqns, w, _ in written:
             for fqn, hit in zip(fqns, w.tolist()):
                 if hit:
                     raise RuntimeError(written_while_sharded(fqn))

@@ -194,10 +194,13 @@ class ShardGroup:
     @property
     def grad_shard(self) -> torch.Tensor:
         """This rank's reduced gradient pieces, side by side like the layout's flat row
-        (allocated on first use: a model set up without an optimizer never needs it)."""
+        (allocated on first use: a model set up without an optimizer never needs it). On the
+        device it is allocated uninitialised: it is freed at ``zero_grad(set_to_none=True)`` and
+        its next writer overwrites it while ``grad_valid`` is False (no memset per step)."""
         if self._grad_shard is None:
             with torch.inference_mode(False):
-                self._grad_shard = torch.zeros(
+                make = torch.empty if self.tier == "device" else torch.zeros
+                self._grad_shard = make(
                     self.layout.shard_numel,
                     dtype=self.master_dtype,
                     device=self.master_device,

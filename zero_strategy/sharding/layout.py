@@ -32,6 +32,8 @@ import torch
 
 __all__ = ["ShardLayout"]
 
+_CHUNK_CAT = getattr(torch, "_chunk_cat", None)  # torch >= 2.4: chunk each tensor, pad, concatenate by chunk
+
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -115,11 +117,22 @@ class ShardLayout:
         lo, hi = self.local_range(i)
         return hi - lo
 
+    @cached_property
+    def unpadded(self) -> bool:
+        """Whether every parameter splits into ``world_size`` equal pieces (no padding anywhere)."""
+        return self.even and all(k == c * self.world_size for k, c in zip(self.numels, self.chunks))
+
     # -- packing -------------------------------------------------------------------------
     def pack_full(self, flats: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
         """Write full flat tensors (``None`` = zeros) into the rank-major ``out`` buffer
-        (``world_size * shard_numel``), padding with zeros."""
+        (``world_size * shard_numel``), padding with zeros. An even layout with every tensor
+        present is one ``_chunk_cat`` (one kernel on a GPU, the cast included), as FSDP2's
+        reduce-scatter input; otherwise a copy per parameter."""
         rows = out.view(self.world_size, self.shard_numel)
+        present = [f for f in flats if f is not None]
+        if _CHUNK_CAT is not None and self.even and len(present) == len(flats) and all(f.numel() for f in present):
+            _CHUNK_CAT(present, 0, self.world_size, out=rows)
+            return
         for i, flat in enumerate(flats):
             off, c, n = self.offsets[i], self.chunks[i], self.numels[i]
             dst = rows[:, off : off + c]
@@ -148,6 +161,14 @@ class ShardLayout:
         """Inverse of :meth:`pack_full`: copy every rank's pieces back into full flat tensors.
         ``gathered`` is flat, or already 2-D (world_size rows, possibly with extra columns)."""
         rows = gathered if gathered.dim() == 2 else gathered.view(self.world_size, self.shard_numel)
+        n = self.world_size
+        if (
+            self.unpadded and all(self.chunks) and flats and all(f.dtype == rows.dtype for f in flats)
+        ):  # one split copy, as FSDP2's
+            torch.split_with_sizes_copy(
+                rows[:, : self.shard_numel], list(self.chunks), dim=1, out=[f.view(n, -1) for f in flats]
+            )
+            return
         for i, flat in enumerate(flats):
             off, c, n = self.offsets[i], self.chunks[i], self.numels[i]
             src = rows[:, off : off + c]

@@ -28,6 +28,7 @@ __all__ = [
     "placeholder",
     "record_piece",
     "recorded",
+    "reset_placeholder",
     "sharded_init_piece",
     "take_record",
 ]
@@ -90,6 +91,14 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
     if len(shape) == 0:  # a 0-dim parameter: its one element is the placeholder
         return torch.full((), value, dtype=dtype, device=device)
     return torch.full((1,), value, dtype=dtype, device=device).expand(shape)
+
+
+def reset_placeholder(t: torch.Tensor) -> None:
+    """Give a written placeholder its value back (NaN, or 0), once the write was reported: a
+    unit reuses its placeholders at every reshard."""
+    if is_placeholder(t):
+        base = t.as_strided((1,), (1,), t.storage_offset())
+        base.fill_(float("nan") if base.dtype.is_floating_point or base.dtype.is_complex else 0)
 
 
 def is_placeholder(t: torch.Tensor) -> bool:

@@ -276,6 +276,7 @@ class UnitStorage:
         # storage object and see the data again when the unit is gathered for backward.
         # The placeholders were installed above, as each parameter's piece was written.
         self.full = [torch.empty(p.shape, dtype=self.dtype, device=ctx.device) for p in self.params]
+        self._placeholders: dict[int, torch.Tensor] = {}  # per parameter, reused at every reshard
         for f in self.full:
             f.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
@@ -430,8 +431,12 @@ class UnitStorage:
             return
         if self.state is ShardedState.UNSHARDING:  # a prefetch nobody used
             self.wait_unshard({})
-        for p, f in zip(self.params, self.full):
-            p.data = placeholder(f.shape, f.dtype, f.device)  # f's: a compact expert placement is smaller
+        for i, (p, f) in enumerate(zip(self.params, self.full)):
+            # each parameter's placeholder is made once and reused: a reshard launches no kernel
+            ph = self._placeholders.get(i)
+            if ph is None or ph.shape != f.shape or ph.dtype != f.dtype or ph.device != f.device:
+                ph = self._placeholders[i] = placeholder(f.shape, f.dtype, f.device)  # a compact placement's shape
+            p.data = ph
             f.untyped_storage().resize_(0)
         self._to(ShardedState.SHARDED, "reshard")
         self.meter.freed(self)
