@@ -11,7 +11,9 @@ import os
 from zero_strategy.testing import run_subtests
 
 
-def _run(stage: int, rank: int, world: int, trace_dir: str, prefetch_bucket: int | None = None) -> dict:
+def _run(
+    stage: int, rank: int, world: int, trace_dir: str, prefetch_bucket: int | None = None, max_live: int | None = None
+) -> dict:
     import torch
 
     import zero_strategy as zs
@@ -23,9 +25,25 @@ def _run(stage: int, rank: int, world: int, trace_dir: str, prefetch_bucket: int
     zero: dict = {"stage": stage, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0}
     if prefetch_bucket is not None:
         zero["stage3_prefetch_bucket_size"] = prefetch_bucket
+    if max_live is not None:
+        zero["stage3_max_live_parameters"] = max_live
     model, opt = zs.initialize(
         GPT(cfg), lambda p: torch.optim.AdamW(p, lr=1e-3), config={"zero_optimization": zero}, policy={Block}
     )
+    seen: list[tuple[str, str, str]] = []  # (hook, unit, its state as its hook runs), once per unit and hook
+    sched = model.zero_engine.zero3
+
+    def probe(hook: str, real):
+        def recorded(u) -> None:
+            if (hook, u.name) not in {s[:2] for s in seen}:
+                seen.append((hook, u.name, u.state.name))
+            real(u)
+
+        return recorded
+
+    if sched is not None:
+        for hook in ("pre_forward", "pre_backward"):
+            setattr(sched, hook, probe(hook, getattr(sched, hook)))
 
     def step(k: int) -> float:
         x, y = synthetic_batch(cfg, 2, k, seed=rank)
@@ -36,15 +54,16 @@ def _run(stage: int, rank: int, world: int, trace_dir: str, prefetch_bucket: int
         return float(loss)
 
     losses = [step(0)]  # the unit order is recorded in the first step
+    seen.clear()  # from here each pre-hook finds the unit sharded, or its gather issued by a prefetch
     zs.reset_comm_stats()
-    trace = os.path.join(trace_dir, f"stage{stage}-rank{rank}-{prefetch_bucket}.json")
+    trace = os.path.join(trace_dir, f"stage{stage}-rank{rank}-{prefetch_bucket}-{max_live}.json")
     with zs.profile(trace):
         losses += [step(k) for k in (1, 2, 3)]
     report = zs.comm_report()
     names = {e["name"] for e in json.load(open(trace))["traceEvents"] if str(e.get("name", "")).startswith("zero: ")}
     peak = model.zero_engine.memory_stats().get("gathered_peak", 0)
     model.zero_engine.close()
-    return {"report": report, "names": sorted(names), "losses": losses, "peak": peak}
+    return {"report": report, "names": sorted(names), "losses": losses, "peak": peak, "seen": seen}
 
 
 def _check_trace(stage: int, rank: int, world: int, trace_dir: str) -> None:
@@ -73,14 +92,29 @@ def _check_trace(stage: int, rank: int, world: int, trace_dir: str) -> None:
 
 
 def _check_prefetch_bucket(rank: int, world: int, trace_dir: str) -> None:
-    """A prefetch bucket smaller than one unit gathers nothing ahead: fewer units gathered at
-    once, the same numbers."""
+    """A prefetch bucket of 0 gathers nothing ahead: fewer units gathered at once, the same
+    numbers. A bucket smaller than one unit still prefetches the next unit (issue 45, item 5: a
+    0.94B Llama's 50.6M-element layer was over the default 50M and never prefetched): each unit's
+    forward and backward pre-hook finds its gather already issued, except the first of each pass.
+    ``stage3_max_live_parameters`` stays a hard cap: below the root and one unit, nothing ahead."""
     ahead = _run(3, rank, world, trace_dir)
     none = _run(3, rank, world, trace_dir, prefetch_bucket=0)
-    if not none["peak"] < ahead["peak"]:
-        raise AssertionError(f"gathered peak {none['peak']} with no prefetch, {ahead['peak']} with prefetch")
-    if none["losses"] != ahead["losses"] or not all(v == v for v in none["losses"]):
-        raise AssertionError(f"losses differ: {none['losses']} vs {ahead['losses']}")
+    small = _run(3, rank, world, trace_dir, prefetch_bucket=1)
+    capped = _run(3, rank, world, trace_dir, prefetch_bucket=1, max_live=1)
+    if not none["peak"] < ahead["peak"] or small["peak"] != ahead["peak"]:
+        raise AssertionError(f"gathered peaks: {none['peak']} no prefetch, {small['peak']} bucket 1, {ahead['peak']}")
+    for run in (none, small, capped):
+        if run["losses"] != ahead["losses"] or not all(v == v for v in run["losses"]):
+            raise AssertionError(f"losses differ: {run['losses']} vs {ahead['losses']}")
+    units = ["unit 'blocks.0'", "unit 'blocks.1'", "unit 'blocks.2'"]
+    for run, first in ((none, None), (capped, None), (small, 1), (ahead, 1)):
+        want = [
+            ("pre_forward", n, "SHARDED" if first is None or k < first else "UNSHARDING") for k, n in enumerate(units)
+        ]
+        want += [("pre_backward", n, "SHARDED" if first is None or k < first else "UNSHARDING")
+                 for k, n in enumerate(units[::-1])]  # fmt: skip
+        if run["seen"] != want:
+            raise AssertionError(f"units as their pre-hooks ran: {run['seen']}, want {want}")
 
 
 def _worker(rank: int, world: int, trace_dir: str) -> int:

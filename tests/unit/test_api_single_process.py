@@ -594,22 +594,27 @@ def test_load_checkpoint_leaves_non_persistent_buffers_alone(tmp_path) -> None:
         assert torch.equal(fresh.inv_freq, expected)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("flag", ["capturable", "fused"])
-def test_resume_into_a_fresh_capturable_or_fused_adam_on_cuda(tmp_path, flag: str) -> None:
+@pytest.mark.parametrize(
+    ("device", "flag"),
+    [("cpu", "fused"), pytest.param("cuda", "capturable", marks=pytest.mark.gpu),
+     pytest.param("cuda", "fused", marks=pytest.mark.gpu)],
+)  # fmt: skip
+def test_resume_into_a_fresh_capturable_or_fused_adam(tmp_path, device: str, flag: str) -> None:
     """A fresh capturable/fused Adam gets ``step`` on the parameter's device (float32) from
     load_checkpoint, as torch's load_state_dict gives it, so its first step runs and continues
-    the saved run exactly. (The CPU rule is checked in test_checkpoint's export test.)"""
+    the saved run exactly. (The CPU rule is checked in test_checkpoint's export test.) The
+    ``cpu`` variant runs the fused one, the same body on the CPU (torch's capturable Adam takes
+    no CPU parameters)."""
 
     def build():
         torch.manual_seed(0)
-        model = GPT(CFG).cuda()
+        model = GPT(CFG).to(device)
         return zs.initialize(model, torch.optim.Adam(model.parameters(), lr=1e-2, **{flag: True}))
 
     def train(model, opt, steps: range) -> None:
         for step in steps:
             x, y = synthetic_batch(CFG, 2, step)
-            F.cross_entropy(model(x.cuda()).view(-1, CFG.vocab_size), y.cuda().reshape(-1)).backward()
+            F.cross_entropy(model(x.to(device)).view(-1, CFG.vocab_size), y.to(device).reshape(-1)).backward()
             opt.step()
             opt.zero_grad()
 
@@ -620,7 +625,7 @@ def test_resume_into_a_fresh_capturable_or_fused_adam_on_cuda(tmp_path, flag: st
     fresh, fresh_opt = build()
     zs.load_checkpoint(tmp_path, fresh, fresh_opt)
     for state in fresh_opt.state.values():
-        assert state["step"].device.type == "cuda" and state["step"].dtype == torch.float32, state["step"]
+        assert state["step"].device.type == device and state["step"].dtype == torch.float32, state["step"]
     train(fresh, fresh_opt, range(2, 4))  # raised before the fix: step on the CPU
     for (name, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):  # full at stage 1/2
         assert_close(b.detach(), a.detach(), rtol=1e-6, atol=1e-7, what=name)

@@ -4,7 +4,7 @@ never from a backend string compared with 'nccl' (issue 31, items 4 and 9).
 Without a GPU here, the group is simulated: ``torch.distributed``'s query functions are patched
 to answer as a real group of that backend would (``get_backend`` gives the string given to
 ``init_process_group``, ``get_backend_config`` its device:backend pairs). The real thing runs in
-the ``gpu`` test at the end."""
+the ``gpu`` tests at the end, whose ``cpu`` variants run in CI (the gloo half of the pair)."""
 
 from __future__ import annotations
 
@@ -93,38 +93,47 @@ def test_sharded_init_keeps_the_pieces_on_the_groups_device(monkeypatch: pytest.
         assert is_placeholder(p), name
 
 
-@pytest.mark.gpu
-def test_a_cuda_model_on_the_nccl_and_gloo_pair_communicates_on_its_gpu(tmp_path) -> None:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the CPU variant runs in CI, catching stale names
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_cuda_model_on_the_nccl_and_gloo_pair_communicates_on_its_gpu(tmp_path, device: str) -> None:
     """The real pair: a CUDA model initialises (refused before: 'move the model with
-    model.to('cpu')') and its engine communicates on the model's GPU."""
+    model.to('cpu')') and its engine communicates on the model's GPU. NCCL needs a GPU: the
+    ``cpu`` variant runs the pair's gloo half alone (``cpu:gloo``) with a CPU model, the same
+    body otherwise, and its engine communicates on the CPU."""
     import zero_strategy as zs
 
-    dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    backend = "cuda:nccl,cpu:gloo" if device == "cuda" else "cpu:gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        dev = torch.device("cuda", torch.cuda.device_count() - 1)
+        dev = torch.device("cuda", torch.cuda.device_count() - 1) if device == "cuda" else CPU
         model = torch.nn.Linear(4, 4).to(dev)
         model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
         model(torch.randn(2, 4, device=dev)).sum().backward()
         opt.step()
-        assert zs.get_engine(model).ctx.device == dev
+        assert model.zero_engine.ctx.device == dev  # the public handle (zs.get_engine is no public name)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.gpu
-def test_sharded_init_on_nccl_builds_its_pieces_on_the_gpu(tmp_path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_sharded_init_on_nccl_builds_its_pieces_on_the_gpu(tmp_path, device: str) -> None:
     """The real NCCL group: a model built under sharded_init on the default CPU device is
-    initialized without ``.to('cuda')``; its parameters hold only their pieces on the GPU."""
+    initialized without ``.to('cuda')``; its parameters hold only their pieces on the GPU. NCCL
+    needs a GPU: the ``cpu`` variant runs the same body on a gloo group, pieces on the CPU."""
     import zero_strategy as zs
 
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        torch.cuda.set_device(0)
+        if device == "cuda":
+            torch.cuda.set_device(0)
         with zs.sharded_init():
             model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
-        assert all(p.device.type == "cuda" for p in model.parameters())
+        assert all(p.device.type == device for p in model.parameters())
         model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
-        model(torch.randn(2, 64, device="cuda")).sum().backward()
+        model(torch.randn(2, 64, device=device)).sum().backward()
         opt.step()
     finally:
         dist.destroy_process_group()

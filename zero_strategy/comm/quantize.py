@@ -13,6 +13,8 @@ buffer, so one collective moves both; :func:`unpack` reads every rank's row of s
 Two layouts: ``padded=True`` (qwZ's gathers) writes the last block's zero padding, so the int8
 values fill whole blocks; ``padded=False`` (qgZ's all-to-all) sends only the ``numel`` values,
 then the scales, and the reader pads the last block back with zeros. Both dequantize alike.
+The scales are read as fp32 in place where their offset and the rows' stride are multiples of 4
+bytes (qwZ's slots are sized so, ``sharding/gather_codec.py``), else copied first (qgZ's rows).
 Pure torch: the same code on the CPU and on a GPU.
 """
 
@@ -79,5 +81,13 @@ def unpack(rows: torch.Tensor, numel: int, *, padded: bool = True) -> torch.Tens
         q = torch.zeros(r, nb * BLOCK, dtype=torch.int8, device=rows.device)
         q[:, :numel].copy_(rows[:, :numel].view(torch.int8))
         q = q.view(r, nb, BLOCK)
-    scales = rows[:, m : m + 4 * nb].contiguous().view(torch.float32)
-    return dequantize(q, scales)[:, :numel]
+    raw = rows[:, m : m + 4 * nb]
+    if not _fp32_viewable(raw):  # scales at an odd byte offset or row stride: copied to aligned bytes
+        raw = raw.clone(memory_format=torch.contiguous_format)
+    return dequantize(q, raw.view(torch.float32))[:, :numel]
+
+
+def _fp32_viewable(raw: torch.Tensor) -> bool:
+    """Whether the uint8 ``[ranks, 4 * blocks]`` ``raw`` reads as fp32 in place: its offset and its
+    row stride (checked even for one row) multiples of 4, its bytes contiguous within a row."""
+    return raw.stride(-1) == 1 and raw.storage_offset() % 4 == 0 and raw.stride(0) % 4 == 0

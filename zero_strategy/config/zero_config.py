@@ -182,7 +182,8 @@ class ZeroConfig:
     offload_param: OffloadConfig = setting(OffloadConfig(), read=_OFFLOAD, ds=_ZO)
     stage3_max_live_parameters: int = setting(1_000_000_000, int_rule(0), ds=_ZO)
     stage3_max_reuse_distance: int = setting(1_000_000_000, int_rule(0), ds=_ZO)
-    # elements gathered ahead of use at ZeRO-3 (whole units, at most `prefetch` of them; 0: no prefetch)
+    # elements gathered ahead of use at ZeRO-3 beyond the next unit, which is prefetched whatever its
+    # size (whole units, at most `prefetch` of them; 0: no prefetch)
     stage3_prefetch_bucket_size: int = setting(50_000_000, int_rule(0), ds=_ZO)
     stage3_param_persistence_threshold: int = setting(100_000, int_rule(0), ds=_ZO)
     stage3_gather_16bit_weights_on_model_save: bool = setting(

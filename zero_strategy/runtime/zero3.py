@@ -12,8 +12,11 @@ every gather checks (see ``unit.py``).
 Prefetch. The forward order of units is recorded in the first training step and checked to
 be the same on every rank. Afterwards each forward pre-hook issues the gather of the next
 ``prefetch`` units before waiting for its own, and each backward pre-hook does the same in
-reverse order. If a step takes another path, prefetch stops for that step, the new order is
-recorded, and this is logged once.
+reverse order. The first unit it issues is issued whatever its size, as DeepSpeed's coordinator
+always fetches the next parameter: ``stage3_prefetch_bucket_size`` (0: no prefetch) bounds only
+the units beyond it, and ``stage3_max_live_parameters`` (or the cache cap) bounds them all. If a
+step takes another path, prefetch stops for that step, the new order is recorded, and this is
+logged once.
 
 Cache (``zero_strategy.memory``, ``sharding/cache.py``). With a cache cap, units are not freed
 after use: they stay until a gather needs their room, and then the one whose next use is
@@ -51,7 +54,7 @@ class Zero3Settings:
     """The config values the scheduler reads (pushed down by the engine)."""
 
     prefetch: int
-    prefetch_bucket_size: int  # elements gathered ahead of use, at most (whole units)
+    prefetch_bucket_size: int  # elements gathered ahead of use beyond the first unit, at most (0: no prefetch)
     max_live_parameters: int
     max_reuse_distance: int
     check_unit_order: bool
@@ -176,14 +179,16 @@ class UnitScheduler:
         if 0 <= beyond < len(tags) and (far := self.all_units[tags[beyond] - 1].disk) is not None:
             far.read_ahead()
         cap, budget = self.settings.max_live_parameters, self.settings.prefetch_bucket_size
+        if budget <= 0:
+            return  # stage3_prefetch_bucket_size 0: no prefetch
         ahead = 0  # elements this prefetch gathers
         here = self._use_index(position, direction)
         for j in nxt:
             u = self.all_units[tags[j] - 1]
             if u.state is not ShardedState.SHARDED:
                 continue
-            if ahead + u.numel > budget:
-                return  # stage3_prefetch_bucket_size: gather it on demand instead
+            if ahead and ahead + u.numel > budget:
+                return  # stage3_prefetch_bucket_size bounds what goes beyond the first: on demand instead
             if self.cache.enabled:  # within the cap, evicting only units needed later than u
                 soon = self.cache.policy.distance(u.tag, here)
                 if not self.cache.make_room(u.full_bytes, self._busy(), here, before=soon):

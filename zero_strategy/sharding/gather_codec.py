@@ -13,7 +13,8 @@ Each rank sends one slot: its persistent rows (trainable, then frozen) and the u
   linear) sees rounded weights; gradients are fp32 and reduced into the fp32 shard as before.
 - :class:`Int8` (``zero_quantized_weights: true``): the rows block-quantized
   (``comm/quantize.py``: int8 and an fp32 scale per 256 elements, 0.254 of fp32's bytes) and
-  dequantized into the unit's dtype on arrival.
+  dequantized into the unit's dtype on arrival. The slot is padded to a multiple of 4 bytes so
+  every rank's scales are fp32-aligned in the gathered buffer, one rank included.
 
 The lossy codecs serve the forward's and backward's gathers only. ``gathered_parameters``
 (which a user reads and may write through), the persistent units (small, never partitioned for
@@ -89,7 +90,9 @@ class Int8(GatherCodec):
         return torch.uint8
 
     def slot_numel(self, shard_numel: int) -> int:
-        return quantize.packed_bytes(shard_numel) + TAG
+        """Rounded up to a multiple of 4 bytes: every rank's scales then start 4-byte aligned in
+        the gathered buffer (``quantize.unpack`` reads them in place at any world size)."""
+        return -(-(quantize.packed_bytes(shard_numel) + TAG) // 4) * 4
 
     def encode(
         self, slot: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], tag: int, *, non_blocking: bool = False
@@ -98,6 +101,7 @@ class Int8(GatherCodec):
             rows = (rows[0].to(slot.device, non_blocking=True), rows[1].to(slot.device, non_blocking=True))
         flat = torch.cat([rows[0].reshape(-1), rows[1].reshape(-1).to(rows[0].dtype)])
         quantize.pack(flat, slot)
+        slot[quantize.packed_bytes(flat.numel()) : slot.numel() - TAG].zero_()  # the alignment's bytes
         write_tag(slot, slot.numel() - TAG, tag)
 
     def decode(self, gathered: torch.Tensor, shard_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
