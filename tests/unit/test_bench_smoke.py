@@ -43,3 +43,23 @@ def test_bench_gpu_refuses_a_row_whose_losses_differ() -> None:
     rows = _table(out.stdout)
     assert "LOSSES DIFFER" in rows["zero3"] and "| yes" not in rows["zero3"], out.stdout
     assert "FAILED" in out.stdout
+
+
+def test_bench_dispatch_tiny_counts_ops_and_hooks_of_every_row() -> None:
+    """Every row prints; the plain model has no engine ops nor hooks, every engine row has both;
+    the model's own ops are the same under every row (the attribution does not leak engine work
+    into the model's column, nor the other way)."""
+    out = _run("bench_dispatch.py")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _table(out.stdout)
+    cols = {}
+    for name in ("plain", "fsdp2", "zero1", "zero2", "zero3"):
+        assert name in rows and "error" not in rows[name], out.stdout
+        cells = [c.strip() for c in rows[name].split("|")[2:-1]]
+        cols[name] = dict(zip(("ops", "x", "model", "optimizer", "in_hooks", "outside", "hook_ms", "calls"), cells))
+    assert cols["plain"]["in_hooks"] == cols["plain"]["outside"] == cols["plain"]["calls"] == "0", rows["plain"]
+    for name in ("fsdp2", "zero1", "zero2", "zero3"):
+        assert int(cols[name]["in_hooks"]) > 0 and int(cols[name]["calls"]) > 0, rows[name]
+        assert float(cols[name]["hook_ms"]) > 0, rows[name]
+        assert cols[name]["model"] == cols["plain"]["model"], (rows[name], rows["plain"])
+    assert "zero3: top 15 engine sites" in out.stdout and "ours / FSDP2:" in out.stdout
