@@ -101,6 +101,9 @@ class Size:
 
 SIZES = {
     "tiny": Size(hidden=64, layers=2, heads=4, intermediate=128, vocab=256, batch=2, seq=16),
+    # "narrow": small's shape (4 layers, norms under ZeRO-3's persistence threshold, linears over it
+    # with bench_dispatch.py's threshold) at a width where compute is negligible: host overhead
+    "narrow": Size(hidden=64, layers=4, heads=4, intermediate=176, vocab=512, batch=2, seq=32),
     "small": Size(hidden=512, layers=4, heads=8, intermediate=1408, vocab=8192, batch=2, seq=128),
     "0.17b": Size(hidden=1024, layers=8, heads=16, intermediate=2816, vocab=32000, batch=8, seq=512),
     "0.94b": Size(hidden=2048, layers=16, heads=16, intermediate=5504, vocab=32000, batch=8, seq=1024),
@@ -156,6 +159,7 @@ def build_row(
     amp: bool,
     foreach: bool | None = None,
     zero_extra: dict | None = None,
+    zero_keys: dict | None = None,
 ) -> Row:
     """The model and optimizer of one row, from ``state``."""
     model = new_model(size, state, device)
@@ -177,7 +181,7 @@ def build_row(
     if name.startswith("zero") and name[4:5] in ("1", "2", "3"):
         import zero_strategy as zs
 
-        zero = {"stage": int(name[4]), **OFFLOAD.get(name, {})}
+        zero = {"stage": int(name[4]), **OFFLOAD.get(name, {}), **(zero_keys or {})}
         config = {"zero_optimization": zero, **(zero_extra or {})}
         precision = "bf16-mixed" if amp else "fp32"
         model, opt = zs.initialize(model, adamw, config=config, precision=precision)
