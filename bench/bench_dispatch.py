@@ -111,6 +111,8 @@ class HookState:
     seconds: float = 0.0
     calls: int = 0
     registered: Counter[str] = dataclasses.field(default_factory=Counter)
+    by_hook: Counter[str] = dataclasses.field(default_factory=Counter)  # seconds per hook
+    calls_by_hook: Counter[str] = dataclasses.field(default_factory=Counter)
 
 
 def _hook_name(fn: Any) -> str:
@@ -138,8 +140,11 @@ def timed(state: HookState, fn: Callable[..., Any], name: str | None = None) -> 
         try:
             return fn(*args, **kwargs)
         finally:
-            state.seconds += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            state.seconds += dt
             state.calls += 1
+            state.by_hook[label] += dt
+            state.calls_by_hook[label] += 1
             state.depth, state.current = 0, ""
 
     return hook
@@ -212,6 +217,7 @@ class OpCounter(TorchDispatchMode):
         self.by_who: Counter[str] = Counter()
         self.kernels_by_who: Counter[str] = Counter()
         self.site_kernels: Counter[str] = Counter()
+        self.hook_kernels: Counter[str] = Counter()
         self.engine_ops: Counter[str] = Counter()
         self.sites: Counter[tuple[str, str, str]] = Counter()  # (hook or "-", site, op)
         self.via: dict[str, Counter[str]] = {}  # site: its engine callers
@@ -227,6 +233,7 @@ class OpCounter(TorchDispatchMode):
             site = _site(frame)
             self.sites[(self.hooks.current or "-", site, name)] += 1
             self.site_kernels[site] += kernel
+            self.hook_kernels[self.hooks.current or "-"] += kernel
             self.via.setdefault(site, Counter())[_via(frame)] += 1
         self.by_who[kind] += 1
         self.kernels_by_who[kind] += kernel
@@ -264,6 +271,8 @@ def measure(args: argparse.Namespace, name: str, size: bg.Size, state: dict, dat
                     bg.step(row, next(it), amp=False)
             per_step_registered = sum(hooks.registered.values()) / args.steps
             hooks.seconds, hooks.calls = 0.0, 0
+            hooks.by_hook.clear()
+            hooks.calls_by_hook.clear()
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 bg.step(row, next(it), amp=False)
@@ -277,11 +286,13 @@ def measure(args: argparse.Namespace, name: str, size: bg.Size, state: dict, dat
         "by_who": Counter({k: v / n for k, v in counter.by_who.items()}),
         "kernels_by_who": Counter({k: v / n for k, v in counter.kernels_by_who.items()}),
         "site_kernels": Counter({k: v / n for k, v in counter.site_kernels.items()}),
+        "hook_kernels": Counter({k: v / n for k, v in counter.hook_kernels.items()}),
         "engine_ops": Counter({k: v / n for k, v in counter.engine_ops.items()}),
         "sites": Counter({k: v / n for k, v in counter.sites.items()}),
         "via": counter.via,
         "hook_s": hooks.seconds / n,
         "hook_calls": hooks.calls / n,
+        "hook_ms_by": {h: (1e3 * t / n, hooks.calls_by_hook[h] / n) for h, t in hooks.by_hook.most_common()},
         "step_s": step_s,
         "module_hooks": mods,
         "param_hooks": params,
@@ -330,6 +341,9 @@ def report(results: dict[str, dict[str, Any]], top: int) -> None:
     for name, r in results.items():
         print(f"\n### {name}: top {top} ops per step (all issuers; engine's own in brackets)\n")
         print(", ".join(f"{op} {c:.0f} [{r['engine_ops'][op]:.0f}]" for op, c in r["by_op"].most_common(top)))
+        if r["hook_ms_by"]:
+            each = ", ".join(f"{h} {ms:.2f} ms/{c:.0f} calls" for h, (ms, c) in r["hook_ms_by"].items())
+            print(f"\n{name}: hook host time per step: {each}")
         if r["sites"]:
             _report_sites(name, r, top)
 
@@ -342,7 +356,8 @@ def _report_sites(name: str, r: dict[str, Any], top: int) -> None:
     for (hook, site, op), c in r["sites"].items():
         by_hook[hook] += c
         by_site.setdefault(site, Counter())[op] += c
-    print(f"\n{name}: engine ops per step by hook: " + ", ".join(f"{h} {c:.0f}" for h, c in by_hook.most_common()))
+    hooks = ", ".join(f"{h} {c:.0f} ({r['hook_kernels'][h]:.0f})" for h, c in by_hook.most_common())
+    print(f"\n{name}: engine ops (kernels) per step by hook: {hooks}")
     print(f"\n{name}: top {top} engine sites (ops per step (kernels), file:line function, op mix; called from)\n")
     ranked = sorted(by_site.items(), key=lambda kv: -sum(kv[1].values()))
     for site, ops in ranked[:top]:
