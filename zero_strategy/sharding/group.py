@@ -204,7 +204,7 @@ class ShardGroup:
                     self.layout.shard_numel,
                     dtype=self.master_dtype,
                     device=self.master_device,
-                    pin_memory=self.masters[0].is_pinned(),
+                    pin_memory=self.tier != "device" and self.masters[0].is_pinned(),
                 )
         return self._grad_shard
 
