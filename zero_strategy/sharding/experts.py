@@ -68,7 +68,7 @@ from zero_strategy.sharding.expert_detect import (
     find_expert_modules,
     select_experts,
 )
-from zero_strategy.sharding.gather_checks import TAG, UnitDivergence, read_tags, write_tag
+from zero_strategy.sharding.gather_checks import TAG, UnitDivergence, write_tag
 from zero_strategy.sharding.group import ReducePlan
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.states import ShardedState
@@ -474,7 +474,7 @@ class ExpertRows:
         pool and the unit stays sharded."""
         u = self.unit
         try:
-            u.checks.gathered(u, read_tags(digits), step)
+            u.checks.gathered(u, digits, step)
         except UnitDivergence:
             for b in buffers:
                 self.ctx.pool.put(b)

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from zero_strategy.sharding.pieces import check_placeholder, is_placeholder, reset_placeholder, written_while_sharded
+from zero_strategy.storage.uploads import to_device
 
 __all__ = [
     "MAX_TAG", "TAG", "GatherChecks", "UnitDivergence", "check_unit_count", "read_tags", "tag_digits", "write_tag",
@@ -89,61 +90,89 @@ class GatherChecks:
     written while it was sharded), shared by the units of one engine.
 
     With ``deferred`` False each gather is checked as it completes (a host read per gather).
-    With ``deferred`` True (the scheduler's steady state) the comparisons stay on the device:
-    :meth:`flag` gives one element that is nonzero if any failed, for the caller's own
-    agreement (the gradient flags' all-reduce), and :meth:`report` raises the error of the
-    first failure on this rank; :meth:`check_now` reads the flag itself (a forward without
-    a backward)."""
+    With ``deferred`` True (the scheduler's steady state) a gather costs one device copy: its
+    tag digits go into a buffer of the window's gathers, and the placeholders it found are
+    remembered (a unit reuses them, so a write into one stays readable until it is reported).
+    :meth:`flag` compares them all at once and gives one element that is nonzero if any check
+    failed, for the caller's own agreement (the gradient flags' all-reduce); :meth:`report`
+    raises the error of the first failure on this rank; :meth:`check_now` reads the flag itself
+    (a forward without a backward)."""
 
-    MAX_PENDING = 4096  # deferred records kept before they are read (long accumulation)
+    MAX_PENDING = 4096  # deferred gathers kept before they are read (long accumulation)
 
     def __init__(self, names: dict[int, str]) -> None:
         self.names = names
         self.deferred = False
-        self._bad: torch.Tensor | None = None
-        self._tags: list[tuple[str, int, torch.Tensor, str]] = []
-        self._written: list[tuple[list[str], torch.Tensor, list[torch.Tensor]]] = []
+        self._digits: torch.Tensor | None = None  # [capacity, ranks, TAG] fp32: each deferred gather's digits
+        self._tags: list[tuple[str, int, str]] = []  # per deferred gather: unit, its tag, the step
+        self._held: dict[tuple[int, int], tuple[str, torch.Tensor]] = {}  # placeholders found, by storage
 
-    def gathered(self, unit: GatheredUnit, tags: torch.Tensor, step: str) -> None:
-        """``tags``: the unit tag each rank sent. Before the full parameters replace the placeholders."""
+    def gathered(self, unit: GatheredUnit, digits: torch.Tensor, step: str) -> None:
+        """``digits``: the tag digits each rank sent (``[ranks, TAG]``, a view of the gather's
+        buffer). Before the full parameters replace the placeholders."""
         if not self.deferred:
-            found = [int(t) for t in tags.tolist()]
+            found = [int(t) for t in read_tags(digits).tolist()]
             if any(t != unit.tag for t in found):
                 raise UnitDivergence(_divergence_message(unit.name, unit.tag, found, self.names, step))
             for p, fqn in zip(unit.params, unit.fqns):
                 check_placeholder(p.data, fqn)
             return
-        bad = (tags != unit.tag).any()
-        self._tags.append((unit.name, unit.tag, tags, step))
-        held = [(p.data, fqn) for p, fqn in zip(unit.params, unit.fqns) if is_placeholder(p.data)]
-        if held:
-            base = torch.cat([t.as_strided((1,), (1,), t.storage_offset()) for t, _ in held])
-            written = ~torch.isnan(base) if base.dtype.is_floating_point else base.ne(0)
-            self._written.append(([fqn for _, fqn in held], written, [t for t, _ in held]))
-            bad = bad | written.any()
-        self._bad = bad if self._bad is None else self._bad | bad
-        if len(self._tags) > self.MAX_PENDING:
+        if len(self._tags) >= self.MAX_PENDING:
             self.check_now()
+        k, store = len(self._tags), self._digits
+        if store is None or store.shape[1:] != digits.shape or store.device != digits.device:
+            store = self._digits = torch.empty(64, *digits.shape, device=digits.device)
+        elif k == store.shape[0]:  # grown on the device, doubling: no host wait
+            store = self._digits = torch.cat([store, torch.empty_like(store)])
+        store[k].copy_(digits)  # exact: every digit is an integer below 256
+        self._tags.append((unit.name, unit.tag, step))
+        for p, fqn in zip(unit.params, unit.fqns):
+            t = p.data
+            if is_placeholder(t):
+                self._held.setdefault((t.untyped_storage().data_ptr(), int(t.storage_offset())), (fqn, t))
+
+    def _written(self) -> torch.Tensor | None:
+        """Per remembered placeholder, whether it was written (on the device), None: none remembered."""
+        held = [t for _, t in self._held.values()]
+        if not held:
+            return None
+        parts = []
+        for floating in (True, False):
+            ts = [t.as_strided((1,), (1,), t.storage_offset()) for t in held if t.dtype.is_floating_point == floating]
+            if ts:
+                base = torch.cat(ts)
+                parts.append(~torch.isnan(base) if floating else base.ne(0))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def flag(self) -> torch.Tensor | None:
         """One int32 element, nonzero if a deferred check failed (None: nothing pending)."""
-        return None if self._bad is None else self._bad.to(torch.int32).reshape(1)
+        k = len(self._tags)
+        if not k or self._digits is None:
+            return None
+        want = [[(tag // _BASE**j) % _BASE for j in range(TAG)] for _, tag, _ in self._tags]
+        expected = to_device(torch.tensor(want, dtype=torch.float32), self._digits.device)
+        bad = (self._digits[:k] != expected.unsqueeze(1)).any()
+        written = self._written()
+        if written is not None:
+            bad = bad | written.any()
+        return bad.to(torch.int32).reshape(1)
 
     def report(self, failed: bool) -> None:
         """Forget what is pending; with ``failed`` (on some rank), raise this rank's error."""
-        tags, written = self._tags, self._written
-        self._bad, self._tags, self._written = None, [], []
         if not failed:
+            self._tags, self._held = [], {}
             return
-        for _, _, placeholders in written:  # reused at the next reshard: the write is reported once
-            for t in placeholders:
-                reset_placeholder(t)
-        for fqns, w, _ in written:
-            for fqn, hit in zip(fqns, w.tolist()):
-                if hit:
-                    raise RuntimeError(written_while_sharded(fqn))
-        for name, tag, t, step in tags:
-            found = [int(v) for v in t.tolist()]
+        written = self._written()
+        hits = written.tolist() if written is not None else []
+        held, tags, digits = list(self._held.values()), self._tags, self._digits
+        self._tags, self._held = [], {}
+        for _, t in held:  # reused at the next reshard: the write is reported once
+            reset_placeholder(t)
+        for (fqn, _), hit in zip(_in_cat_order(held), hits):
+            if hit:
+                raise RuntimeError(written_while_sharded(fqn))
+        for k, (name, tag, step) in enumerate(tags):
+            found = [int(v) for v in read_tags(digits[k]).tolist()] if digits is not None else []
             if any(v != tag for v in found):
                 raise UnitDivergence(_divergence_message(name, tag, found, self.names, step))
         raise RuntimeError(
@@ -152,8 +181,16 @@ class GatherChecks:
         )
 
     def check_now(self) -> None:
-        if self._bad is not None:
-            self.report(bool(self._bad))
+        bad = self.flag()
+        if bad is not None:
+            self.report(bool(bad))
+        else:
+            self._tags, self._held = [], {}
+
+
+def _in_cat_order(held: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``held`` in :meth:`GatherChecks._written`'s order: floating placeholders first."""
+    return [h for h in held if h[1].dtype.is_floating_point] + [h for h in held if not h[1].dtype.is_floating_point]
 
 
 def _divergence_message(unit: str, tag: int, tags: list[int], names: dict[int, str], step: str) -> str:

@@ -32,7 +32,6 @@ from zero_strategy.sharding.gather_checks import (
     GatherChecks,
     UnitDivergence,
     check_unit_count,
-    read_tags,
 )
 from zero_strategy.sharding.gather_codec import EXACT, GatherCodec
 from zero_strategy.sharding.group import HostMasters, ShardGroup
@@ -402,7 +401,7 @@ class UnitStorage:
         n = self.ctx.world_size
         rows, digits = self._codec.decode(self._buf.view(n, -1), self.layout.shard_numel)
         try:
-            self.checks.gathered(self, read_tags(digits), self._step)
+            self.checks.gathered(self, digits, self._step)
         except UnitDivergence:
             self.ctx.pool.put(self._buf)
             self._handle, self._buf = None, None
