@@ -26,6 +26,7 @@ import difflib
 import functools
 import math
 import numbers
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -55,9 +56,24 @@ __all__ = [
     "to_choice",
     "to_float",
     "to_int",
+    "warn_once",
 ]
 
 Rule = Callable[[Any, str], Any]  # (raw value, "where" label for errors) -> coerced value
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str, stacklevel: int = 2) -> None:
+    """A config warning said once per job: by the launcher's rank 0 only (``RANK``; a process
+    without it says it), and once per process, however often the file is read (the plugin, the
+    ``Trainer`` and each engine read it again)."""
+    if message in _WARNED or os.environ.get("RANK", "0") != "0":
+        return
+    _WARNED.add(message)
+    warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
 Reader = Callable[[Any, str, "str | None"], Any]  # (raw value, where, source file or None) -> value
 
 # --------------------------------------------------------------------------- problems

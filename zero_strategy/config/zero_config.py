@@ -26,7 +26,6 @@ import dataclasses
 import difflib
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -65,6 +64,7 @@ from zero_strategy.config.values import (
     to_choice,
     to_float,
     to_int,
+    warn_once,
 )
 
 __all__ = ["ZeroConfig"]
@@ -191,11 +191,7 @@ class ZeroConfig:
         to_bool,
         ds=_ZO,
         aliases=("stage3_gather_fp16_weights_on_model_save",),
-        not_applied=(
-            False,
-            "gathers 16-bit weights for save_16bit_model (here use zero_strategy.full_state_dict or export_full)",
-        ),
-    )
+    )  # nothing to switch on: every full-weight save gathers (overrides.not_applied_settings says so)
     sub_group_size: int = setting(
         1_000_000_000,
         int_rule(1),
@@ -727,7 +723,7 @@ class _DeepSpeedReader:
         )  # fmt: skip
         for keys, reason in reasons:
             if keys:
-                warnings.warn(f"{reason}: {', '.join(keys)}", UserWarning, stacklevel=4)
+                warn_once(f"{reason}: {', '.join(keys)}", stacklevel=4)
 
 
 def _yaml(source: str) -> Any:
