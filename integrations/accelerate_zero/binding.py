@@ -298,7 +298,8 @@ def _drop_forward_wrapper(model: Any) -> None:
 def check_accelerator(accelerator: Any) -> None:
     """Refuse what ``ZeroPlugin.prepare`` cannot run on: not an Accelerator, DeepSpeed/FSDP/
     Megatron, tensor or context parallelism (``ParallelismConfig``'s data-parallel sizes are shard
-    groups: ``ZeroPlugin.resolved_config``)."""
+    groups: ``ZeroPlugin.resolved_config``), and a process that runs alone although it was launched as one of
+    several (``_refuse_a_lone_process_of_a_launch``)."""
     if not isinstance(accelerator, Accelerator):
         raise TypeError(
             f"ZeroPlugin.prepare(accelerator=...): expected an accelerate.Accelerator, got {type(accelerator).__name__}"
@@ -310,6 +311,26 @@ def check_accelerator(accelerator: Any) -> None:
             "Megatron settings from the accelerate config"
         )
     parallelism_shard_size(getattr(accelerator, "parallelism_config", None), "ZeroPlugin.prepare()")  # tp/cp refused
+    _refuse_a_lone_process_of_a_launch(accelerator)
+
+
+def _refuse_a_lone_process_of_a_launch(accelerator: Accelerator) -> None:
+    """``accelerate launch --multi_gpu --num_processes N`` on a machine without GPUs and without
+    ``ACCELERATE_USE_CPU``: the processes share one process group, but each Accelerator runs alone
+    (``num_processes`` 1), so each would train on the whole dataset and save as the main process."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    group = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    processes = max(launched, group)
+    if processes <= accelerator.num_processes:
+        return
+    raise RuntimeError(
+        f"ZeroPlugin.prepare(): this process was started as one of {processes} processes (WORLD_SIZE={launched}), "
+        f"but its Accelerator runs alone (num_processes={accelerator.num_processes}, distributed_type "
+        f"{accelerator.distributed_type.value}): each process would train on the whole dataset and save as the main "
+        "process. On a machine without GPUs Accelerate joins CPU processes only with ACCELERATE_USE_CPU=true: set it "
+        "for `accelerate launch`, or start the script with `zero-strategy launch --zero-config FILE ...`, which sets "
+        "it"
+    )
 
 
 @contextlib.contextmanager

@@ -106,6 +106,7 @@ def launch(argv: list[str]) -> None:
             "ACCELERATE_USE_CPU=true"
         )
     _check_script(args)
+    _refuse_deepspeed_flag(args, env["ZERO_STRATEGY_CONFIG"])
     env.update(_cpu_processes(args))
     os.environ.update(env)
     launch_command(args)
@@ -117,6 +118,25 @@ def _check_script(args: Any) -> None:
     if args.module or args.no_python or os.path.isfile(script):
         return
     raise FileNotFoundError(f"the training script {script!r} does not exist (relative to {os.getcwd()!r})")
+
+
+def _refuse_deepspeed_flag(args: Any, zero_config: str) -> None:
+    """A script still given ``--deepspeed ds_config.json`` (the ``Trainer``'s flag) would start
+    DeepSpeed in every process (or fail in transformers, ``PackageNotFoundError: deepspeed``, where
+    it is not installed): refused before anything starts, naming the fix."""
+    script_args = list(args.training_script_args or [])
+    for i, arg in enumerate(script_args):
+        flag, eq, value = arg.partition("=")
+        if flag != "--deepspeed":
+            continue
+        value = value if eq else (script_args[i + 1] if i + 1 < len(script_args) else "FILE")
+        raise ValueError(
+            f"the script's arguments still hold --deepspeed {value}, which makes the Trainer start DeepSpeed "
+            f"(where it is not installed, transformers fails with PackageNotFoundError). The engine's config comes "
+            f"from --zero-config (here {zero_config!r}): drop --deepspeed {value} from the script's arguments, and "
+            f"pass that file to the launch instead: zero-strategy launch --zero-config {value} ... "
+            f"{args.training_script} ..."
+        )
 
 
 def _cpu_processes(args: Any) -> dict[str, str]:

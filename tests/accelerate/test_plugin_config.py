@@ -320,3 +320,23 @@ def test_the_start_up_line_costs_nothing_unless_asked_and_then_imports_no_torch(
     out = subprocess.run([sys.executable, "-c", wrapped], env={**env, CONFIG_ENV: "z.yaml"}, capture_output=True,
                          text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == "True", out
+
+
+def test_launch_refuses_a_script_still_passed_deepspeed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--deepspeed ds_config.json`` among the script's arguments makes the ``Trainer`` start
+    DeepSpeed (``PackageNotFoundError: deepspeed`` where it is not installed): refused before
+    any process starts, naming the fix. Accelerate's own options before the script are not it."""
+    import accelerate.commands.launch as accelerate_launch
+
+    started: list[str] = []
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: started.append(args.training_script))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    for extra in (["--deepspeed", "ds_config.json"], ["--deepspeed=ds_config.json"]):
+        with pytest.raises(ValueError, match=r"--deepspeed ds_config\.json.*drop --deepspeed") as info:
+            launch.launch(["--zero-config", "zero3", "--cpu", "train.py", "--lr", "1", *extra])
+        assert "--zero-config ds_config.json" in str(info.value)
+    assert started == []
+    launch.launch(["--zero-config", "zero3", "--cpu", "train.py", "--deepspeed_note", "x"])  # another flag
+    assert started == ["train.py"]
+    os.environ.pop(CONFIG_ENV)

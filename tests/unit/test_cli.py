@@ -183,3 +183,31 @@ def test_single_process_save_load_export_do_not_warn_and_help_has_no_raw_docstri
             cli.main([name, "--help"])
         text = capsys.readouterr().out
         assert "Args:" not in text and "Returns" not in text and "usage: zero-strategy" in text, text
+
+
+def test_check_lists_auto_precision_switches_as_auto_and_a_loss_scale_only_fp16_uses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """transformers' ``ds_config_zero3.json``: ``bf16.enabled`` and ``fp16.enabled`` are ``"auto"``
+    (the ``Trainer``'s ``--bf16``/``--fp16`` decide), so they are left auto, not honoured; the fp16
+    block's ``hysteresis`` applies only if fp16 is turned on, and a disabled block's not at all."""
+    path = tmp_path / "ds_config_zero3.json"
+    path.write_text(
+        '{"fp16": {"enabled": "auto", "loss_scale": 0, "hysteresis": 2}, "bf16": {"enabled": "auto"},'
+        ' "zero_optimization": {"stage": 3}}'
+    )
+    code, text = _check(capsys, str(path))
+    assert code == 0, text
+    honoured = text.split("honoured")[1].split("\n\n")[0]
+    assert "bf16.enabled" not in honoured and "fp16.enabled" not in honoured, honoured
+    auto = text.split('left "auto"')[1].split("\n\n")[0]
+    assert "bf16.enabled" in auto and "fp16.enabled" in auto, auto
+    resolved = text.split("resolved config")[1].split("\n\n")[0]
+    scale = next(line for line in resolved.splitlines() if line.split()[0] == "loss_scale")
+    assert "only if fp16.enabled" in scale, scale
+    path.write_text('{"fp16": {"enabled": false, "hysteresis": 2}, "zero_optimization": {"stage": 3}}')
+    code, text = _check(capsys, str(path))
+    resolved = text.split("resolved config")[1].split("\n\n")[0]
+    scale = next(line for line in resolved.splitlines() if line.split()[0] == "loss_scale")
+    assert scale.split()[1:] == ["(defaults)", "default"], scale
+    assert "fp16.hysteresis -> loss_scale" not in text and "fp16.hysteresis" in text.split("ignored")[-1], text

@@ -941,3 +941,32 @@ def test_shipped_nvme_config_is_the_design_notes_template():
         assert ZeroConfig.from_file(CONFIGS / "zero3_offload_nvme.yaml") == ZeroConfig.from_dict(
             yaml.safe_load(SPEC_YAML)
         )
+
+
+def test_config_warnings_are_said_once_per_job_and_the_16bit_save_key_says_what_happens(monkeypatch):
+    """A launch reads its file several times per process (the plugin, the ``Trainer``) on every
+    rank: each warning is said once, by rank 0. ``stage3_gather_16bit_weights_on_model_save``
+    is not a setting that does nothing: every full-weight save gathers the full weights."""
+    import zero_strategy as zs
+    from zero_strategy.config import not_applied_settings
+
+    data = {"zero_optimization": {"stage": 2, "sub_group_size": 4321}, "steps_per_print": 4321}
+    monkeypatch.setenv("RANK", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rank 1 says nothing
+        cfg = ZeroConfig.from_dict(data)
+        zs.destroy(zs.initialize(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)[0])
+    monkeypatch.setenv("RANK", "0")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            cfg = ZeroConfig.from_dict(data)
+            zs.destroy(zs.initialize(torch.nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.1), config=cfg)[0])
+    said = [str(w.message) for w in record]
+    assert sum("steps_per_print" in m for m in said) == 1 and sum("sub_group_size=4321" in m for m in said) == 1, said
+    (message,) = not_applied_settings(
+        ZeroConfig.from_dict({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}})
+    )
+    assert "read but not applied" not in message, message
+    for part in ("full weights", "save_model", "full_state_dict", "fp32"):
+        assert part in message, message

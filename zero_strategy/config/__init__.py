@@ -16,7 +16,7 @@ from zero_strategy.config.blocks import (
     PrecisionConfig,
     frontend_precision,
 )
-from zero_strategy.config.overrides import not_applied_settings, resolve_overrides
+from zero_strategy.config.overrides import not_applied_settings, resolve_overrides, warn_not_applied
 from zero_strategy.config.values import ConfigError
 from zero_strategy.config.zero_config import ZeroConfig, preset_names
 
@@ -33,4 +33,5 @@ __all__ = [
     "not_applied_settings",
     "preset_names",
     "resolve_overrides",
+    "warn_not_applied",
 ]

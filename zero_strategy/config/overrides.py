@@ -10,9 +10,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from zero_strategy.config.blocks import _DTYPE_NAMES, PrecisionConfig, _precision_name
+from zero_strategy.config.values import warn_once
 from zero_strategy.config.zero_config import _SETTINGS, ZeroConfig, _check_field_name
 
-__all__ = ["not_applied_settings", "resolve_overrides"]
+__all__ = ["not_applied_settings", "resolve_overrides", "warn_not_applied"]
 
 # Settings read with DeepSpeed's names but not acted on (their ``not_applied`` declarations):
 # name -> (the value that would change nothing here, None: any explicit value is reported; what
@@ -32,6 +33,13 @@ def not_applied_settings(cfg: ZeroConfig) -> list[str]:
         if not cfg.explicitly_set(name) or (neutral is not None and getattr(cfg, name) == neutral):
             continue
         out.append(f"{name}={getattr(cfg, name)!r} is read but not applied by zero_strategy; in DeepSpeed it {what}")
+    if cfg.stage3_gather_16bit_weights_on_model_save:
+        out.append(
+            "stage3_gather_16bit_weights_on_model_save=True needs no switch here: every full-weight save gathers the "
+            "full weights (the Trainer's save_model, accelerator.get_state_dict, zero_strategy.full_state_dict and "
+            "export_full), in the parameters' dtype: 16-bit when the file enables bf16 or fp16, fp32 under a "
+            "front-end's mixed precision (the Trainer's --bf16 with \"auto\"), where DeepSpeed writes 16-bit"
+        )
     if cfg.stage != 3:  # the MoE experts' knobs act on ZeRO-3's gathers (sharding/experts.py)
         for name in _ZERO3_MOE:
             if cfg.explicitly_set(name):
@@ -53,6 +61,12 @@ def not_applied_settings(cfg: ZeroConfig) -> list[str]:
                 "under its persistent tier (docs/memory_budget.md); remove one of the two"
             )
     return out
+
+
+def warn_not_applied(cfg: ZeroConfig) -> None:
+    """``not_applied_settings`` as warnings, each once per job (``warn_once``), at initialize."""
+    for message in not_applied_settings(cfg):
+        warn_once(message, stacklevel=4)
 
 
 # zero_strategy's MoE knobs, which only ZeRO-3 applies

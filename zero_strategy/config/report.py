@@ -122,6 +122,7 @@ def check_file(path: str | os.PathLike[str], *, stage: int | None = None, world_
     report.auto = reader.auto
     report.ignored = [(key, IGNORED_WHY.get(key, "not implemented by zero_strategy")) for key in reader.ignored]
     report.ignored += [(key, "the training loop / front-end owns it") for key in reader.frontend]
+    report.ignored += [(key, "fp16.enabled is false: the loss scale applies to fp16 only") for key in reader.unused]
     return report
 
 

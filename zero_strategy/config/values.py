@@ -26,6 +26,8 @@ import difflib
 import functools
 import math
 import numbers
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -55,9 +57,31 @@ __all__ = [
     "to_choice",
     "to_float",
     "to_int",
+    "warn_once",
 ]
 
 Rule = Callable[[Any, str], Any]  # (raw value, "where" label for errors) -> coerced value
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str, stacklevel: int = 2) -> None:
+    """A config warning said once per job: by rank 0 only (the process group's rank, else the
+    launcher's ``RANK`` or ``LOCAL_RANK``; a process with none says it), and once per process,
+    however often the file is read (the plugin, the ``Trainer`` and each engine read it again)."""
+    if message in _WARNED or _rank() != 0:
+        return
+    _WARNED.add(message)
+    warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
+def _rank() -> int:
+    dist = sys.modules.get("torch.distributed")  # read only if imported: this module imports no torch
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or 0)
+
+
 Reader = Callable[[Any, str, "str | None"], Any]  # (raw value, where, source file or None) -> value
 
 # --------------------------------------------------------------------------- problems

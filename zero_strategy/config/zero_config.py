@@ -26,7 +26,6 @@ import dataclasses
 import difflib
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -65,6 +64,7 @@ from zero_strategy.config.values import (
     to_choice,
     to_float,
     to_int,
+    warn_once,
 )
 
 __all__ = ["ZeroConfig"]
@@ -191,11 +191,7 @@ class ZeroConfig:
         to_bool,
         ds=_ZO,
         aliases=("stage3_gather_fp16_weights_on_model_save",),
-        not_applied=(
-            False,
-            "gathers 16-bit weights for save_16bit_model (here use zero_strategy.full_state_dict or export_full)",
-        ),
-    )
+    )  # nothing to switch on: every full-weight save gathers (overrides.not_applied_settings says so)
     sub_group_size: int = setting(
         1_000_000_000,
         int_rule(1),
@@ -594,6 +590,7 @@ class _DeepSpeedReader:
         self.auto: list[str] = []  # keys left "auto" (not set)
         self.ignored: list[str] = []  # DeepSpeed features not implemented here
         self.frontend: list[str] = []  # top-level keys the training loop owns
+        self.unused: list[str] = []  # keys of a block its own "enabled": false turns off (fp16's loss scale)
 
     def put(self, name: str, value: Any, where: str) -> None:
         if name in self.values and self.values[name] != value:
@@ -684,21 +681,32 @@ class _DeepSpeedReader:
         bf16 = self.block(d, "bf16", _BF16_KEYS, _BF16_IGNORED)
         fp16 = self.block(d, "fp16", _FP16_KEYS, _FP16_IGNORED)
         bf16_on = self.leaf(bf16, "enabled", "bf16", to_bool) is True
-        fp16_on = self.leaf(fp16, "enabled", "fp16", to_bool) is True
+        fp16_enabled = self.leaf(fp16, "enabled", "fp16", to_bool)
+        fp16_on = fp16_enabled is True
         if bf16_on and fp16_on:
             raise ValueError(f"bf16.enabled and fp16.enabled are both true in {self.source}; enable at most one")
-        self.honoured.update({f"{name}.enabled": "precision" for name, block in (("bf16", bf16), ("fp16", fp16))
-                              if "enabled" in block})  # fmt: skip
+        for name, block in (("bf16", bf16), ("fp16", fp16)):  # "auto": the front-end's precision decides
+            if "enabled" not in block:
+                continue
+            if is_auto(block["enabled"]):
+                self.auto.append(f"{name}.enabled")
+            else:
+                self.honoured[f"{name}.enabled"] = "precision"
+        fp16_auto, fp16_off = is_auto(fp16.get("enabled")), fp16_enabled is False
         scale = {}
         for key, spec in settings_of(LossScaleConfig).items():
             raw = fp16.get(key)
             if raw is not None and not is_auto(raw):
+                if fp16_off:  # DeepSpeed reads a disabled block's loss scale no more than we do
+                    self.unused.append(f"fp16.{key}")
+                    continue
                 value = attempt(spec.metadata["read"], raw, f"fp16.{key}", self.source)
                 if value is not FAILED:
                     scale[key], self.honoured[f"fp16.{key}"] = value, "loss_scale"
         if scale:
-            self.put("loss_scale", LossScaleConfig(**scale), "fp16")
-            self.honoured.pop("fp16", None)  # listed key by key above
+            where = 'fp16 (only if fp16.enabled "auto" turns fp16 on)' if fp16_auto else "fp16"
+            self.put("loss_scale", LossScaleConfig(**scale), where)
+            self.honoured.pop(where, None)  # listed key by key above
         reduce = {}
         for path, key in _REDUCE_DTYPE_KEYS:
             value = self.leaf(own if path else d, key, path, _to_reduce_dtype)
@@ -727,7 +735,7 @@ class _DeepSpeedReader:
         )  # fmt: skip
         for keys, reason in reasons:
             if keys:
-                warnings.warn(f"{reason}: {', '.join(keys)}", UserWarning, stacklevel=4)
+                warn_once(f"{reason}: {', '.join(keys)}", stacklevel=4)
 
 
 def _yaml(source: str) -> Any:

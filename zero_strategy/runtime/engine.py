@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 from zero_strategy._swap import unswap_class
 from zero_strategy.comm import collectives as C
 from zero_strategy.comm.balance import check_load_balance, shard_fractions
-from zero_strategy.config import ZeroConfig, not_applied_settings
+from zero_strategy.config import ZeroConfig, warn_not_applied
 from zero_strategy.offload.disk_tier import DiskTier
 from zero_strategy.offload.host_step import HostStep
 from zero_strategy.offload.swapped_state import SwappedOptimizerState
@@ -98,7 +98,6 @@ from zero_strategy.storage.offload import OffloadPolicy, optimizer_offload, para
 __all__ = ["GradState", "TrainingState", "ZeroEngine", "live_engines"]
 
 _LIVE: LiveEngines[ZeroEngine] = LiveEngines()  # while it holds one, torch's clipping functions are ours
-_WARNED: set[str] = set()
 
 
 def live_engines() -> list[ZeroEngine]:
@@ -121,10 +120,7 @@ class ZeroEngine(WholeModelState):
 
     def __init__(self, module: nn.Module, config: ZeroConfig, process_group: Any = None,
                  policy: UnitPolicy = None, mesh: Any = None) -> None:  # fmt: skip
-        for message in not_applied_settings(config):
-            if message not in _WARNED:  # once per setting and process
-                _WARNED.add(message)
-                warnings.warn(message, UserWarning, stacklevel=3)
+        warn_not_applied(config)  # once per setting and job
         # where the optimizer's side and ZeRO-3's rows live (bad offload settings fail here, before any change)
         config.check(caller="initialize()")  # every conflict of the resolved config (ZeroConfig.conflicts)
         self.offload_optimizer, self.offload_params = optimizer_offload(config), param_offload(config)
