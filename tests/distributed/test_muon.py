@@ -103,14 +103,14 @@ def _optimizer_classes():
                         p.add_(_orthogonalise(update), alpha=-group["lr"] * max(1, p.shape[0] / p.shape[1]) ** 0.5)
                         continue
                     b1, b2 = group["betas"]
-                    state["step"] = state.get("step", 0) + 1
+                    step = state.setdefault("step", torch.zeros(())).add_(1).item()  # a tensor: checkpointed
                     m = state.setdefault("exp_avg", torch.zeros_like(p))
                     v = state.setdefault("exp_avg_sq", torch.zeros_like(p))
                     m.lerp_(p.grad, 1 - b1)
                     v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                    denom = (v / (1 - b2 ** state["step"])).sqrt_().add_(group["eps"])
+                    denom = (v / (1 - b2**step)).sqrt_().add_(group["eps"])
                     p.mul_(1 - group["lr"] * group["wd"])
-                    p.addcdiv_(m, denom, value=-group["lr"] / (1 - b1 ** state["step"]))
+                    p.addcdiv_(m, denom, value=-group["lr"] / (1 - b1**step))
 
     @zs.whole_params
     class _ShampooLike(torch.optim.Optimizer):
@@ -166,12 +166,12 @@ def _batch(step: int, micro: int, rank: int):
 
 
 def _train(net, opts, params_of, steps: int, rank: int, *, accum: int, clip: float | None, ddp: bool,
-           after_step=None) -> list[float]:  # fmt: skip
+           after_step=None, start: int = 0) -> list[float]:  # fmt: skip
     import torch
     import torch.nn.functional as F
 
     losses = []
-    for step in range(steps):
+    for step in range(start, steps):
         for micro in range(accum):
             last = micro == accum - 1
             with contextlib.nullcontext() if last else net.no_sync():
@@ -287,7 +287,38 @@ def case_momentum(rank: int, world: int, stage: int) -> None:
     assert checked, f"rank {rank} owns no matrix"
 
 
-def _world2(rank: int, world: int) -> bool:
+def case_resume(rank: int, world: int, root: str, form: str, save_stage: int, load_stage: int) -> None:
+    """3 steps at ``save_stage``, a checkpoint, 3 more in a fresh model at ``load_stage``: equal to
+    6 DDP steps (the owners' momentum came back). The checkpoint's ``extra`` holds DDP's weights
+    and momentum after 3 steps, by name, for the world-3 load."""
+    import zero_strategy as zs
+
+    ref, _, ref_losses = _ddp(form, 6, rank, accum=1, clip=None)
+    model, opts = _zero(form, save_stage, None)
+    first = _train(model, opts, [], 3, rank, accum=1, clip=None, ddp=False)
+    zs.save_checkpoint(root, model, opts, extra=_reference_after(form, rank, 3))
+    fresh, fresh_opts = _zero(form, load_stage, None)
+    zs.load_checkpoint(root, fresh, fresh_opts)
+    rest = _train(fresh, fresh_opts, [], 6, rank, accum=1, clip=None, ddp=False, start=3)
+    what = f"{form} resumed from stage {save_stage} at stage {load_stage}"
+    assert_close(first + rest, ref_losses, rtol=1e-6, atol=1e-7, what=f"{what} losses")
+    got = _weights(fresh, True)
+    for k, v in _weights(ref, False).items():
+        assert_close(got[k], v, rtol=1e-6, atol=1e-7, what=f"{what} {k}")
+
+
+def _reference_after(form: str, rank: int, steps: int) -> dict:
+    """DDP's weights and whole-parameter momentum after ``steps`` steps, by name."""
+    ref, opts, _ = _ddp(form, steps, rank, accum=1, clip=None)
+    names = {id(p): n for n, p in ref.named_parameters()}
+    out = {f"model.{k}": v.reshape(-1).tolist() for k, v in _weights(ref, False).items()}
+    for p, st in opts[0].state.items():
+        if "momentum_buffer" in st:
+            out[f"momentum.{names[id(p)]}"] = st["momentum_buffer"].reshape(-1).tolist()
+    return out
+
+
+def _world2(rank: int, world: int, root: str) -> bool:
     grid = [
         {"form": "two", "stage": 1, "accum": 1, "clip": None},
         {"form": "two", "stage": 2, "accum": 2, "clip": 0.5},
@@ -301,10 +332,33 @@ def _world2(rank: int, world: int) -> bool:
     ]
     run_subtests(lambda **kw: case_parity(rank, world, **kw), grid, label="muon parity")
     run_subtests(lambda **kw: case_momentum(rank, world, **kw), [{"stage": 2}, {"stage": 3}], label="momentum")
+    case_resume(rank, world, root + "/one", "one", 3, 1)
+    case_resume(rank, world, root + "/two", "two", 2, 3)  # the checkpoint the world-3 launch loads
     return True
 
 
-def _world3(rank: int, world: int) -> bool:
+def case_load_at_3(rank: int, world: int, root: str) -> None:
+    """The world-2 checkpoint (Muon + AdamW, saved at ZeRO-2) loaded on 3 ranks at ZeRO-1: the
+    weights, and on each matrix's new owner its momentum, equal DDP's after the same 3 steps."""
+    import torch
+
+    import zero_strategy as zs
+
+    model, opts = _zero("two", 1, None)
+    extra = zs.load_checkpoint(root + "/two", model, opts)
+    got = _weights(model, True)
+    checked = 0
+    for k, v in got.items():
+        assert_close(v.reshape(-1), extra[f"model.{k}"], rtol=1e-7, atol=1e-9, what=f"world 3 model.{k}")
+    for e in model.zero_engine.whole.owned():
+        buf = opts[0].state[e.proxy]["momentum_buffer"]
+        ref = torch.tensor(extra[f"momentum.{e.name}"], dtype=buf.dtype)
+        assert_close(buf.reshape(-1), ref, rtol=1e-7, atol=1e-9, what=f"world 3 momentum of {e.name}")
+        checked += 1
+    assert checked, f"rank {rank} owns no matrix at world size 3"
+
+
+def _world3(rank: int, world: int, root: str) -> bool:
     """3 ranks: uneven pieces (a 20 x 10 matrix in pieces of 67, 67, 66), 4 matrices on 3 owners.
     torch's Muon orthogonalises in bf16, where the last-bit differences of a 3-rank average
     (DDP's all-reduce and our reduce-scatter sum in other orders) can round one element to the
@@ -315,9 +369,11 @@ def _world3(rank: int, world: int) -> bool:
         {"form": "one", "stage": 2, "accum": 2, "clip": 0.5},
     ]
     run_subtests(lambda **kw: case_parity(rank, world, **kw), grid, label="muon parity")
+    case_load_at_3(rank, world, root)
     return True
 
 
-def test_whole_param_optimizers_equal_ddp(launch) -> None:
-    assert all(launch(_world2, 2, timeout=600))
-    assert all(launch(_world3, 3, timeout=600))
+def test_whole_param_optimizers_equal_ddp(launch, tmp_path) -> None:
+    root = str(tmp_path / "muon")
+    assert all(launch(_world2, 2, args=(root,), timeout=600))
+    assert all(launch(_world3, 3, args=(root,), timeout=600))
