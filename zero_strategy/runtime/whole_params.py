@@ -125,13 +125,17 @@ class _Entry:
     """One parameter stepped whole: where its pieces are and who owns it."""
 
     param: torch.Tensor  # the model parameter
-    master: torch.Tensor  # this rank's 1-D master piece of it
     group: Any  # its ShardGroup (layout.local_range gives every rank's piece)
     index: int  # its index in the group
     owner: int  # rank in the shard group
     proxy: torch.Tensor  # what the optimizer steps: whole on the owner, empty elsewhere
     opt_key: int  # optimizer_set.key of the optimizer it belongs to
     name: str
+
+    @property
+    def master(self) -> torch.Tensor:
+        """This rank's 1-D master piece (looked up each time: a group may replace its masters)."""
+        return self.group.masters[self.index]
 
     def piece(self, rank: int) -> tuple[int, int]:
         return self.group.layout.local_range(self.index, rank)
@@ -160,7 +164,7 @@ class WholeParams:
             else:
                 proxy = torch.empty((0, *p.shape[1:]), dtype=m.dtype, device=m.device)
             name = self._names.get(id(p), str(tuple(p.shape)))
-            self.entries.append(_Entry(p, m, group, index, owner, proxy, opt_key, name))
+            self.entries.append(_Entry(p, group, index, owner, proxy, opt_key, name))
             proxies.append(proxy)
         return proxies
 
