@@ -205,14 +205,15 @@ def _ddp(form: str, steps: int, rank: int, *, accum: int, clip: float | None, af
     return model, opts, losses
 
 
-def _zero(form: str, stage: int, clip: float | None):
+def _zero(form: str, stage: int, clip: float | None, sharded: bool = False):
     import torch
 
     import zero_strategy as zs
 
     Net, Block = _classes()
     torch.manual_seed(0)
-    model = Net()
+    with zs.sharded_init() if sharded else contextlib.nullcontext():  # placeholders keep their shapes
+        model = Net()
     extra = {"policy": {Block}, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
     model, opts = zs.initialize(model, _optimizers(model, form), stage=stage, gradient_clipping=clip, **extra)
     return model, opts
@@ -227,13 +228,15 @@ def _weights(model, zero: bool) -> dict:
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def case_parity(rank: int, world: int, form: str, stage: int, accum: int, clip: float | None) -> None:
-    """Losses and weights equal DDP's within 1e-6 relative; Muon's state only on the owners."""
+def case_parity(rank: int, world: int, form: str, stage: int, accum: int, clip: float | None,
+                sharded: bool = False) -> None:  # fmt: skip
+    """Losses and weights equal DDP's within 1e-6 relative; Muon's state only on the owners.
+    ``sharded``: the model is built under ``zs.sharded_init()`` (ZeRO-3)."""
     steps = 20 if accum == 1 else 8
     ref, ref_opts, ref_losses = _ddp(form, steps, rank, accum=accum, clip=clip)
-    model, opts = _zero(form, stage, clip)
+    model, opts = _zero(form, stage, clip, sharded)
     losses = _train(model, opts, [], steps, rank, accum=accum, clip=clip, ddp=False)
-    what = f"{form} stage {stage} accum {accum} clip {clip} ({world} ranks)"
+    what = f"{form} stage {stage} accum {accum} clip {clip} sharded {sharded} ({world} ranks)"
     assert_close(losses, ref_losses, rtol=1e-6, atol=1e-7, what=f"{what} losses")
     got = _weights(model, True)
     for k, v in _weights(ref, False).items():
@@ -324,6 +327,7 @@ def _world2(rank: int, world: int, root: str) -> bool:
         {"form": "two", "stage": 2, "accum": 2, "clip": 0.5},
         {"form": "two", "stage": 3, "accum": 1, "clip": None},
         {"form": "two", "stage": 3, "accum": 2, "clip": 0.5},
+        {"form": "two", "stage": 3, "accum": 1, "clip": None, "sharded": True},
         {"form": "one", "stage": 1, "accum": 2, "clip": 0.5},
         {"form": "one", "stage": 2, "accum": 1, "clip": None},
         {"form": "one", "stage": 3, "accum": 1, "clip": None},
