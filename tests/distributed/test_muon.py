@@ -10,7 +10,8 @@ with the same optimizers, within 1e-6 relative:
 - ``one``: one optimizer with Muon groups and AdamW groups selected by a ``use_muon`` flag per
   group (``_MuonAux``, written here; it declares ``zero_whole_params = "use_muon"``);
 - ``shampoo``: a Shampoo-like optimizer written here, declared with ``@zs.whole_params``;
-- accumulation (``model.no_sync()`` micro-batches) and ``gradient_clipping`` on some cells.
+- accumulation (``model.no_sync()`` micro-batches) and ``gradient_clipping`` on some cells, a
+  model built under ``sharded_init``, and ``bf16-mixed`` against DDP under bf16 autocast.
 
 ``case_momentum`` checks that under accumulation Muon's momentum advances once per optimizer
 step: after each step the owner's momentum buffer equals DDP's.
@@ -166,9 +167,13 @@ def _batch(step: int, micro: int, rank: int):
 
 
 def _train(net, opts, params_of, steps: int, rank: int, *, accum: int, clip: float | None, ddp: bool,
-           after_step=None, start: int = 0) -> list[float]:  # fmt: skip
+           after_step=None, start: int = 0, autocast: bool = False) -> list[float]:  # fmt: skip
     import torch
     import torch.nn.functional as F
+
+    def forward(tokens):  # DDP under the autocast the engine applies itself (precision bf16-mixed / bf16)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            return net(tokens)
 
     losses = []
     for step in range(start, steps):
@@ -176,7 +181,7 @@ def _train(net, opts, params_of, steps: int, rank: int, *, accum: int, clip: flo
             last = micro == accum - 1
             with contextlib.nullcontext() if last else net.no_sync():
                 tokens = _batch(step, micro, rank)
-                logits = net(tokens[:, :-1])
+                logits = forward(tokens[:, :-1]).float()
                 loss = F.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1)) / accum
                 loss.backward()
             losses.append(loss.item())
@@ -192,7 +197,7 @@ def _train(net, opts, params_of, steps: int, rank: int, *, accum: int, clip: flo
     return losses
 
 
-def _ddp(form: str, steps: int, rank: int, *, accum: int, clip: float | None, after_step=None):
+def _ddp(form: str, steps: int, rank: int, *, accum: int, clip: float | None, after_step=None, autocast=False):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -201,11 +206,12 @@ def _ddp(form: str, steps: int, rank: int, *, accum: int, clip: float | None, af
     model = Net()
     opts = _optimizers(model, form)
     params_of = [[p for g in o.param_groups for p in g["params"]] for o in opts]
-    losses = _train(DDP(model), opts, params_of, steps, rank, accum=accum, clip=clip, ddp=True, after_step=after_step)
+    losses = _train(DDP(model), opts, params_of, steps, rank, accum=accum, clip=clip, ddp=True, after_step=after_step,
+                    autocast=autocast)  # fmt: skip
     return model, opts, losses
 
 
-def _zero(form: str, stage: int, clip: float | None, sharded: bool = False):
+def _zero(form: str, stage: int, clip: float | None, sharded: bool = False, precision: str = "fp32"):
     import torch
 
     import zero_strategy as zs
@@ -215,7 +221,9 @@ def _zero(form: str, stage: int, clip: float | None, sharded: bool = False):
     with zs.sharded_init() if sharded else contextlib.nullcontext():  # placeholders keep their shapes
         model = Net()
     extra = {"policy": {Block}, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
-    model, opts = zs.initialize(model, _optimizers(model, form), stage=stage, gradient_clipping=clip, **extra)
+    model, opts = zs.initialize(
+        model, _optimizers(model, form), stage=stage, gradient_clipping=clip, precision=precision, **extra
+    )
     return model, opts
 
 
@@ -229,14 +237,15 @@ def _weights(model, zero: bool) -> dict:
 
 
 def case_parity(rank: int, world: int, form: str, stage: int, accum: int, clip: float | None,
-                sharded: bool = False) -> None:  # fmt: skip
+                sharded: bool = False, precision: str = "fp32") -> None:  # fmt: skip
     """Losses and weights equal DDP's within 1e-6 relative; Muon's state only on the owners.
-    ``sharded``: the model is built under ``zs.sharded_init()`` (ZeRO-3)."""
+    ``sharded``: the model is built under ``zs.sharded_init()`` (ZeRO-3). ``precision``:
+    ``bf16-mixed`` against DDP under bf16 autocast (1e-6)."""
     steps = 20 if accum == 1 else 8
-    ref, ref_opts, ref_losses = _ddp(form, steps, rank, accum=accum, clip=clip)
-    model, opts = _zero(form, stage, clip, sharded)
+    ref, ref_opts, ref_losses = _ddp(form, steps, rank, accum=accum, clip=clip, autocast=precision != "fp32")
+    model, opts = _zero(form, stage, clip, sharded, precision)
     losses = _train(model, opts, [], steps, rank, accum=accum, clip=clip, ddp=False)
-    what = f"{form} stage {stage} accum {accum} clip {clip} sharded {sharded} ({world} ranks)"
+    what = f"{form} stage {stage} accum {accum} clip {clip} sharded {sharded} {precision} ({world} ranks)"
     assert_close(losses, ref_losses, rtol=1e-6, atol=1e-7, what=f"{what} losses")
     got = _weights(model, True)
     for k, v in _weights(ref, False).items():
@@ -328,8 +337,9 @@ def _world2(rank: int, world: int, root: str) -> bool:
         {"form": "two", "stage": 3, "accum": 1, "clip": None},
         {"form": "two", "stage": 3, "accum": 2, "clip": 0.5},
         {"form": "two", "stage": 3, "accum": 1, "clip": None, "sharded": True},
+        {"form": "two", "stage": 2, "accum": 1, "clip": None, "precision": "bf16-mixed"},
+        {"form": "one", "stage": 3, "accum": 2, "clip": 0.5, "precision": "bf16-mixed"},
         {"form": "one", "stage": 1, "accum": 2, "clip": 0.5},
-        {"form": "one", "stage": 2, "accum": 1, "clip": None},
         {"form": "one", "stage": 3, "accum": 1, "clip": None},
         {"form": "shampoo", "stage": 2, "accum": 1, "clip": None},
         {"form": "shampoo", "stage": 3, "accum": 2, "clip": None},
