@@ -72,4 +72,10 @@ def test_muon_at_world_size_1_equals_plain_muon(stage: int) -> None:
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert len(opt.state) == 2 and all("momentum_buffer" in s for s in opt.state.values())
+    # replace_optimizer: the old optimizer's matrices are forgotten, the new one's stepped whole
+    new = zs.replace_optimizer(model, torch.optim.Muon(model.parameters(), lr=0.02))
+    assert len(model.zero_engine.whole.entries) == 2
+    model(x).square().mean().backward()
+    new.step()
+    assert len(new.state) == 2
     model.zero_engine.close()
