@@ -11,7 +11,8 @@ with the same optimizers, within 1e-6 relative:
   group (``_MuonAux``, written here; it declares ``zero_whole_params = "use_muon"``);
 - ``shampoo``: a Shampoo-like optimizer written here, declared with ``@zs.whole_params``;
 - accumulation (``model.no_sync()`` micro-batches) and ``gradient_clipping`` on some cells, a
-  model built under ``sharded_init``, and ``bf16-mixed`` against DDP under bf16 autocast.
+  model built under ``sharded_init``, ``bf16-mixed`` against DDP under bf16 autocast, and
+  hybrid sharding on 4 ranks (shard groups of 2).
 
 ``case_momentum`` checks that under accumulation Muon's momentum advances once per optimizer
 step: after each step the owner's momentum buffer equals DDP's.
@@ -211,7 +212,8 @@ def _ddp(form: str, steps: int, rank: int, *, accum: int, clip: float | None, af
     return model, opts, losses
 
 
-def _zero(form: str, stage: int, clip: float | None, sharded: bool = False, precision: str = "fp32"):
+def _zero(form: str, stage: int, clip: float | None, sharded: bool = False, precision: str = "fp32",
+          shard_size: int | None = None):  # fmt: skip
     import torch
 
     import zero_strategy as zs
@@ -222,8 +224,9 @@ def _zero(form: str, stage: int, clip: float | None, sharded: bool = False, prec
         model = Net()
     extra = {"policy": {Block}, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
     model, opts = zs.initialize(
-        model, _optimizers(model, form), stage=stage, gradient_clipping=clip, precision=precision, **extra
-    )
+        model, _optimizers(model, form), stage=stage, gradient_clipping=clip, precision=precision,
+        shard_size=shard_size, **extra,
+    )  # fmt: skip
     return model, opts
 
 
@@ -237,13 +240,14 @@ def _weights(model, zero: bool) -> dict:
 
 
 def case_parity(rank: int, world: int, form: str, stage: int, accum: int, clip: float | None,
-                sharded: bool = False, precision: str = "fp32") -> None:  # fmt: skip
+                sharded: bool = False, precision: str = "fp32", shard_size: int | None = None) -> None:  # fmt: skip
     """Losses and weights equal DDP's within 1e-6 relative; Muon's state only on the owners.
     ``sharded``: the model is built under ``zs.sharded_init()`` (ZeRO-3). ``precision``:
-    ``bf16-mixed`` against DDP under bf16 autocast (1e-6)."""
+    ``bf16-mixed`` against DDP under bf16 autocast (1e-6). ``shard_size``: hybrid sharding, the
+    owners are ranks of each shard group (every replica steps its copy of a matrix)."""
     steps = 20 if accum == 1 else 8
     ref, ref_opts, ref_losses = _ddp(form, steps, rank, accum=accum, clip=clip, autocast=precision != "fp32")
-    model, opts = _zero(form, stage, clip, sharded, precision)
+    model, opts = _zero(form, stage, clip, sharded, precision, shard_size)
     losses = _train(model, opts, [], steps, rank, accum=accum, clip=clip, ddp=False)
     what = f"{form} stage {stage} accum {accum} clip {clip} sharded {sharded} {precision} ({world} ranks)"
     assert_close(losses, ref_losses, rtol=1e-6, atol=1e-7, what=f"{what} losses")
@@ -252,7 +256,8 @@ def case_parity(rank: int, world: int, form: str, stage: int, accum: int, clip: 
         assert_close(got[k], v, rtol=1e-6, atol=1e-7, what=f"{what} {k}")
     whole = model.zero_engine.whole
     assert len(whole.entries) == 4, f"{what}: {len(whole.entries)} matrices stepped whole, expected 4"
-    assert {e.owner for e in whole.entries} == set(range(world)), f"{what}: owners {[e.owner for e in whole.entries]}"
+    owners = set(range(model.zero_engine.ctx.world_size))  # the shard group's ranks
+    assert {e.owner for e in whole.entries} == owners, f"{what}: owners {[e.owner for e in whole.entries]}"
     mine = {id(e.proxy) for e in whole.owned()}
     for opt in opts:
         for group in opt.param_groups:
@@ -387,7 +392,18 @@ def _world3(rank: int, world: int, root: str) -> bool:
     return True
 
 
+def _world4(rank: int, world: int) -> bool:
+    """4 ranks in shard groups of 2 (hybrid sharding): each group owns and steps its matrices."""
+    grid = [
+        {"form": "two", "stage": 2, "accum": 1, "clip": None, "shard_size": 2},
+        {"form": "one", "stage": 3, "accum": 2, "clip": 0.5, "shard_size": 2},
+    ]
+    run_subtests(lambda **kw: case_parity(rank, world, **kw), grid, label="muon hybrid")
+    return True
+
+
 def test_whole_param_optimizers_equal_ddp(launch, tmp_path) -> None:
     root = str(tmp_path / "muon")
     assert all(launch(_world2, 2, args=(root,), timeout=600))
     assert all(launch(_world3, 3, args=(root,), timeout=600))
+    assert all(launch(_world4, 4, timeout=600))
