@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from zero_strategy.config import ZeroConfig, resolve_overrides
     from zero_strategy.runtime.optimizer import UnknownOptimizerWarning
     from zero_strategy.runtime.phase_offload import offload_states, reload_states
+    from zero_strategy.runtime.whole_params import whole_params
     from zero_strategy.sharding.construction import sharded_init
     from zero_strategy.sharding.experts import declare_experts, select_experts
     from zero_strategy.sharding.partition import zero_auto_partition
@@ -86,6 +87,7 @@ _PUBLIC: dict[str, str] = {
     "UnknownOptimizerWarning": "zero_strategy.runtime.optimizer",
     "offload_states": "zero_strategy.runtime.phase_offload",
     "reload_states": "zero_strategy.runtime.phase_offload",
+    "whole_params": "zero_strategy.runtime.whole_params",
     "sharded_init": "zero_strategy.sharding.construction",
     "declare_experts": "zero_strategy.sharding.experts",
     "select_experts": "zero_strategy.sharding.experts",
@@ -130,6 +132,7 @@ __all__ = [
     "select_experts",
     "sharded_from_pretrained",
     "sharded_init",
+    "whole_params",
     "zero_auto_partition",
 ]
 

@@ -17,10 +17,11 @@ from zero_strategy.runtime.module import get_engine, swap_module_class
 from zero_strategy.runtime.optimizer import bind_optimizer, build_optimizer, check_optimizer
 from zero_strategy.runtime.optimizer_set import check_disjoint, refuse_several
 from zero_strategy.runtime.shard_layout import MeshLayout, take_mesh
+from zero_strategy.runtime.whole_params import whole_groups
 from zero_strategy.sharding.construction import outside_sharded_init
 from zero_strategy.sharding.partition import UnitPolicy
 from zero_strategy.sharding.precision import select_precision
-from zero_strategy.storage.offload import OnDisk, optimizer_offload
+from zero_strategy.storage.offload import OnDevice, OnDisk, optimizer_offload
 
 __all__ = [
     "backward",
@@ -129,6 +130,11 @@ def _built(
     opts = [build_optimizer(o, model) for o in given]
     for opt in opts:
         check_optimizer(opt, model, stacklevel=stacklevel)
+        if any(whole_groups(opt)) and not isinstance(optimizer_offload(cfg), OnDevice):
+            raise ValueError(
+                f"{call}: {type(opt).__name__} steps parameters whole on an owner rank (whole_params.py), which "
+                "is not supported with offload_optimizer yet (the host step runs on pieces); remove offload_optimizer"
+            )
         if isinstance(optimizer_offload(cfg), OnDisk):
             base_step(opt)  # an optimizer subclass whose step the disk tier cannot split is refused now
     check_disjoint(opts, model, call)

@@ -156,16 +156,23 @@ def test_a_clip_before_another_backward_does_not_exempt_the_step_from_the_config
 
 def test_optimizers_that_need_whole_shapes_or_closures_are_refused() -> None:
     model = GPT(CFG)
-    with pytest.raises(TypeError, match="LBFGS updates a parameter from its whole shape"):
+    with pytest.raises(TypeError, match="LBFGS re-runs its closure"):
         zs.initialize(model, torch.optim.LBFGS(model.parameters()))
-    # factored (Adafactor) and orthogonalised (Muon) updates need each parameter's whole shape
+    # declaring whole parameters does not let a closure optimizer through
+    with pytest.raises(TypeError, match="WholeLBFGS re-runs its closure"):
+        zs.initialize(model, zs.whole_params(type("WholeLBFGS", (torch.optim.LBFGS,), {}))(model.parameters()))
+    # a factored update (Adafactor) needs each parameter's whole shape and does not declare it
     with pytest.raises(TypeError, match="Adafactor updates a parameter from its whole shape"):
         zs.initialize(model, torch.optim.Adafactor(model.parameters()))
-    if hasattr(torch.optim, "Muon"):  # torch >= 2.9
-        matrices = torch.nn.Linear(4, 4, bias=False)
-        with pytest.raises(TypeError, match="Muon updates a parameter from its whole shape"):
-            zs.initialize(matrices, torch.optim.Muon(matrices.parameters()))
-        assert getattr(matrices, "zero_engine", None) is None
+    # Muon is stepped whole on an owner rank (whole_params.py): accepted
+    matrices = torch.nn.Linear(4, 4, bias=False)
+    zs.initialize(matrices, torch.optim.Muon(matrices.parameters()))
+    matrices.zero_engine.close()
+    # ... but not with the optimizer offloaded
+    matrices = torch.nn.Linear(4, 4, bias=False)
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        zs.initialize(matrices, torch.optim.Muon(matrices.parameters()), offload_optimizer={"device": "cpu"})
+    assert getattr(matrices, "zero_engine", None) is None
     assert type(model) is GPT and getattr(model, "zero_engine", None) is None  # nothing was changed
     model, opt = zs.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
     _loss(model, 0).backward()

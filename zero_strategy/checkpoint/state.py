@@ -170,6 +170,7 @@ def _owned_names(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> list[s
     the optimizer that loads them, whatever order the optimizers are given in)."""
     names = engine.param_names()
     of_master = {id(m): names[id(p)] for g in engine.groups for p, m in zip(g.params, g.masters)}
+    of_master.update({id(e.proxy): names[id(e.param)] for e in engine.whole.entries})  # stepped whole
     return sorted(of_master[id(m)] for group in optimizer.param_groups for m in group["params"] if id(m) in of_master)
 
 
@@ -213,11 +214,17 @@ def _state(
     names = engine.param_names()
     group_of = {id(m): group for opt in optimizers for group in opt.param_groups for m in group["params"]}
     opt_of = {id(m): opt for opt in optimizers for group in opt.param_groups for m in group["params"]}
+    whole = {id(e.master): e for e in engine.whole.entries}
     for g in engine.groups:
         for i, (p, m) in enumerate(zip(g.params, g.masters)):
             fqn, numel = names[id(p)], g.layout.numels[i]
             offset = None if g.layout.even else g.layout.local_range(i)[0]
             sd[f"model.{fqn}"] = _piece(engine, mesh, m.data, numel, offset)
+            entry = whole.get(id(m))
+            if entry is not None:  # stepped whole on its owner rank: its state is saved by matrix
+                opt = opt_of.get(id(entry.proxy))
+                sd.update(_whole_state(engine, mesh, entry, opt, want_optim, group_of, f"optim.{fqn}.", numel))
+                continue
             optimizer = opt_of.get(id(m), optimizers[0] if len(optimizers) == 1 else None)
             if optimizer is None:  # no optimizer, or a parameter none of several steps
                 continue
@@ -249,6 +256,39 @@ def _state(
     sd.update(engine.progress_state())
     sd.update(_residuals(engine, mesh, saved))
     return sd
+
+
+def _whole_state(
+    engine: ZeroEngine,
+    mesh: _Meshes,
+    entry: Any,
+    optimizer: torch.optim.Optimizer | None,
+    want_optim: Mapping[str, Any] | None,
+    group_of: dict[int, Any],
+    prefix: str,
+    numel: int,
+) -> dict[str, Any]:
+    """The state of a parameter stepped whole on its owner (``whole_params.py``): per-element
+    values as the owner's one piece covering the whole flattened parameter (so it loads at any
+    world size and stage, onto whichever rank owns it there, or as pieces into an element-wise
+    optimizer); other tensors (a step, a preconditioner) as they are, from the owner. The other
+    ranks hold none of it and add nothing."""
+    if optimizer is None or not entry.proxy.numel():
+        return {}
+    state = optimizer.state[entry.proxy]
+    if want_optim is not None:  # load: create what the checkpoint has and the optimizer lacks
+        for key in [k[len(prefix) :] for k in want_optim if k.startswith(prefix)]:
+            if key not in state:
+                group = group_of.get(id(entry.proxy), {})
+                state[key] = _fresh_state(key, entry.proxy, want_optim[prefix + key], group, numel)
+                if state[key].numel() == numel and state[key].dim() == 1:
+                    state[key] = state[key].view(entry.proxy.shape)
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            per_element = value.shape == entry.proxy.shape and key != "step"
+            out[prefix + key] = _piece(engine, mesh, value.view(-1), numel, 0) if per_element else value
+    return out
 
 
 def _fresh_state(key: str, master: torch.Tensor, saved: Any, group: dict[str, Any], numel: int) -> torch.Tensor:

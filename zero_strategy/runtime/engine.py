@@ -60,6 +60,7 @@ from zero_strategy.runtime.optimizer_set import OptimizerSet, key
 from zero_strategy.runtime.placement import resolve_ratios
 from zero_strategy.runtime.shard_groups import refuse_experts, refuse_modifier_rank, shard_contexts
 from zero_strategy.runtime.torch_clipping import LiveEngines
+from zero_strategy.runtime.whole_params import WholeParams
 from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
 from zero_strategy.runtime.zero3_hooks import Zero3Hooks, refuse_load_state_dict, refuse_sharded_state_dict
 from zero_strategy.sharding.construction import materialize_full
@@ -201,6 +202,7 @@ class ZeroEngine(WholeModelState):
             compression=build_compression(config.compression, self.groups, self.ctx, steps=lambda: self.step_count),
             codec=grad_codec(config.zero_quantized_gradients),
         )
+        self.whole = WholeParams(self.ctx, self.reducer.locate, self._names)  # Muon & co (whole_params.py)
         self.budget: Budget | None = None  # the memory budget's tiers (budget.py), ZeRO-3 only
         if isinstance(self.params, ShardedParams):
             self.budget = Budget(config.memory, self.ctx, self.params) if config.memory.enabled else None
@@ -324,7 +326,10 @@ class ZeroEngine(WholeModelState):
         for h in self._schedule_hooks:
             h.remove()
         self.reset_step_calls()
-        self.opts = OptimizerSet(optimizers, {id(m): pid for pid, m in self._master.items()})
+        self.whole.keep({key(o) for o in optimizers})  # the proxies of whole-stepped parameters count as masters
+        self.opts = OptimizerSet(
+            optimizers, {**{id(m): pid for pid, m in self._master.items()}, **self.whole.proxy_params()}
+        )
         self.schedule = self._schedule_for(optimizers)
         self._schedule_hooks = self._install_schedule_hooks()
         self.disk.bind(self.optimizer, [g for g in self.groups if g.tier != "device"], guard=self._internal_step)
@@ -378,17 +383,6 @@ class ZeroEngine(WholeModelState):
     def host_masters(self) -> set[int]:
         """The ids of the master pieces the offload policy put in host memory."""
         return {id(m) for g in self.groups if g.tier == "host" for m in g.masters}
-
-    def shard_like(self, p: torch.Tensor, key: str, value: Any) -> Any:
-        """This rank's piece of per-parameter optimizer state shaped like ``p`` (state that
-        exists before ``initialize``, e.g. Adagrad's); ``step`` and other values are copied."""
-        if not isinstance(value, torch.Tensor):
-            return value
-        if key == "step" or value.shape != p.shape:
-            return value.clone()
-        g, i = self.reducer.locate(p)
-        lo, hi = g.layout.local_range(i)
-        return value.detach().reshape(-1)[lo:hi].to(g.master_device, copy=True)  # beside its master
 
     # -- hooks (all of them registered here) --------------------------------------------------
     def _install_hooks(self) -> None:
@@ -619,6 +613,7 @@ class ZeroEngine(WholeModelState):
         if self._skip_step:
             self.reducer.drop_master_grads()
             return
+        self.whole.gather(key(optimizer), self._step_label())  # whole matrices to their owners (or nothing)
         adam_direction(self.reducer.compression, optimizer, self.step_count)  # frozen-variance Adam (or nothing)
         if self.swapped is not None and self.optimizer is not None:
             self.disk.step(self.optimizer, self.params.masters_resident, self._step_label())
@@ -648,6 +643,7 @@ class ZeroEngine(WholeModelState):
         self.step_depth = 0
         self.internal_step = False
         self._restore_stashed_grads()
+        self.whole.forget()
         if self.host_step is not None:
             self.host_step.forget()
 
@@ -662,6 +658,7 @@ class ZeroEngine(WholeModelState):
             self._clipped.discard(key(optimizer))
         self._loss_scaled = False
         if not skipped:
+            self.whole.scatter(key(optimizer), self._step_label())  # the owners' updated matrices back to pieces
             self.params.after_step(self._step_label(), only=self.opts.scope(optimizer))  # its own parameters
             if self.zero3 is not None and self._root_depth > 0:  # a step inside the forward (manual optimization)
                 self.zero3.regather_root()

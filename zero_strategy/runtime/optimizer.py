@@ -36,6 +36,8 @@ import torch
 
 from zero_strategy._swap import swap_class, swapped_by
 from zero_strategy.runtime.compressed_adam import bind_adam
+from zero_strategy.runtime.optimizer_set import key
+from zero_strategy.runtime.whole_params import declared, whole_groups
 
 if TYPE_CHECKING:
     from zero_strategy.runtime.engine import ZeroEngine
@@ -129,8 +131,13 @@ _ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 _ELEMENTWISE_BNB = frozenset({"Adam8bit", "AdamW8bit", "PagedAdam8bit", "PagedAdamW8bit"})
 # Refused, matched against the words of the class's name and its bases' (``FusedLAMB``: fused,
 # lamb): a 1-D piece cannot reproduce an update that reads the whole parameter.
-_WHOLE_SHAPE = frozenset({"lbfgs", "adafactor", "muon", "shampoo", "soap"})  # factored, orthogonalised, closure
+_WHOLE_SHAPE = frozenset({"adafactor", "muon", "shampoo", "soap"})  # factored, orthogonalised
+_CLOSURE = frozenset({"lbfgs"})  # re-runs the closure (forward and backward) inside step()
 _WHOLE_NORM = frozenset({"lamb", "lars", "novograd"})  # trust ratio or normalisation by a parameter's norm
+_PIECES = (
+    ", but ZeRO gives each rank 1-D pieces of parameters, so the numbers would differ from DDP. Use an "
+    "element-wise optimizer (AdamW, Adam, SGD, Adagrad, RMSprop, ...)."
+)
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _WARNED: set[type] = set()
 
@@ -150,12 +157,23 @@ def _refusal(cls: type) -> str | None:
         if base is torch.optim.Optimizer or base is object:
             continue
         words = _words(base.__name__)
+        if words & _CLOSURE:
+            return (
+                f"{cls.__name__} re-runs its closure (forward and backward) inside step(), but under ZeRO the "
+                "gradients are reduced by the backward before step() runs, so its line search cannot be reproduced "
+                "(declaring whole parameters does not change that). Use an optimizer without a closure."
+            )
+        if declared(cls):  # steps each parameter whole on one rank (whole_params.py)
+            return None
         if words & _WHOLE_SHAPE:
-            return f"{cls.__name__} updates a parameter from its whole shape (or re-runs a closure)"
+            return (
+                f"{cls.__name__} updates a parameter from its whole shape (if it reads each parameter alone, declare "
+                "it with @zero_strategy.whole_params and each parameter is stepped whole on one rank)" + _PIECES
+            )
         if words & _WHOLE_NORM:
             return (
                 f"{cls.__name__} scales each parameter's update by that parameter's norm (a LAMB/LARS-style "
-                "trust ratio or a NovoGrad-style normalisation)"
+                "trust ratio or a NovoGrad-style normalisation)" + _PIECES
             )
     return None
 
@@ -179,11 +197,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: torch.nn.Module, *
     cls = type(optimizer)
     refusal = _refusal(cls)
     if refusal is not None:
-        raise TypeError(
-            f"initialize(): {refusal}, but ZeRO gives each rank 1-D pieces of parameters, so the numbers would "
-            "differ from DDP. Use an element-wise optimizer (AdamW, Adam, SGD, Adagrad, RMSprop, ...)."
-        )
-    if not _is_elementwise(cls) and cls not in _WARNED:
+        raise TypeError(f"initialize(): {refusal}")
+    if not _is_elementwise(cls) and not declared(cls) and cls not in _WARNED:
         _WARNED.add(cls)
         warnings.warn(
             f"initialize(): {cls.__module__}.{cls.__qualname__} is not an optimizer zero_strategy knows to be "
@@ -227,10 +242,34 @@ def _check_momentum(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> Non
             )
 
 
+def _shard_like(engine: ZeroEngine, p: torch.Tensor, key: str, value: Any) -> Any:
+    """This rank's piece of per-parameter optimizer state shaped like ``p`` (state that
+    exists before ``initialize``, e.g. Adagrad's); ``step`` and other values are copied."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step" or value.shape != p.shape:
+        return value.clone()
+    g, i = engine.reducer.locate(p)
+    lo, hi = g.layout.local_range(i)
+    return value.detach().reshape(-1)[lo:hi].to(g.master_device, copy=True)  # beside its master
+
+
+def _whole_proxies(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> dict[int, torch.Tensor]:
+    """For the parameters ``optimizer`` steps whole (``whole_params.py``): model parameter id
+    -> the tensor the optimizer steps instead (whole on its owner rank, empty elsewhere)."""
+    whole = [p for group, on in zip(optimizer.param_groups, whole_groups(optimizer)) if on for p in group["params"]]
+    pairs = [(p, m) for p in whole for m in [engine.master_of(p)] if m is not None]  # frozen ones stay as they are
+    if not pairs:
+        return {}
+    proxies = engine.whole.bind(key(optimizer), [p for p, _ in pairs], [m for _, m in pairs])
+    return {id(p): x for (p, _), x in zip(pairs, proxies)}
+
+
 def bind_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> torch.optim.Optimizer:
     _check_momentum(optimizer, engine)
     bind_adam(optimizer, engine.reducer.compression, check_only=True)
     new_state: dict[torch.Tensor, dict[str, Any]] = {}
+    proxies = _whole_proxies(optimizer, engine)
     for group in optimizer.param_groups:
         new_params = []
         for p in group["params"]:
@@ -238,9 +277,15 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> torc
             if master is None:  # frozen: kept as is
                 new_params.append(p)
                 continue
-            new_params.append(master)
-            if p in optimizer.state:  # e.g. Adagrad fills its state at construction
-                new_state[master] = {k: engine.shard_like(p, k, v) for k, v in optimizer.state[p].items()}
+            proxy = proxies.get(id(p))
+            new_params.append(master if proxy is None else proxy)
+            if p not in optimizer.state:  # e.g. Adagrad fills its state at construction
+                continue
+            if proxy is None:
+                new_state[master] = {k: _shard_like(engine, p, k, v) for k, v in optimizer.state[p].items()}
+            elif proxy.numel():  # whole on its owner rank only
+                new_state[proxy] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                    for k, v in optimizer.state[p].items()}  # fmt: skip
         group["params"] = new_params
     optimizer.state.clear()
     optimizer.state.update(new_state)

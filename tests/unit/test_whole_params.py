@@ -1,0 +1,81 @@
+"""The whole-parameter protocol (``runtime/whole_params.py``): which optimizers and groups
+are stepped whole, how owners are chosen, and a world-size-1 smoke run (the parity with DDP is
+``tests/distributed/test_muon.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_strategy as zs
+from zero_strategy.runtime.whole_params import assign_owners, matrix_cost, whole_groups
+
+
+def test_owners_balance_the_newton_schulz_cost() -> None:
+    assert matrix_cost((20, 10)) == 20 * 10 * 10
+    assert matrix_cost((4, 2, 3)) == 4 * 6 * 4  # shape[0] x rest
+    assert matrix_cost((7,)) == 7
+    costs = [matrix_cost(s) for s in [(64, 64), (64, 256), (256, 64), (16, 16), (16, 16)]]
+    loads = [0, 0]
+    owners = assign_owners(costs, 2, loads)
+    assert owners == [0, 0, 1, 1, 1], owners  # the two largest on different ranks, the rest evening out
+    assert loads == [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)]
+    # a second optimizer continues from the loads: its one matrix goes to the lighter rank
+    assert loads[1] < loads[0] and assign_owners([1], 2, loads) == [1]
+    assert assign_owners([5, 5, 5], 3) == [0, 1, 2]
+
+
+def test_which_groups_are_stepped_whole() -> None:
+    w, b = torch.nn.Parameter(torch.zeros(3, 3)), torch.nn.Parameter(torch.zeros(3))
+    assert whole_groups(torch.optim.Muon([w])) == [True]
+    assert whole_groups(torch.optim.AdamW([w, b])) == [False]
+
+    @zs.whole_params(group_flag="use_muon")
+    class Mixed(torch.optim.SGD):
+        pass
+
+    opt = Mixed([{"params": [w], "use_muon": True}, {"params": [b]}], lr=0.1)
+    assert whole_groups(opt) == [True, False]
+    assert whole_groups(zs.whole_params(type("Whole", (torch.optim.SGD,), {}))([w], lr=0.1)) == [True]
+    opted_out = type("PieceMuon", (torch.optim.Muon,), {"zero_whole_params": False})
+    assert whole_groups(opted_out([w])) == [False]
+    with pytest.raises(TypeError, match="zero_whole_params = 3"):
+        whole_groups(type("Odd", (torch.optim.SGD,), {"zero_whole_params": 3})([w], lr=0.1))
+    with pytest.raises(TypeError, match="decorate a torch.optim.Optimizer subclass"):
+        zs.whole_params(int)
+
+
+def test_an_undeclared_shampoo_is_refused_and_names_the_decorator() -> None:
+    model = torch.nn.Linear(4, 4)
+    shampoo = type("Shampoo", (torch.optim.SGD,), {})
+    with pytest.raises(TypeError, match=r"declare it with @zero_strategy.whole_params"):
+        zs.initialize(model, shampoo(model.parameters(), lr=0.1))
+    assert getattr(model, "zero_engine", None) is None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_muon_at_world_size_1_equals_plain_muon(stage: int) -> None:
+    """Smoke test at world size 1: the owner is rank 0, the step equals torch's Muon's."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8, bias=False), torch.nn.Linear(8, 3, bias=False))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8, bias=False), torch.nn.Linear(8, 3, bias=False))
+    model.load_state_dict(ref.state_dict())
+    ref_opt = torch.optim.Muon(ref.parameters(), lr=0.02)
+    model, opt = zs.initialize(model, torch.optim.Muon(model.parameters(), lr=0.02), stage=stage)
+    x = torch.randn(5, 6)
+    for net, o in ((ref, ref_opt), (model, opt)):
+        for _ in range(3):
+            net(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    with zs.gathered_parameters(model):
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert len(opt.state) == 2 and all("momentum_buffer" in s for s in opt.state.values())
+    # replace_optimizer: the old optimizer's matrices are forgotten, the new one's stepped whole
+    new = zs.replace_optimizer(model, torch.optim.Muon(model.parameters(), lr=0.02))
+    assert len(model.zero_engine.whole.entries) == 2
+    model(x).square().mean().backward()
+    new.step()
+    assert len(new.state) == 2
+    model.zero_engine.close()
