@@ -1,6 +1,6 @@
 """Resuming a run another engine started (``checkpoint/foreign.py``): FSDP2 trains on 2 ranks and
 saves through DCP as its docs do (and as torchtitan does); ``zs.load_checkpoint`` reads it at 2
-and 3 ranks and every stage, and the next 10 steps equal FSDP2's own continuation in fp32
+and 3 ranks and every stage (and ``import-checkpoint``'s copy of the torchtitan one at 3 ranks), and the next 10 steps equal FSDP2's own continuation in fp32
 (AdamW's moments and step carried over: a fresh optimizer fails the comparison)."""
 
 from __future__ import annotations
@@ -77,7 +77,10 @@ def _fsdp2_worker(rank: int, world: int, root: str) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     _train(model, opt, rank, world, range(K))
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=f"{root}/fsdp2")
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+        checkpoint_id=f"{root}/fsdp2",
+    )
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     titan = {
         **get_model_state_dict(model),
@@ -126,5 +129,9 @@ def test_fsdp2_checkpoint_resumes_as_fsdp2_continues(launch, tmp_path) -> None:
     root = str(tmp_path)
     ref = launch(_fsdp2_worker, 2, args=(root,), timeout=180)[0]
     worst2 = launch(_zero_worker, 2, args=(root, ref, ["fsdp2", "torchtitan"]), timeout=240)[0]
-    worst3 = launch(_zero_worker, 3, args=(root, ref, ["fsdp2"]), timeout=240)[0]
+    from zero_strategy.checkpoint.foreign import import_checkpoint
+
+    report = import_checkpoint(f"{root}/torchtitan", f"{root}/imported")  # `zero-strategy import-checkpoint`
+    assert report["step"] == K and report["scheduler"], report
+    worst3 = launch(_zero_worker, 3, args=(root, ref, ["fsdp2", "imported"]), timeout=240)[0]
     print(f"largest relative loss difference: {worst2:.2e} at 2 ranks, {worst3:.2e} at 3 ranks")

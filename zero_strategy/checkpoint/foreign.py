@@ -25,6 +25,7 @@ without running code (``torch.load(weights_only=True)`` of their bytes), never t
 from __future__ import annotations
 
 import io
+import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -36,16 +37,30 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from zero_strategy.checkpoint.dcp_pieces import RowsPiece, covering_rows
-from zero_strategy.checkpoint.files import SafeFileSystemReader, inside, single_process_quiet
+from zero_strategy.checkpoint.files import (
+    SafeFileSystemReader,
+    checksumming_writer,
+    inside,
+    single_process_quiet,
+    verify_checksums,
+    write_atomic,
+)
 from zero_strategy.checkpoint.optim_state import fresh_state, restore_group_settings
-from zero_strategy.checkpoint.versions import META
+from zero_strategy.checkpoint.versions import (
+    LATEST,
+    META,
+    _create_version_dir,
+    _file_records,
+    read_meta,
+)
 from zero_strategy.comm import collectives as C
 from zero_strategy.runtime.engine import ZeroEngine
 from zero_strategy.sharding.setup_checks import persistent_buffers
 
-__all__ = ["ForeignCheckpoint", "is_foreign_dcp", "load_foreign", "read_foreign"]
+__all__ = ["ForeignCheckpoint", "import_checkpoint", "is_foreign_dcp", "is_imported", "load_foreign", "read_foreign"]
 
 DCP_METADATA = ".metadata"
+IMPORTED = "imported_from"  # the zero_meta.json key of a checkpoint import_checkpoint wrote
 # top-level entries that are neither the model nor the optimizer (torchtitan's names)
 _OTHER_TOPS = ("train_state", "lr_scheduler", "lr_schedulers", "dataloader", "extra", "engine", "compression")
 _OPTIM_TOPS = ("optim", "optimizer", "optimizers")
@@ -158,17 +173,35 @@ def read_foreign(path: str | os.PathLike[str], names: Sequence[str] | None = Non
     return out
 
 
+def is_imported(path: str | os.PathLike[str], pointer: str = LATEST) -> bool:
+    """Whether ``path`` (a root, through its pointer, or a versioned directory) holds a checkpoint
+    that :func:`import_checkpoint` wrote (the peer's layout, with zero_strategy's metadata)."""
+    try:
+        return IMPORTED in read_meta(path, "", pointer)[1]
+    except (ValueError, OSError):
+        return False
+
+
 def load_foreign(
-    path: str, engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], caller: str = "load_checkpoint()"
+    path: str,
+    engine: ZeroEngine,
+    optimizers: list[torch.optim.Optimizer],
+    caller: str = "load_checkpoint()",
+    pointer: str = LATEST,
 ) -> dict[str, Any]:
-    """Load a foreign DCP checkpoint into ``engine`` (and its ``optimizers``) at this world size
-    and stage. Collective: every rank checks first, and all raise the same error if one refuses."""
+    """Load a foreign DCP checkpoint (or one :func:`import_checkpoint` wrote) into ``engine`` (and
+    its ``optimizers``) at this world size and stage. Returns ``{"foreign": what was read, "step":
+    the step}``. Collective: every rank checks first, and all raise the same error if one refuses."""
     names = engine.param_names()
     params = dict(engine.module.named_parameters())
     buffers = persistent_buffers(engine.module)
     failure: Exception | None = None
     ckpt: ForeignCheckpoint | None = None
     try:
+        if not is_foreign_dcp(path):  # written by import_checkpoint: follow `latest`, check the files
+            path, meta = read_meta(path, caller, pointer)
+            files = _file_records(meta.get("files", {}))
+            verify_checksums(path, files, sorted(files)[engine.world.rank :: engine.world.world_size])
         ckpt = read_foreign(path, list(params) + list(buffers))
         _check_names(ckpt, params, buffers, bool(optimizers))
     except Exception as exc:
@@ -348,3 +381,55 @@ def _restore_groups(
         n = len(optimizer.param_groups)
         restore_group_settings(optimizer, [{a: b for a, b in s.items() if b is not None} for s in saved[k : k + n]])
         k += n
+
+
+def import_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> dict[str, Any]:
+    """Copy a foreign DCP checkpoint ``src`` into a zero_strategy checkpoint root ``dst``: a
+    versioned directory ``dst/step-<n>`` with every tensor and plain value of ``src`` (the peer's
+    layout, read back by :func:`load_foreign` at any world size and stage), zero_strategy's
+    metadata (each file's size and CRC32; what was read) and the ``latest`` pointer. One process;
+    it holds the whole checkpoint in host memory. Entries whose values cannot be read without
+    running code (a data loader's pickled state) are left out and named. Returns the report."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    if not is_foreign_dcp(src):
+        raise ValueError(
+            f"import-checkpoint: {src!r} is not another engine's DCP checkpoint (it needs a {DCP_METADATA} file and no "
+            f"{META}); pass the directory dcp.save wrote (a zero_strategy checkpoint loads as it is)"
+        )
+    ckpt = read_foreign(src)
+    entries = ckpt.metadata.state_dict_metadata
+    sd: dict[str, Any] = {
+        k: torch.empty(md.size, dtype=md.properties.dtype)
+        for k, md in entries.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    with single_process_quiet():
+        dcp.load(sd, storage_reader=SafeFileSystemReader(src, bytes_entries=True))
+    reader = SafeFileSystemReader(src, bytes_entries=True)
+    left_out = []
+    for key, md in entries.items():
+        if not isinstance(md, TensorStorageMetadata):
+            value = read_bytes_entry(reader, ckpt.metadata, key)
+            if value is None:
+                left_out.append(key)
+            else:
+                sd[key] = value
+    steps = [int(v.item()) for k, v in sd.items() if k.startswith(ckpt.optim_prefix) and k.endswith(".step")]
+    step = max(steps, default=ckpt.train_step)
+    report = ckpt.summary()
+    report.update(
+        step=step,
+        scheduler={k: v for k, v in ckpt.objects.items() if k.split(".", 1)[0] in ("lr_scheduler", "lr_schedulers")},
+        left_out=left_out,
+    )
+    name = _create_version_dir(dst, f"step-{step if step is not None else 0}", False)
+    path = os.path.join(dst, name)
+    writer, sums, _ = checksumming_writer(path)
+    with single_process_quiet():
+        dcp.save(sd, storage_writer=writer)
+    files = {n: {"size": os.path.getsize(os.path.join(path, n)), "crc32": sums[n]} for n in sorted(sums)}
+    meta = {IMPORTED: os.path.abspath(src), "import_report": report, "files": files, "extra": {}}
+    write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
+    write_atomic(os.path.join(dst, LATEST), name + "\n")
+    report["written"] = path
+    return report

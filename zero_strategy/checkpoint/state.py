@@ -53,7 +53,7 @@ from zero_strategy.checkpoint.files import (
     verify_checksums,
     write_atomic,
 )
-from zero_strategy.checkpoint.foreign import is_foreign_dcp, load_foreign
+from zero_strategy.checkpoint.foreign import is_foreign_dcp, is_imported, load_foreign
 from zero_strategy.checkpoint.optim_state import fresh_state, group_settings, restore_group_settings, saved_groups
 from zero_strategy.checkpoint.progress import dir_bytes, log
 from zero_strategy.checkpoint.versions import (
@@ -539,8 +539,8 @@ def load_checkpoint(
     started = time.perf_counter()
     engine = get_engine(model)
     optimizers = _optimizers(optimizer, engine, "load_checkpoint()")
-    if is_foreign_dcp(path):  # FSDP2's or torchtitan's DCP directory (foreign.py)
-        return load_foreign(os.fspath(path), engine, optimizers)
+    if is_foreign_dcp(path) or is_imported(path, _pointer_name(engine)):  # FSDP2's, torchtitan's (foreign.py)
+        return load_foreign(os.fspath(path), engine, optimizers, pointer=_pointer_name(engine))
     failure: BaseException | None = None
     resolved = os.fspath(path)
     meta: dict[str, Any] = {}
