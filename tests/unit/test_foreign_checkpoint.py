@@ -29,7 +29,8 @@ class Block(nn.Module):
 def _trained(steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(Block(), Block())
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    model[0].up.bias.requires_grad_(False)  # a frozen parameter: loaded as a value, no optimizer state
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.05)
     for step in range(steps):
         model(torch.randn(5, 4, generator=torch.Generator().manual_seed(step))).square().mean().backward()
         opt.step()
@@ -53,11 +54,12 @@ def test_import_and_load_are_exact(tmp_path, capsys, stage: int) -> None:
     main(["import-checkpoint", src, dst])
     out = capsys.readouterr().out
     assert "model: 8 tensors, 134 elements" in out, out
-    assert "keys exp_avg, exp_avg_sq, step" in out and "step: 3" in out, out
+    assert "7 parameters, keys exp_avg, exp_avg_sq, step" in out and "step: 3" in out, out
     for path in (src, dst):
         torch.manual_seed(1)
         model = nn.Sequential(Block(), Block())
-        opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+        model[0].up.bias.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1.0)
         model, opt = zs.initialize(model, opt, config=zs.ZeroConfig(stage=stage), policy={Block})
         got = zs.load_checkpoint(path, model, opt)
         assert got["step"] == 3 and model.zero_engine.step_count == 3, got
@@ -66,8 +68,8 @@ def test_import_and_load_are_exact(tmp_path, capsys, stage: int) -> None:
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
                 assert torch.equal(p.detach(), q.detach()), f"{path}: {name}"
         # one process: each master is its parameter's whole flattened tensor
-        masters = [model.zero_engine.master_of(p) for p in model.parameters()]
-        for m, q in zip(masters, ref.parameters()):
+        masters = [model.zero_engine.master_of(p) for p in model.parameters() if p.requires_grad]
+        for m, q in zip(masters, [q for q in ref.parameters() if q.requires_grad]):
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(opt.state[m][key], ref_opt.state[q][key].reshape(-1)), f"{path}: {key}"
             assert float(opt.state[m]["step"]) == 3.0
