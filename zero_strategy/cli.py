@@ -1,8 +1,8 @@
 """Command line.
 
 - ``zero-strategy export CHECKPOINT OUT.safetensors [--dtype bf16]``
-- ``zero-strategy import-checkpoint SRC DST``: another engine's DCP checkpoint (FSDP2's, torchtitan's)
-  copied into a zero_strategy checkpoint root, with a report of what it holds
+- ``zero-strategy import-checkpoint SRC DST``: another engine's checkpoint (FSDP2's or torchtitan's DCP
+  directory, DeepSpeed's ZeRO-1/2/3 ``global_step*/`` partitions) copied into a zero_strategy checkpoint root, with a report of what it holds
   (:func:`zero_strategy.checkpoint.foreign.import_checkpoint`)
 - ``zero-strategy check FILE [--stage N] [--world-size N]``: every problem of a config file in
   one run (unknown keys, bad values, conflicting settings), or the resolved config with the
@@ -63,6 +63,9 @@ def import_checkpoint(src: str, dst: str) -> dict[str, Any]:
     report = run(src, dst)
     state = report["optimizer_state"]
     print(f"read {report['path']} ({report['layout']} layout)")
+    if "deepspeed_stage" in report:
+        print(f"  DeepSpeed ZeRO-{report['deepspeed_stage']} at {report['deepspeed_world_size']} ranks, "
+              f"{report['tag']}, DeepSpeed {report['ds_version']}")  # fmt: skip
     print(f"  model: {report['model_tensors']} tensors, {report['model_elements']} elements")
     print(f"  optimizer state: {state['parameters']} parameters, keys {', '.join(state['keys']) or 'none'}; "
           f"{report['param_groups']} param group(s)")  # fmt: skip
@@ -135,11 +138,13 @@ def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
                     "built-in name: zero1, zero2, zero2_offload, zero3, zero3_offload, zero3_offload_nvme")  # fmt: skip
     ck.add_argument("--stage", type=int, help="the stage a front-end will set (applied first)")
     ck.add_argument("--world-size", type=int, help="the number of processes (checks load_balance.scores)")
-    im = sub.add_parser("import-checkpoint", help="copy FSDP2's or torchtitan's DCP checkpoint into a zero_strategy one",
-                        description="Read another engine's DCP checkpoint (dcp.save of get_model_state_dict and "
-                        "get_optimizer_state_dict: FSDP2's docs, torchtitan), report what it holds, and write it as a "
-                        "zero_strategy checkpoint root that load_checkpoint resumes from (docs/migrating_fsdp.md).")  # fmt: skip
-    im.add_argument("src", help="the directory dcp.save wrote (its .metadata file and shards)")
+    im = sub.add_parser("import-checkpoint", help="copy an FSDP2, torchtitan or DeepSpeed checkpoint into a zero_strategy one",
+                        description="Read another engine's checkpoint (a DCP directory of get_model_state_dict and "
+                        "get_optimizer_state_dict: FSDP2's docs, torchtitan; or DeepSpeed ZeRO-1/2/3's save_checkpoint "
+                        "directory), report what it holds, and write it as a zero_strategy checkpoint root that "
+                        "load_checkpoint resumes from (docs/migrating_fsdp.md, docs/migrating_deepspeed.md).")  # fmt: skip
+    im.add_argument("src", help="the directory dcp.save wrote (its .metadata file and shards), or DeepSpeed's "
+                    "checkpoint directory (its latest file and global_step*/)")  # fmt: skip
     im.add_argument("dst", help="a zero_strategy checkpoint root: DST/step-<n> and DST/latest are written")
     _add_estimate(sub)
     _add_bench(sub)

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from zero_strategy.checkpoint.dcp_pieces import RowsPiece, covering_rows
+from zero_strategy.checkpoint.deepspeed_files import is_deepspeed_checkpoint, read_deepspeed
 from zero_strategy.checkpoint.files import (
     SafeFileSystemReader,
     checksumming_writer,
@@ -384,18 +385,56 @@ def _restore_groups(
 
 
 def import_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> dict[str, Any]:
-    """Copy a foreign DCP checkpoint ``src`` into a zero_strategy checkpoint root ``dst``: a
-    versioned directory ``dst/step-<n>`` with every tensor and plain value of ``src`` (the peer's
-    layout, read back by :func:`load_foreign` at any world size and stage), zero_strategy's
-    metadata (each file's size and CRC32; what was read) and the ``latest`` pointer. One process;
-    it holds the whole checkpoint in host memory. Entries whose values cannot be read without
-    running code (a data loader's pickled state) are left out and named. Returns the report."""
+    """Copy another engine's checkpoint ``src`` into a zero_strategy checkpoint root ``dst``: a
+    versioned directory ``dst/step-<n>`` holding it in FSDP2's DCP layout (read back by
+    :func:`load_foreign` at any world size and stage), zero_strategy's metadata (each file's size
+    and CRC32; what was read) and the ``latest`` pointer. ``src``: a DCP directory (FSDP2's,
+    torchtitan's: every tensor and plain value is copied) or a DeepSpeed ZeRO-1/2/3 checkpoint
+    (``deepspeed_files.py``). One process; it holds the whole checkpoint in host memory. Entries
+    whose values cannot be read without running code (a data loader's pickled state) are left
+    out and named. Returns the report."""
     src, dst = os.fspath(src), os.fspath(dst)
-    if not is_foreign_dcp(src):
+    left_out: list[str] = []
+    origin: dict[str, Any] = {}
+    if is_foreign_dcp(src):
+        sd = _read_whole(src, left_out)
+    elif is_deepspeed_checkpoint(src):
+        sd, origin = read_deepspeed(src)
+    else:
         raise ValueError(
-            f"import-checkpoint: {src!r} is not another engine's DCP checkpoint (it needs a {DCP_METADATA} file and no "
-            f"{META}); pass the directory dcp.save wrote (a zero_strategy checkpoint loads as it is)"
+            f"import-checkpoint: {src!r} is neither another engine's DCP checkpoint (a {DCP_METADATA} file and no "
+            f"{META}) nor a DeepSpeed one (latest and global_step*/ with *_optim_states.pt); pass the directory the "
+            "other engine saved (a zero_strategy checkpoint loads as it is)"
         )
+    steps = [int(v.item()) for k, v in sd.items() if k.split(".")[0] in _OPTIM_TOPS and k.endswith(".step")]
+    train = sd.get("train_state.step", origin.get("global_steps"))
+    step = max(steps) if steps else (int(train) if isinstance(train, (int, torch.Tensor)) else None)
+    name = _create_version_dir(dst, f"step-{step if step is not None else 0}", False)
+    path = os.path.join(dst, name)
+    writer, sums, _ = checksumming_writer(path)
+    with single_process_quiet():
+        dcp.save(sd, storage_writer=writer)
+    written = read_foreign(path)
+    report = written.summary()
+    report.update(
+        path=src,
+        step=step,
+        scheduler={k: v for k, v in written.objects.items() if k.split(".", 1)[0] in ("lr_scheduler", "lr_schedulers")},
+        left_out=left_out,
+        **origin,
+    )
+    if origin:
+        report["layout"] = "deepspeed"
+    files = {n: {"size": os.path.getsize(os.path.join(path, n)), "crc32": sums[n]} for n in sorted(sums)}
+    meta = {IMPORTED: os.path.abspath(src), "import_report": report, "files": files, "extra": {}}
+    write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
+    write_atomic(os.path.join(dst, LATEST), name + "\n")
+    report["written"] = path
+    return report
+
+
+def _read_whole(src: str, left_out: list[str]) -> dict[str, Any]:
+    """Every entry of a DCP directory, in full (``left_out``: those not readable without code)."""
     ckpt = read_foreign(src)
     entries = ckpt.metadata.state_dict_metadata
     sd: dict[str, Any] = {
@@ -406,7 +445,6 @@ def import_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]) 
     with single_process_quiet():
         dcp.load(sd, storage_reader=SafeFileSystemReader(src, bytes_entries=True))
     reader = SafeFileSystemReader(src, bytes_entries=True)
-    left_out = []
     for key, md in entries.items():
         if not isinstance(md, TensorStorageMetadata):
             value = read_bytes_entry(reader, ckpt.metadata, key)
@@ -414,22 +452,4 @@ def import_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]) 
                 left_out.append(key)
             else:
                 sd[key] = value
-    steps = [int(v.item()) for k, v in sd.items() if k.startswith(ckpt.optim_prefix) and k.endswith(".step")]
-    step = max(steps, default=ckpt.train_step)
-    report = ckpt.summary()
-    report.update(
-        step=step,
-        scheduler={k: v for k, v in ckpt.objects.items() if k.split(".", 1)[0] in ("lr_scheduler", "lr_schedulers")},
-        left_out=left_out,
-    )
-    name = _create_version_dir(dst, f"step-{step if step is not None else 0}", False)
-    path = os.path.join(dst, name)
-    writer, sums, _ = checksumming_writer(path)
-    with single_process_quiet():
-        dcp.save(sd, storage_writer=writer)
-    files = {n: {"size": os.path.getsize(os.path.join(path, n)), "crc32": sums[n]} for n in sorted(sums)}
-    meta = {IMPORTED: os.path.abspath(src), "import_report": report, "files": files, "extra": {}}
-    write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
-    write_atomic(os.path.join(dst, LATEST), name + "\n")
-    report["written"] = path
-    return report
+    return sd

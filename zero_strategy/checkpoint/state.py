@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from zero_strategy._version import __version__
 from zero_strategy.checkpoint.dcp_pieces import ScatteredPiece, UnevenPiece
+from zero_strategy.checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from zero_strategy.checkpoint.files import (
     OWNER,
     CheckpointFileError,
@@ -541,6 +542,11 @@ def load_checkpoint(
     optimizers = _optimizers(optimizer, engine, "load_checkpoint()")
     if is_foreign_dcp(path) or is_imported(path, _pointer_name(engine)):  # FSDP2's, torchtitan's (foreign.py)
         return load_foreign(os.fspath(path), engine, optimizers, pointer=_pointer_name(engine))
+    if is_deepspeed_checkpoint(path):
+        raise ValueError(
+            f"load_checkpoint(): {os.fspath(path)!r} is a DeepSpeed checkpoint; convert it once in one process with "
+            "`zero-strategy import-checkpoint SRC DST` (masters and Adam moments kept), then load DST"
+        )
     failure: BaseException | None = None
     resolved = os.fspath(path)
     meta: dict[str, Any] = {}
