@@ -91,3 +91,24 @@ def test_names_that_do_not_match_are_named(tmp_path) -> None:
     model.zero_engine.close()
     with pytest.raises(SystemExit):
         main(["import-checkpoint", str(tmp_path), str(tmp_path / "out")])
+
+
+def test_a_deepspeed_directory_names_the_conversion(tmp_path) -> None:
+    tag = tmp_path / "global_step7"
+    tag.mkdir()
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (tmp_path / "latest").write_text("global_step7")
+    model = nn.Sequential(Block())
+    model, opt = zs.initialize(model, torch.optim.AdamW(model.parameters()), config=zs.ZeroConfig(stage=1))
+    with pytest.raises(
+        ValueError, match="DeepSpeed checkpoint; convert it once .*`zero-strategy import-checkpoint SRC DST`"
+    ):
+        zs.load_checkpoint(str(tmp_path), model, opt)
+    model.zero_engine.close()
+    with pytest.raises(
+        ValueError, match=r"could not be read with torch.load\(weights_only=True\) \(EOFError"
+    ):  # an empty file is no checkpoint
+        from zero_strategy.checkpoint.foreign import import_checkpoint
+
+        (tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+        import_checkpoint(str(tmp_path), str(tmp_path / "out"))

@@ -64,8 +64,10 @@ def _load(path: str) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ValueError(
-            f"import-checkpoint: {path} could not be read without running code ({str(exc).splitlines()[0][:200]}); "
-            "it holds an object this reader does not know: convert it with DeepSpeed's zero_to_fp32.py instead"
+            f"import-checkpoint: {path} could not be read with torch.load(weights_only=True) "
+            f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}): the file is truncated, or holds an "
+            "object this reader does not know (no code of the file is run); copy it again, or convert with "
+            "DeepSpeed's zero_to_fp32.py"
         ) from exc
 
 
