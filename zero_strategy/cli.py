@@ -1,6 +1,9 @@
 """Command line.
 
 - ``zero-strategy export CHECKPOINT OUT.safetensors [--dtype bf16]``
+- ``zero-strategy import-checkpoint SRC DST``: another engine's checkpoint (FSDP2's or torchtitan's DCP
+  directory, DeepSpeed's ZeRO-1/2/3 ``global_step*/`` partitions) copied into a zero_strategy checkpoint root, with a report of what it holds
+  (:func:`zero_strategy.checkpoint.foreign.import_checkpoint`)
 - ``zero-strategy check FILE [--stage N] [--world-size N]``: every problem of a config file in
   one run (unknown keys, bad values, conflicting settings), or the resolved config with the
   DeepSpeed keys honoured and ignored (:mod:`zero_strategy.config.report`)
@@ -25,7 +28,7 @@ import argparse
 import sys
 from typing import Any, Optional
 
-__all__ = ["check", "export", "main"]
+__all__ = ["check", "export", "import_checkpoint", "main"]
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme")
 
@@ -50,6 +53,31 @@ def export(checkpoint: str, out: str, dtype: Optional[str] = None, max_shard_siz
     path = export_full(checkpoint, out, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size)
     print(path)
     return path
+
+
+def import_checkpoint(src: str, dst: str) -> dict[str, Any]:
+    """Copy another engine's DCP checkpoint into a zero_strategy checkpoint root and print what
+    it read: tensors, optimizer state, the step, the LR scheduler's state, what was left out."""
+    from zero_strategy.checkpoint.foreign import import_checkpoint as run
+
+    report = run(src, dst)
+    state = report["optimizer_state"]
+    print(f"read {report['path']} ({report['layout']} layout)")
+    if "deepspeed_stage" in report:
+        print(f"  DeepSpeed ZeRO-{report['deepspeed_stage']} at {report['deepspeed_world_size']} ranks, "
+              f"{report['tag']}, DeepSpeed {report['ds_version']}")  # fmt: skip
+    print(f"  model: {report['model_tensors']} tensors, {report['model_elements']} elements")
+    print(f"  optimizer state: {state['parameters']} parameters, keys {', '.join(state['keys']) or 'none'}; "
+          f"{report['param_groups']} param group(s)")  # fmt: skip
+    print(f"  step: {report['step']}")
+    print(f"  scheduler: {report['scheduler'] or 'none'}")
+    others = [k for k in report["objects"] if k not in report["scheduler"]]
+    if others:
+        print(f"  other entries (not loaded into the model): {', '.join(others)}")
+    if report["left_out"]:
+        print(f"  left out (not readable without running code): {', '.join(report['left_out'])}")
+    print(f"wrote {report['written']}; zs.load_checkpoint({dst!r}, model, optimizer) resumes from it")
+    return report
 
 
 def check(file: str, stage: Optional[int] = None, world_size: Optional[int] = None) -> bool:
@@ -110,6 +138,14 @@ def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
                     "built-in name: zero1, zero2, zero2_offload, zero3, zero3_offload, zero3_offload_nvme")  # fmt: skip
     ck.add_argument("--stage", type=int, help="the stage a front-end will set (applied first)")
     ck.add_argument("--world-size", type=int, help="the number of processes (checks load_balance.scores)")
+    im = sub.add_parser("import-checkpoint", help="copy an FSDP2, torchtitan or DeepSpeed checkpoint into a zero_strategy one",
+                        description="Read another engine's checkpoint (a DCP directory of get_model_state_dict and "
+                        "get_optimizer_state_dict: FSDP2's docs, torchtitan; or DeepSpeed ZeRO-1/2/3's save_checkpoint "
+                        "directory), report what it holds, and write it as a zero_strategy checkpoint root that "
+                        "load_checkpoint resumes from (docs/migrating_fsdp.md, docs/migrating_deepspeed.md).")  # fmt: skip
+    im.add_argument("src", help="the directory dcp.save wrote (its .metadata file and shards), or DeepSpeed's "
+                    "checkpoint directory (its latest file and global_step*/)")  # fmt: skip
+    im.add_argument("dst", help="a zero_strategy checkpoint root: DST/step-<n> and DST/latest are written")
     _add_estimate(sub)
     _add_bench(sub)
     for name, ep in sorted(commands.items()):  # listed here; run by main() with their own parser
@@ -238,6 +274,9 @@ def _run(ns: argparse.Namespace) -> None:
         rows = tuple(r.strip() for r in ns.rows.split(",")) if ns.rows else None
         bench(ns.model, ns.ranks, ns.steps, ns.warmup, ns.repeats, ns.batch, ns.out, ns.peers, rows,
               ns.update_results, fresh=ns.fresh_processes, launcher=ns.launcher)  # fmt: skip
+        return
+    if ns.command == "import-checkpoint":
+        import_checkpoint(ns.src, ns.dst)
         return
     export(ns.checkpoint, ns.out, ns.dtype, ns.max_shard_size)
 

@@ -11,6 +11,10 @@ into any layout: even or uneven, any world size.
 :class:`ScatteredPiece` is the same for several ranges held in separate tensors: top-k
 compression's residual of one parameter sits in one padded row per destination rank
 (``compression.py``), and is saved in, and loaded from, parameter coordinates in place.
+
+:class:`RowsPiece` loads from a tensor saved in its own shape (another engine's checkpoint,
+``foreign.py``): the whole rows (slices along dim 0) that cover a rank's flat range, which the
+caller then cuts to the range.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-__all__ = ["ScatteredPiece", "UnevenPiece"]
+__all__ = ["RowsPiece", "ScatteredPiece", "UnevenPiece", "covering_rows"]
 
 
 class _FlatPiece(torch.Tensor):
@@ -115,3 +119,50 @@ class ScatteredPiece(_FlatPiece):
         if index.offset is None or index.offset[0] not in self._zs_parts:
             raise AssertionError(f"ScatteredPiece {index.fqn}: no range starts at {index.offset}")
         return self._zs_parts[index.offset[0]]
+
+
+def covering_rows(shape: Sequence[int], lo: int, hi: int) -> tuple[int, int, int]:
+    """``(first, last, skip)``: the rows ``first : last`` along dim 0 of a row-major tensor of
+    ``shape`` that hold its flat elements ``lo : hi``, which start ``skip`` elements into them."""
+    if len(shape) == 0:
+        return 0, 0, lo
+    row = 1
+    for n in shape[1:]:
+        row *= int(n)
+    if row == 0 or hi <= lo:
+        return 0, 0, 0
+    first, last = lo // row, -(-hi // row)
+    return first, last, lo - first * row
+
+
+class RowsPiece(torch.Tensor):
+    """Rows ``first : first + len(self)`` of a tensor of ``shape`` saved in that shape (DTensors
+    sharded on any dim, or plain); DCP loads them into this tensor. A 0-d ``shape``: the value."""
+
+    _zs_shape: torch.Size
+    _zs_first: int
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def __new__(cls, shape: Sequence[int], first: int, last: int, dtype: torch.dtype) -> RowsPiece:
+        shape = torch.Size(shape)
+        local = torch.empty(shape if len(shape) == 0 else (last - first, *shape[1:]), dtype=dtype)
+        piece = torch.Tensor._make_subclass(cls, local, False)
+        piece._zs_shape, piece._zs_first = shape, first
+        return piece
+
+    def size(self, dim: int | None = None) -> Any:
+        """The *global* size, which DCP compares with the saved tensor's."""
+        return self._zs_shape if dim is None else self._zs_shape[dim]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        local = self.as_subclass(torch.Tensor)
+        offsets = torch.Size([self._zs_first] + [0] * (local.dim() - 1)) if local.dim() else torch.Size([])
+        return [ChunkStorageMetadata(offsets=offsets, sizes=local.shape)] if local.numel() else []
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor)

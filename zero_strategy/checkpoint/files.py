@@ -113,7 +113,15 @@ def inside(root: str | os.PathLike[str], name: object, what: str) -> str:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is read without running code (see the module docstring)."""
+    """``FileSystemReader`` whose metadata is read without running code (see the module docstring).
+
+    ``bytes_entries=True`` (another engine's checkpoint, ``foreign.py``) accepts non-tensor
+    entries in the metadata; they are never loaded through DCP (which would unpickle them with
+    ``torch.load(weights_only=False)``), only read by :func:`read_bytes_entry`."""
+
+    def __init__(self, path: Any, *args: Any, bytes_entries: bool = False, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self.bytes_entries = bytes_entries
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -126,7 +134,7 @@ class SafeFileSystemReader(FileSystemReader):
         if not isinstance(metadata, Metadata):
             raise CheckpointFileError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
         bad = [k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
-        if bad:
+        if bad and not self.bytes_entries:
             raise CheckpointFileError(
                 f"{path}: entries {bad[:5]} are not tensors; zero_strategy checkpoints hold tensors only (a non-tensor "
                 "entry would be unpickled with torch.load(weights_only=False))"

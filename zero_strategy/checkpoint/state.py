@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from zero_strategy._version import __version__
 from zero_strategy.checkpoint.dcp_pieces import ScatteredPiece, UnevenPiece
+from zero_strategy.checkpoint.deepspeed_files import is_deepspeed_checkpoint
 from zero_strategy.checkpoint.files import (
     OWNER,
     CheckpointFileError,
@@ -53,6 +54,8 @@ from zero_strategy.checkpoint.files import (
     verify_checksums,
     write_atomic,
 )
+from zero_strategy.checkpoint.foreign import is_foreign_dcp, is_imported, load_foreign
+from zero_strategy.checkpoint.optim_state import fresh_state, group_settings, restore_group_settings, saved_groups
 from zero_strategy.checkpoint.progress import dir_bytes, log
 from zero_strategy.checkpoint.versions import (
     COMPLETE,
@@ -179,7 +182,7 @@ def _groups_in_given_order(
 ) -> list[list[dict[str, Any]]] | None:
     """The saved param-group settings, one list per given optimizer: matched by the parameters
     each optimizer steps when the checkpoint names them (several optimizers), else by position."""
-    saved = _saved_groups(meta)
+    saved = saved_groups(meta)
     owned = meta.get("optimizer_params")
     if saved is None or not owned or len(optimizers) < 2:
         return saved
@@ -206,7 +209,7 @@ def _state(
     """The DCP state dict; its tensors alias the engine's own storage where possible.
 
     ``want_optim``: on load, the optimizer keys present in the checkpoint with their DCP
-    metadata, created (zeros, see :func:`_fresh_state`) where the optimizer has no state yet, so
+    metadata, created (zeros, see :func:`fresh_state`) where the optimizer has no state yet, so
     DCP can load into them. ``swapped``: per master, its state on disk (memory maps of the swap
     files, ``engine.swapped_state``)."""
     mesh = _Meshes(engine)
@@ -236,7 +239,7 @@ def _state(
                 prefix = f"optim.{fqn}."
                 for key in [k[len(prefix) :] for k in want_optim if k.startswith(prefix)]:
                     if key not in state and key not in on_disk:
-                        state[key] = _fresh_state(key, m, want_optim[prefix + key], group_of.get(id(m), {}), numel)
+                        state[key] = fresh_state(key, m, want_optim[prefix + key], group_of.get(id(m), {}), numel)
             for key, value in {**state, **on_disk}.items():
                 if not isinstance(value, torch.Tensor):
                     continue
@@ -280,7 +283,7 @@ def _whole_state(
         for key in [k[len(prefix) :] for k in want_optim if k.startswith(prefix)]:
             if key not in state:
                 group = group_of.get(id(entry.proxy), {})
-                state[key] = _fresh_state(key, entry.proxy, want_optim[prefix + key], group, numel)
+                state[key] = fresh_state(key, entry.proxy, want_optim[prefix + key], group, numel)
                 if state[key].numel() == numel and state[key].dim() == 1:
                     state[key] = state[key].view(entry.proxy.shape)
     out: dict[str, Any] = {}
@@ -289,23 +292,6 @@ def _whole_state(
             per_element = value.shape == entry.proxy.shape and key != "step"
             out[prefix + key] = _piece(engine, mesh, value.view(-1), numel, 0) if per_element else value
     return out
-
-
-def _fresh_state(key: str, master: torch.Tensor, saved: Any, group: dict[str, Any], numel: int) -> torch.Tensor:
-    """A tensor to load a state value into that the optimizer does not have yet (a fresh
-    optimizer), placed as torch's ``Optimizer.load_state_dict`` places a loaded value: ``step``
-    keeps its saved dtype on the host, unless the group is ``fused`` or ``capturable``, whose
-    kernels want it in float32 on the parameter's device; anything else takes the master's
-    dtype and device, per element (``numel`` elements saved: this rank's piece) or in its saved
-    shape (a scalar such as ASGD's ``eta``). ``saved``: the key's DCP metadata."""
-    size = torch.Size(getattr(saved, "size", ()))
-    if key == "step":
-        if group.get("fused") or group.get("capturable"):
-            return torch.zeros(size, dtype=torch.float32, device=master.device)
-        return torch.zeros(size, dtype=getattr(getattr(saved, "properties", None), "dtype", None) or torch.float32)
-    if size == torch.Size([numel]):
-        return torch.zeros_like(master.data)
-    return torch.zeros(size, dtype=master.dtype, device=master.device)
 
 
 def _residuals(engine: ZeroEngine, mesh: _Meshes, saved: set[str] | None) -> dict[str, Any]:
@@ -532,8 +518,8 @@ def _write_meta(engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], ext
         "extra": extra or {},
         # optimizer hyperparameters by group (lr as an LR scheduler left it, betas, ...)
         # (several optimizers: one such list per optimizer, in order)
-        "param_groups": _group_settings(optimizers[0]) if len(optimizers) == 1 else None,
-        "param_groups_per_optimizer": [_group_settings(o) for o in optimizers] if len(optimizers) > 1 else None,
+        "param_groups": group_settings(optimizers[0]) if len(optimizers) == 1 else None,
+        "param_groups_per_optimizer": [group_settings(o) for o in optimizers] if len(optimizers) > 1 else None,
         # several optimizers: the parameters each steps, which matches them at load in any order
         "optimizer_params": [_owned_names(engine, o) for o in optimizers] if len(optimizers) > 1 else None,
         # for export: every state_dict name (tied weights under each), its shape, and the
@@ -544,52 +530,6 @@ def _write_meta(engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], ext
         "files": files,
     }
     write_atomic(os.path.join(path, META), json.dumps(meta, indent=1, default=str))
-
-
-def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    out = []
-    for group in optimizer.param_groups:
-        kept: dict[str, Any] = {}
-        for key, value in group.items():
-            if key == "params":
-                continue
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if isinstance(value, tuple):
-                value = list(value)
-            try:
-                json.dumps(value)
-            except (TypeError, ValueError):
-                continue  # not a plain setting; the optimizer's construction provides it
-            kept[key] = value
-        out.append(kept)
-    return out
-
-
-# how the optimizer runs, not what it computes: the loading run's own choice stands
-_IMPLEMENTATION_KEYS = frozenset({"fused", "foreach", "capturable", "differentiable"})
-
-
-def _restore_group_settings(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
-    for group, values in zip(optimizer.param_groups, saved):
-        for key, value in values.items():
-            if key in _IMPLEMENTATION_KEYS:
-                continue
-            current = group.get(key)
-            if isinstance(current, torch.Tensor):
-                if value is not None:
-                    current.fill_(value)
-            elif isinstance(current, tuple):
-                group[key] = tuple(value)
-            else:
-                group[key] = value
-
-
-def _saved_groups(meta: dict[str, Any]) -> list[list[dict[str, Any]]] | None:
-    """Each saved optimizer's param-group settings (None: saved without an optimizer)."""
-    if meta.get("param_groups_per_optimizer") is not None:
-        return list(meta["param_groups_per_optimizer"])
-    return None if meta.get("param_groups") is None else [meta["param_groups"]]
 
 
 def _validate_for_load(
@@ -604,7 +544,7 @@ def _validate_for_load(
                 f"load_checkpoint(): parameter '{name}' has shape {shape} in the model but "
                 f"{meta['shapes'].get(name, 'no entry')} in the checkpoint {path!r}; load a checkpoint of this model"
             )
-    saved = _saved_groups(meta)
+    saved = saved_groups(meta)
     if optimizers and saved is not None and len(saved) != len(optimizers):
         raise ValueError(
             f"load_checkpoint(): {len(optimizers)} optimizer(s) given but the checkpoint {path!r} holds {len(saved)}; "
@@ -640,6 +580,13 @@ def load_checkpoint(
     started = time.perf_counter()
     engine = get_engine(model)
     optimizers = _optimizers(optimizer, engine, "load_checkpoint()")
+    if is_foreign_dcp(path) or is_imported(path, _pointer_name(engine)):  # FSDP2's, torchtitan's (foreign.py)
+        return load_foreign(os.fspath(path), engine, optimizers, pointer=_pointer_name(engine))
+    if is_deepspeed_checkpoint(path):
+        raise ValueError(
+            f"load_checkpoint(): {os.fspath(path)!r} is a DeepSpeed checkpoint; convert it once in one process with "
+            "`zero-strategy import-checkpoint SRC DST` (masters and Adam moments kept), then load DST"
+        )
     failure: BaseException | None = None
     resolved = os.fspath(path)
     meta: dict[str, Any] = {}
@@ -671,7 +618,7 @@ def load_checkpoint(
             dcp.load(sd, storage_reader=SafeFileSystemReader(resolved), process_group=C.bounded_group(engine.world))
     engine.load_progress(sd)  # step, loss scale; the parameters follow the loaded masters
     for optimizer, groups in zip(optimizers, _groups_in_given_order(engine, meta, optimizers, resolved) or []):
-        _restore_group_settings(optimizer, groups)
+        restore_group_settings(optimizer, groups)
     if engine.world.rank == 0:
         log.info("load_checkpoint: read %s, %.1f MiB, in %.2f s", resolved, dir_bytes(resolved) / 2**20,
                  time.perf_counter() - started)  # fmt: skip
