@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
 from types import MethodType
@@ -134,16 +135,32 @@ def _core_arg(opts: list[torch.optim.Optimizer]) -> Any:
 class _Binding:
     """The state shared by the functions bound onto one Accelerator: its ZeRO models, each with
     its optimizers (none, one, or several over disjoint parameters), in the order they were
-    prepared."""
+    prepared. The Accelerator owns it (its methods are bound onto the instance), so it holds the
+    Accelerator weakly: a dropped Accelerator is freed by reference counting, as without ZeroPlugin."""
 
     def __init__(self, accelerator: Accelerator) -> None:
-        self.accelerator = accelerator
+        self._accelerator = weakref.ref(accelerator)
         self.entries: list[tuple[nn.Module, list[torch.optim.Optimizer]]] = []
         self.saving = False
         self.marker = _Marker()
         self.loaded_step: int | None = None
-        # the Accelerator's own methods, for models and parameters that are not ours
-        self.original = {name: getattr(accelerator, name) for name in _BOUND}
+        # the Accelerator's own methods, for models and parameters that are not ours (a method
+        # bound to it as its function: a bound method would hold the Accelerator)
+        self._own = {name: _unbound(getattr(accelerator, name), accelerator) for name in (*_BOUND, *_WRAPPED)}
+
+    @property
+    def accelerator(self) -> Accelerator:
+        accelerator = self._accelerator()
+        if accelerator is None:
+            raise RuntimeError(
+                "ZeroPlugin: the Accelerator these methods were bound onto was dropped; call them on a live Accelerator"
+            )
+        return accelerator
+
+    def original(self, name: str) -> Callable[..., Any]:
+        """The Accelerator's own ``name`` (as it was before the first ZeroPlugin.prepare), bound."""
+        own = self._own[name]
+        return MethodType(own[0], self.accelerator) if own[1] else own[0]
 
     def add(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         self.entries.append((model, optimizers))
@@ -200,7 +217,7 @@ class _Binding:
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
         found = self.entry_of_parameters(parameters, "clip_grad_norm_")
         if found is None or not found[1]:  # not ours, or model-only: full gradients in p.grad
-            return self.original["clip_grad_norm_"](parameters, max_norm, norm_type)
+            return self.original("clip_grad_norm_")(parameters, max_norm, norm_type)
         if not self.accelerator.sync_gradients:
             return None  # gradients are still accumulating: they are clipped at the synchronising micro-step
         model, _, one = found
@@ -211,7 +228,7 @@ class _Binding:
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         found = self.entry_of_parameters(parameters, "clip_grad_value_")
         if found is None or not found[1]:
-            return self.original["clip_grad_value_"](parameters, clip_value)
+            return self.original("clip_grad_value_")(parameters, clip_value)
         if not self.accelerator.sync_gradients:
             return None
         # element-wise on this rank's averaged pieces (of one optimizer's parameters, or all)
@@ -224,7 +241,7 @@ class _Binding:
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         found = self.entry_of(model)
         if found is None:
-            return self.original["get_state_dict"](model, unwrap=unwrap)
+            return self.original("get_state_dict")(model, unwrap=unwrap)
         if self.saving:
             return self.marker  # save_state: the shards are written by the pre-hook instead
         engine = get_engine(found[1])
@@ -242,7 +259,7 @@ class _Binding:
     def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
         found = self.entry_of(model)
         if found is None:
-            with self.original["trigger_sync_in_backward"](model):
+            with self.original("trigger_sync_in_backward")(model):
                 yield
             return
         get_engine(found[1]).sync_next_backward()  # as DDP's prepare_for_backward
@@ -277,6 +294,28 @@ class _Binding:
         # lr and the other param-group settings are restored by zero_strategy.load_checkpoint
         return {"accelerate_step": int(self.accelerator.step)}
 
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        accelerator, save_state = self.accelerator, self.original("save_state")
+        if output_dir is None or accelerator.project_configuration.automatic_checkpoint_naming:
+            with _flag(self):  # Accelerate names a fresh directory per save itself
+                return save_state(output_dir, safe_serialization, **kwargs)
+        # One unit: everything this save writes (the shards, and Accelerate's scheduler, sampler
+        # and RNG files) goes into a fresh versioned directory; `latest` names it only once all
+        # of it is durable, so a crash never pairs new weights with an old scheduler.
+        version = zs.begin_versioned_save(output_dir, f"state-{accelerator.step}")
+        with _flag(self):
+            save_state(version, safe_serialization, **kwargs)
+        zs.commit_versioned_save(version, keep_last=1)  # the previous state goes once this one is durable
+        return version
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        self.loaded_step = None
+        if input_dir is not None:
+            input_dir = zs.resolve_checkpoint(input_dir)  # follows `latest` (a plain name inside it)
+        self.original("load_state")(input_dir, load_kwargs, **kwargs)
+        if self.loaded_step is not None:  # the same on every rank, also ranks the save did not have
+            self.accelerator.step = self.loaded_step
+
 
 _BOUND = (
     "backward",
@@ -286,10 +325,22 @@ _BOUND = (
     "get_state_dict",
     "trigger_sync_in_backward",
 )
+_WRAPPED = ("save_state", "load_state")  # replaced too, and called inside the replacements
 
 
-def _drop_forward_wrapper(model: Any) -> None:
-    """``zs.destroy``: the plain module gets its class's forward back (no Accelerate marks)."""
+def _unbound(method: Any, owner: Any) -> tuple[Callable[..., Any], bool]:
+    """(the function, True) for a method bound to ``owner``; (the callable, False) otherwise."""
+    if isinstance(method, MethodType) and method.__self__ is owner:
+        return method.__func__, True
+    return method, False
+
+
+def _drop_forward_wrapper(ref: weakref.ref[nn.Module]) -> None:
+    """``zs.destroy``: the plain module gets its class's forward back (no Accelerate marks). The
+    engine keeps this callback, so it holds the model weakly (the model owns the engine)."""
+    model = ref()
+    if model is None:
+        return
     model.__dict__.pop("forward", None)
     model.__dict__.pop("_original_forward", None)
     model.__dict__.pop("_is_accelerate_prepared", None)
@@ -348,33 +399,8 @@ def _binding_of(accelerator: Accelerator) -> _Binding:
     if binding is not None:
         return binding
     binding = _Binding(accelerator)
-    save_state, load_state = accelerator.save_state, accelerator.load_state
-
-    def bound_save_state(output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
-        if output_dir is None or accelerator.project_configuration.automatic_checkpoint_naming:
-            with _flag(binding):  # Accelerate names a fresh directory per save itself
-                return save_state(output_dir, safe_serialization, **kwargs)
-        # One unit: everything this save writes (the shards, and Accelerate's scheduler, sampler
-        # and RNG files) goes into a fresh versioned directory; `latest` names it only once all
-        # of it is durable, so a crash never pairs new weights with an old scheduler.
-        version = zs.begin_versioned_save(output_dir, f"state-{accelerator.step}")
-        with _flag(binding):
-            save_state(version, safe_serialization, **kwargs)
-        zs.commit_versioned_save(version, keep_last=1)  # the previous state goes once this one is durable
-        return version
-
-    def bound_load_state(input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
-        binding.loaded_step = None
-        if input_dir is not None:
-            input_dir = zs.resolve_checkpoint(input_dir)  # follows `latest` (a plain name inside it)
-        load_state(input_dir, load_kwargs, **kwargs)
-        if binding.loaded_step is not None:  # the same on every rank, also ranks the save did not have
-            accelerator.step = binding.loaded_step
-
-    for name in _BOUND:
+    for name in (*_BOUND, *_WRAPPED):
         setattr(accelerator, name, getattr(binding, name))
-    accelerator.save_state = bound_save_state
-    accelerator.load_state = bound_load_state
     accelerator.register_save_state_pre_hook(binding.save_hook)
     accelerator.register_load_state_pre_hook(binding.load_hook)
     accelerator._zero_binding = binding
@@ -425,7 +451,7 @@ def prepare_with_zero(
             forward = cast(MethodType, model.forward)  # the class's forward, bound to the model
             prepared._original_forward = forward
             prepared.forward = MethodType(convert_outputs_to_fp32(forward.__func__), model)
-            get_engine(model).on_destroy(partial(_drop_forward_wrapper, model))
+            get_engine(model).on_destroy(partial(_drop_forward_wrapper, weakref.ref(model)))
         prepared._is_accelerate_prepared = True  # tracked by the Accelerator, not wrapped in DDP or autocast
         for optimizer in opts:
             wrapped = ZeroAcceleratedOptimizer(optimizer, model)

@@ -29,7 +29,7 @@ PACKAGES = {
 # may not import each other. ``zero_strategy`` itself is the package's ``__init__`` (the public
 # API), which front-end helpers and the test harness sit above.
 LAYERS: list[tuple[str, ...]] = [
-    ("_version", "_swap"),  # leaves: no imports of ours
+    ("_version", "_swap", "_weak"),  # leaves: no imports of ours
     ("config",),  # ZeroConfig, its blocks and value rules
     ("comm",),  # collectives (the only torch.distributed caller), profiling, load-balance scores
     ("storage",),  # offload policies, swap files, disk rows: bytes, not shards

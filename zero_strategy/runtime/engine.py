@@ -9,6 +9,16 @@ Layers below it never see the engine: it calls their lifecycle methods (``GradRe
 ``UnitScheduler``, ``ParamStorage``) and pushes settings down. States are explicit enums that
 change in one method each, which checks the state they leave.
 
+Who holds whom, so that a dropped model is freed by reference counting alone, as a plain module
+is (a cycle would keep every tensor of the engine until Python's cyclic collector runs): the
+model owns its engine (``model._zero_engine``); the engine owns its optimizers, storage,
+reducer and scheduler. Nothing points back strongly: the engine holds the model weakly
+(``engine.module``), each optimizer holds its engine weakly (``optimizer.zero_engine`` is None
+once it is gone; a step raises naming the fix), and every hook and callback the engine hands
+out holds its object weakly (``_weak.weak_method``): one firing after its engine died does
+nothing. ``destroy`` removes the model's pointer too, so the engine goes with the last reference
+to it. ``tests/faults/test_refcount_free.py`` checks this with the collector off.
+
 What ``p.grad`` holds (``p`` a model parameter):
 
 - ZeRO-1: the full *local* gradient through backward and accumulation; at the optimizer step
@@ -36,6 +46,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from zero_strategy._swap import unswap_class
+from zero_strategy._weak import weak_method
 from zero_strategy.comm import collectives as C
 from zero_strategy.comm.balance import check_load_balance, shard_fractions
 from zero_strategy.config import ZeroConfig, warn_not_applied
@@ -105,12 +116,6 @@ def live_engines() -> list[ZeroEngine]:
     return list(_LIVE)
 
 
-def _call_weakly(ref: weakref.ref[ZeroEngine], method: str, *args: Any) -> None:
-    engine = ref()
-    if engine is not None:
-        getattr(engine, method)(*args)
-
-
 class ZeroEngine(WholeModelState):
     opts: OptimizerSet  # the bound optimizers (set_optimizers; several step disjoint parameters), none: model only
     params: ParamStorage
@@ -125,7 +130,7 @@ class ZeroEngine(WholeModelState):
         # where the optimizer's side and ZeRO-3's rows live (bad offload settings fail here, before any change)
         config.check(caller="initialize()")  # every conflict of the resolved config (ZeroConfig.conflicts)
         self.offload_optimizer, self.offload_params = optimizer_offload(config), param_offload(config)
-        self.module = module
+        self._module_ref = weakref.ref(module)  # the model owns the engine (module docstring)
         self.config = config
         first = next(module.parameters(), None)
         # the whole group; after the setup agreement self.ctx becomes the shard group's (shard_groups.py)
@@ -191,15 +196,18 @@ class ZeroEngine(WholeModelState):
         for g in self.groups:
             for p, m in zip(g.params, g.masters):
                 self._master[id(p)] = m
+        world, scaler = self.world, self.scaler  # the reducer's callables hold no engine (module docstring)
         self.reducer = GradReducer(
             self.groups,
             self.ctx,
             max_in_flight=2 if config.overlap_comm else 0,
-            grad_factor=lambda: 1.0 / (self.world.world_size * self.scaler.scale),
+            grad_factor=lambda: 1.0 / (world.world_size * scaler.scale),
             replica=self.replica,
             world=self.world,
-            describe_step=self._step_label,
-            compression=build_compression(config.compression, self.groups, self.ctx, steps=lambda: self.step_count),
+            describe_step=weak_method(self._step_label, default="after the engine was dropped"),
+            compression=build_compression(
+                config.compression, self.groups, self.ctx, steps=weak_method(self.steps_done, default=0)
+            ),
             codec=grad_codec(config.zero_quantized_gradients),
         )
         self.whole = WholeParams(self.ctx, self.reducer.locate, self._names)  # Muon & co (whole_params.py)
@@ -207,7 +215,7 @@ class ZeroEngine(WholeModelState):
         if isinstance(self.params, ShardedParams):
             self.budget = Budget(config.memory, self.ctx, self.params) if config.memory.enabled else None
             if self.budget is not None:
-                self.budget.others = self._other_engines_bytes
+                self.budget.others = weak_method(self._other_engines_bytes, default=0)
             self.params.use_secondary(SecondaryShards(hpz) if hpz is not None else None)
             settings = Zero3Settings(
                 prefetch=config.prefetch,
@@ -373,29 +381,19 @@ class ZeroEngine(WholeModelState):
         others = [e for e in list(_LIVE) if e is not self and e.ctx.device == self.ctx.device]
         return sum(s["tier_device"] + s["comm_scratch"] for s in (e.memory_stats() for e in others))
 
-    # -- queries ---------------------------------------------------------------------------
-    def param_names(self) -> dict[int, str]:
-        return self._names
-
-    def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
-        return self._master.get(id(p))
-
-    def host_masters(self) -> set[int]:
-        """The ids of the master pieces the offload policy put in host memory."""
-        return {id(m) for g in self.groups if g.tier == "host" for m in g.masters}
-
     # -- hooks (all of them registered here) --------------------------------------------------
     def _install_hooks(self) -> None:
         m = self.module
-        self._hooks.append(m.register_forward_pre_hook(eager(self._pre_forward)))
-        self._hooks.append(m.register_forward_hook(eager(self._post_forward), always_call=True))
-        self.root_done = eager(self.root_call_done)  # called by ZeroModule.__call__ (compile_support.py)
+        self._hooks.append(m.register_forward_pre_hook(eager(weak_method(self._pre_forward))))
+        self._hooks.append(m.register_forward_hook(eager(weak_method(self._post_forward)), always_call=True))
+        self.root_done = eager(weak_method(self.root_call_done))  # called by ZeroModule.__call__ (compile_support.py)
         self._schedule_hooks = self._install_schedule_hooks()
         self._calls: Zero3Hooks | None = None
         if self.zero3 is not None:  # each unit's forward, and submodules called outside the model's forward
-            self._calls = Zero3Hooks(self.zero3, in_root_call=lambda: self._root_depth > 0,
-                                     backward_coming=self._queue_end_of_backward,
-                                     call_started=self._outside_call_started, call_done=self._outside_call_done)  # fmt: skip
+            self._calls = Zero3Hooks(self.zero3, in_root_call=weak_method(self._in_root_call, default=False),
+                                     backward_coming=weak_method(self._queue_end_of_backward),
+                                     call_started=weak_method(self._outside_call_started),
+                                     call_done=weak_method(self._outside_call_done))  # fmt: skip
             self._hooks += self._calls.install(m)
             self._hooks.append(m.register_load_state_dict_pre_hook(refuse_load_state_dict))
             sharded = {id(p) for u in self.zero3.all_units for p in u.params}
@@ -406,18 +404,16 @@ class ZeroEngine(WholeModelState):
                         sub._register_state_dict_hook(functools.partial(refuse_sharded_state_dict, local))
                     )
         else:  # masters that are not views of the parameters must follow a load
-            self._hooks.append(m.register_load_state_dict_post_hook(lambda mod, incompatible: self._refresh_masters()))
+            self._hooks.append(m.register_load_state_dict_post_hook(weak_method(self._refresh_masters)))
 
-    def _refresh_masters(self) -> None:
+    def _refresh_masters(self, *hook_args: Any) -> None:
         if isinstance(self.params, ReplicatedParams):
             self.params.refresh_all_masters()
 
     def _install_schedule_hooks(self) -> list[Any]:
         if not self.schedule.reduces_when_ready:
             return []
-        # The hook lives in C++ on the parameter, where the garbage collector cannot see a cycle
-        # through it: it holds the engine weakly, so a dropped model frees its engine.
-        hook = functools.partial(_call_weakly, weakref.ref(self), "on_grad_accumulated")
+        hook = weak_method(self.on_grad_accumulated)  # the engine holds the parameters
         return [p.register_post_accumulate_grad_hook(hook) for g in self.groups for p in g.params]
 
     def root_call_done(self, ok: bool) -> None:
@@ -465,7 +461,7 @@ class ZeroEngine(WholeModelState):
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._on_output_grad)
+                    t.register_hook(weak_method(self._on_output_grad))
 
     def _outside_call_started(self) -> None:
         """ZeRO-3: a submodule is called outside the model's forward (``zero3_hooks.py``); the
@@ -485,6 +481,9 @@ class ZeroEngine(WholeModelState):
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self._queue_end_of_backward()
+
+    def _in_root_call(self) -> bool:
+        return self._root_depth > 0
 
     def _queue_end_of_backward(self) -> None:
         """The first hook of a backward: gradients are coming (only a backward moves the
@@ -742,14 +741,6 @@ class ZeroEngine(WholeModelState):
         block too: checkpoints stream them instead of loading them."""
         with self.disk.mapped(self.optimizer, lambda: self.params.mapped(writable=writable), writable=writable) as m:
             yield m
-
-    def flat_value(self, p: torch.Tensor) -> torch.Tensor:
-        """What this rank holds of a parameter without a master (frozen), flattened."""
-        return self.params.flat_value(p)
-
-    def flat_offset(self, p: torch.Tensor) -> int | None:
-        """Where :meth:`flat_value` starts, when not where ``torch.chunk`` puts it (uneven)."""
-        return self.params.flat_offset(p)
 
     def close(self) -> None:
         """Remove the engine's hooks (the model keeps its current parameters) and the swap files

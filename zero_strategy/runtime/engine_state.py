@@ -1,10 +1,16 @@
 """What an engine reads and writes of its model as a whole, outside the training step: full
-weights copied into this rank's parameters, ZeRO-3 rows and masters, and the bytes it holds
-by kind and by tier. A base class of ``ZeroEngine``, kept apart so that ``engine.py`` holds
-the lifecycle; it reads only the attributes declared on it."""
+weights copied into this rank's parameters, ZeRO-3 rows and masters, the bytes it holds by
+kind and by tier, and which piece of a parameter this rank holds. A base class of
+``ZeroEngine``, kept apart so that ``engine.py`` holds the lifecycle; it reads only the
+attributes declared on it.
+
+The engine holds its model weakly (:attr:`WholeModelState.module`): the model owns the engine
+(``model._zero_engine``), so a strong pointer back would make a reference cycle, and a dropped
+model would wait for Python's cyclic collector (see ``engine.py``)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -29,7 +35,9 @@ __all__ = ["WholeModelState"]
 class WholeModelState:
     """``load_full_state_dict``, ``memory_stats`` and the progress state of the engine."""
 
-    module: nn.Module
+    _module_ref: weakref.ref[nn.Module]
+    _names: dict[int, str]
+    _master: dict[int, torch.Tensor]
     params: ParamStorage
     groups: list[ShardGroup]
     opts: OptimizerSet
@@ -41,6 +49,17 @@ class WholeModelState:
     init_peak: HostPeak
     step_count: int
     scaler: LossScaler
+
+    @property
+    def module(self) -> nn.Module:
+        """The model, held weakly: it owns the engine, not the other way round."""
+        module = self._module_ref()
+        if module is None:
+            raise RuntimeError(
+                "this zero_strategy engine's model was dropped (the model owns its engine, which holds it "
+                "weakly); keep a reference to the model for as long as its engine or optimizer is used"
+            )
+        return module
 
     def load_full_state_dict(self, get: Callable[[str], torch.Tensor], keys: list[str], *, strict: bool) -> None:
         """Copy full tensors into this rank's parameters, rows and masters, one at a time (a
@@ -109,6 +128,28 @@ class WholeModelState:
 
     def _step_label(self) -> str:
         return f"step {self.step_count}"
+
+    def steps_done(self) -> int:
+        return self.step_count
+
+    # -- queries ---------------------------------------------------------------------------
+    def param_names(self) -> dict[int, str]:
+        return self._names
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        return self._master.get(id(p))
+
+    def host_masters(self) -> set[int]:
+        """The ids of the master pieces the offload policy put in host memory."""
+        return {id(m) for g in self.groups if g.tier == "host" for m in g.masters}
+
+    def flat_value(self, p: torch.Tensor) -> torch.Tensor:
+        """What this rank holds of a parameter without a master (frozen), flattened."""
+        return self.params.flat_value(p)
+
+    def flat_offset(self, p: torch.Tensor) -> int | None:
+        """Where :meth:`flat_value` starts, when not where ``torch.chunk`` puts it (uneven)."""
+        return self.params.flat_offset(p)
 
     def progress_state(self) -> dict[str, torch.Tensor]:
         """The engine's own training progress, as tensors a checkpoint saves beside the shards."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 from types import MethodType
 from typing import TYPE_CHECKING, Any, cast
@@ -113,10 +114,13 @@ def _autocast_instance_forward(module: nn.Module, engine: ZeroEngine) -> None:
 
     wrapped = MethodType(functools.wraps(own)(forward), module)
     module.__dict__["forward"] = wrapped
+    # the engine keeps restore(): it holds the model (and ``own``, bound to it) weakly
+    model, wrapper = weakref.ref(module), weakref.ref(wrapped)
 
     def restore() -> None:
-        if module.__dict__.get("forward") is wrapped:
-            module.__dict__["forward"] = own
+        m, w = model(), wrapper()
+        if m is not None and w is not None and m.__dict__.get("forward") is w:
+            m.__dict__["forward"] = w.__func__.__wrapped__  # type: ignore[union-attr]  # own, set by functools.wraps
 
     engine.on_destroy(restore)
 

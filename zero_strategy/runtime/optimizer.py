@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -52,6 +53,10 @@ __all__ = [
     "use_host_kernel",
 ]
 
+ENGINE_GONE = (
+    "this optimizer's zero_strategy engine was destroyed (zero_strategy.destroy) or its model was dropped; "
+    "build a new optimizer for the model (and keep the model referenced while you step its optimizer)"
+)
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -62,13 +67,22 @@ else:
 
 
 class ZeroOptimizer(_OptimizerBase):
-    """Mixin placed in front of the user's optimizer class by :func:`bind_optimizer`."""
+    """Mixin placed in front of the user's optimizer class by :func:`bind_optimizer`. It holds
+    its engine weakly: the engine holds its optimizers, and the model holds the engine."""
 
-    _zero_engine: ZeroEngine
+    _zero_engine_ref: weakref.ref[ZeroEngine]
 
     @property
-    def zero_engine(self) -> ZeroEngine:
-        return self._zero_engine
+    def zero_engine(self) -> ZeroEngine | None:
+        """The engine this optimizer is bound to; None once it is gone (its model destroyed or dropped)."""
+        return self._zero_engine_ref()
+
+    @property
+    def _zero_engine(self) -> ZeroEngine:
+        engine = self._zero_engine_ref()
+        if engine is None:
+            raise RuntimeError(ENGINE_GONE)
+        return engine
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all shards by their *global* norm; return that norm. With
@@ -98,7 +112,9 @@ class ZeroOptimizer(_OptimizerBase):
         try:
             return super().step(*args, **kwargs)
         finally:
-            self._zero_engine.reset_step_calls()
+            engine = self._zero_engine_ref()
+            if engine is not None:  # gone: the step hook raised ENGINE_GONE
+                engine.reset_step_calls()
 
 
 def build_optimizer(
@@ -291,7 +307,8 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> torc
     optimizer.state.update(new_state)
     use_host_kernel(optimizer, engine.host_masters())
     swap_class(optimizer, ZeroOptimizer)
-    cast(ZeroOptimizer, optimizer)._zero_engine = engine  # the swapped class carries ZeroOptimizer's attributes
+    # the swapped class carries ZeroOptimizer's attributes; the engine holds the optimizer, so weakly
+    cast(ZeroOptimizer, optimizer)._zero_engine_ref = weakref.ref(engine)
     optimizer.register_step_pre_hook(_before_step)
     optimizer.register_step_post_hook(_after_step)
     bind_adam(optimizer, engine.reducer.compression)  # reads the masters' state
@@ -351,7 +368,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 
 def _check_step_call(optimizer: torch.optim.Optimizer, engine: ZeroEngine, args: Any, kwargs: Any) -> None:
     if engine.destroyed:
-        raise RuntimeError("optimizer.step(): its model's zero_strategy engine was destroyed; build a new optimizer")
+        raise RuntimeError(ENGINE_GONE)
     if engine.phase_offloaded is not None:
         raise RuntimeError(
             "optimizer.step() after offload_states(model): the model's state is on the host; call "

@@ -71,10 +71,12 @@ _FIX = (
 class _Engine(Protocol):
     """What the replacements read of an engine."""
 
-    module: nn.Module
     groups: list[ShardGroup]
     schedule: GradSchedule
     opts: OptimizerSet
+
+    @property
+    def module(self) -> nn.Module: ...
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, optimizer: torch.optim.Optimizer | None = None

@@ -23,13 +23,15 @@ unit order is not recorded from such calls (prefetch follows the model's forward
 the model's forward, or inside a backward (activation checkpointing recomputes there), is not
 an outside call: the hooks only check two counters then.
 
+Every hook holds these hooks weakly (``_weak.py``): the engine holds them, their scheduler and the
+modules, so a strong hook on a module would close a reference cycle through it.
+
 State-dict hooks. ``load_state_dict`` cannot write into sharded parameters, and ``state_dict``
 of a sharded parameter would be a placeholder: both refuse and name the call that works.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
@@ -41,6 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from zero_strategy._weak import weak_method
 from zero_strategy.runtime.compile_support import eager, hook_caller
 from zero_strategy.runtime.zero3 import UnitScheduler
 from zero_strategy.sharding.experts import SELECT_HOOK, ExpertRows
@@ -93,27 +96,27 @@ class Zero3Hooks:
                 slot: OrderedDict[int, Any] = OrderedDict()  # RemovableHandle keeps a weak reference
                 setattr(listed.found.module, SELECT_HOOK, slot)
                 handle = RemovableHandle(slot)  # closing the engine empties the slot
-                slot[handle.id] = eager(functools.partial(self.scheduler.expert_pre_forward, listed))
+                slot[handle.id] = eager(weak_method(self.scheduler.expert_pre_forward, listed))
                 handles.append(handle)
         for sub in root.modules():
             if sub is root or next(sub.parameters(), None) is None:
                 continue
-            pre = functools.partial(self._outside_pre_forward, enclosing.get(id(sub)))
+            pre = weak_method(self._outside_pre_forward, enclosing.get(id(sub)))
             handles.append(sub.register_forward_pre_hook(eager(pre)))
             unit = units.get(id(sub))
             if unit is not None:
-                pre_unit = functools.partial(self._unit_pre_forward, unit)
-                post_unit = functools.partial(self._unit_post_forward, unit)
+                pre_unit = weak_method(self._unit_pre_forward, unit)
+                post_unit = weak_method(self._unit_post_forward, unit)
                 handles.append(sub.register_forward_pre_hook(eager(pre_unit), with_kwargs=True))
                 handles.append(sub.register_forward_hook(eager(post_unit), with_kwargs=True))
             x = self.scheduler.experts.get(id(sub))
             if x is not None and not x.found.members:  # an MoE experts module: gathered by the router's selection
-                expert_pre = eager(functools.partial(self._expert_pre, x))
+                expert_pre = eager(weak_method(self._expert_pre, x))
                 handles.append(sub.register_forward_pre_hook(expert_pre, with_kwargs=True))
-                handles.append(sub.register_forward_hook(eager(functools.partial(self._expert_post, x))))
-                done = eager(functools.partial(self._expert_call_done, x))  # num_experts back, also after a raise
+                handles.append(sub.register_forward_hook(eager(weak_method(self._expert_post, x))))
+                done = eager(weak_method(self._expert_call_done, x))  # num_experts back, also after a raise
                 handles.append(sub.register_forward_hook(done, always_call=True))
-            handles.append(sub.register_forward_hook(eager(self._outside_post_forward), always_call=True))
+            handles.append(sub.register_forward_hook(eager(weak_method(self._outside_post_forward)), always_call=True))
         return handles
 
     # -- MoE experts modules ---------------------------------------------------------------
@@ -134,7 +137,7 @@ class Zero3Hooks:
             hooked = False
             for t in _tensors(output):
                 if t.requires_grad and not hooked:
-                    t.register_hook(functools.partial(self._expert_pre_backward, x))
+                    t.register_hook(weak_method(self._expert_pre_backward, x))
                     hooked = True
         return output
 
@@ -158,7 +161,7 @@ class Zero3Hooks:
                     continue
                 if seen is not None and seen.get(id(t)) == t._version and any(t is i for i in inputs):
                     continue  # passed through unchanged: its producer's hook covers it
-                t.register_hook(functools.partial(self._unit_pre_backward, u))
+                t.register_hook(weak_method(self._unit_pre_backward, u))
         return output
 
     def _unit_pre_backward(self, u: UnitStorage, grad: torch.Tensor) -> None:

@@ -124,21 +124,26 @@ def find_units(root: nn.Module, policy: UnitPolicy = None) -> UnitPlan:
     that chose them, and (default policy) the lists they came from."""
     match, how, lists = _policy_fn(root, policy)
     units: list[tuple[str, nn.Module]] = []
-
-    def visit(m: nn.Module, prefix: str) -> None:
-        for name, child in m.named_children():
-            fqn = f"{prefix}.{name}" if prefix else name
-            if match(child, fqn) and any(True for _ in child.parameters()):
-                units.append((fqn, child))
-            else:
-                visit(child, fqn)
-
     if match(root, ""):
         raise ValueError(
             f"initialize(policy=...): the root module {type(root).__name__} itself matched {how}; "
             "name the blocks inside it instead"
         )
-    visit(root, "")
+    # depth first, in registration order; a loop, not a recursive closure, which would be a
+    # reference cycle holding the modules until Python's cyclic collector ran
+    stack = [("", iter(root.named_children()))]
+    while stack:
+        prefix, children = stack[-1]
+        entry = next(children, None)
+        if entry is None:
+            stack.pop()
+            continue
+        name, child = entry
+        fqn = f"{prefix}.{name}" if prefix else name
+        if match(child, fqn) and any(True for _ in child.parameters()):
+            units.append((fqn, child))
+        else:
+            stack.append((fqn, iter(child.named_children())))
     fqn_of = {id(m): fqn for fqn, m in units}
     conditional = [[fqn_of[id(m)] for m in members if id(m) in fqn_of] for members in lists]
     # an experts module that is a unit itself (or holds one) stays as the policy made it

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from zero_strategy._weak import weak_method
 from zero_strategy.comm import collectives as C
 from zero_strategy.sharding.gather_checks import (
     GatherChecks,
@@ -261,7 +262,9 @@ class UnitStorage:
             )  # fmt: skip
         self.disk: DiskRows | None = None
         if row_swap is not None:  # written to the swap file; from here on in memory only while resident
-            self.disk = DiskRows(row_swap, label, [self.row, self.frozen_row], self._attach, self._detach)
+            # it calls back into this unit, which holds it: weakly, so no cycle keeps the unit (_weak.py)
+            self.disk = DiskRows(row_swap, label, [self.row, self.frozen_row], weak_method(self._attach),
+                                 weak_method(self._detach))  # fmt: skip
             self._detach()
         # a small unit stays gathered from its first use until the optimizer step changes it
         self.persistent = sum(lay.numels) <= persistence_threshold
