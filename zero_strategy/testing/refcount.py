@@ -39,7 +39,8 @@ D = 16
 @dataclass(frozen=True)
 class Cell:
     """One configuration: the stage, extra ``zero_optimization`` keys, other top-level config
-    keys, the model (``mlp``; ``moe``: declared experts; ``gan``: two optimizers) and where on
+    keys, the model (``mlp``; ``moe``: declared experts; ``gan``: two optimizers; ``muon``: the
+    ``mlp`` under Muon and AdamW) and where on
     disk (``nvme``: ``optimizer``, ``param`` or ``both``; the path is the check's own)."""
 
     name: str
@@ -64,6 +65,8 @@ CELLS = [
     Cell("stage2-moe", 2, model="moe"),
     Cell("stage1-two-optimizers", 1, model="gan"),
     Cell("stage3-two-optimizers-cpu-offload", 3, {"offload_optimizer": _CPU}, model="gan"),
+    Cell("stage2-muon", 2, model="muon"),  # whole-parameter owners (runtime/whole_params.py)
+    Cell("stage3-muon", 3, model="muon"),
 ]
 
 
@@ -110,6 +113,10 @@ def build(cell: Cell, root: Path, *, width: int = D, device: str = "cpu") -> tup
     opt: Any
     if cell.model == "gan":
         opt = [torch.optim.Adam(model[k].parameters(), lr=1e-2) for k in ("g", "d")]  # type: ignore[index]
+    elif cell.model == "muon":  # Muon on the matrices, AdamW on the rest
+        mats = [p for p in model.parameters() if p.dim() == 2]
+        rest = [p for p in model.parameters() if p.dim() != 2]
+        opt = [torch.optim.Muon(mats, lr=1e-2), torch.optim.AdamW(rest, lr=1e-2)]
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return zs.initialize(model, opt, config={"zero_optimization": zero, **cell.top})
