@@ -213,16 +213,23 @@ def this_engine(s: Setup) -> Estimate:
         put("masters", 4 * p if mixed else 0.0, "none")
         put("optimizer", k * p, "none")
         return Estimate("this engine", tiers["none"], 0.0, 0.0, tuple(parts), "DDP")
+    # device-tier gradient shards are freed at zero_grad(set_to_none=True): at ZeRO-1 the full
+    # gradients (until the step) and the shards (from the step) are not held at once
+    either = s.stage == 1 and opt_host == "none"
     if s.stage < 3:
         put("params", b * p, "none")
-        put("full grads (until the step)", b * p if s.stage == 1 else 0.0, "none")
+        if either:
+            put("full grads, then grad shards (fp32)", max(b * p, 4 * p / n), "none")
+        else:
+            put("full grads (until the step)", b * p if s.stage == 1 else 0.0, "none")
         put("masters", 4 * p / n if (mixed or opt_host != "none") else 0.0, opt_host)
     else:
         put("param rows (fp32)", 4 * p / n, s.offload_param)
         put("persistent units, gathered", b * s.persistent, "none")
         separate_masters = opt_host != "none" and s.offload_param == "none"
         put("masters", 4 * p / n if separate_masters else 0.0, opt_host)
-    put("grad shards (fp32)", 4 * p / n, opt_host)
+    if not either:
+        put("grad shards (fp32)", 4 * p / n, opt_host)
     put("optimizer", k * p / n, s.offload_optimizer)
     put("gather cache (cache tier)", cache_bytes(s), "none")
     return Estimate("this engine", tiers["none"], tiers["cpu"], tiers["nvme"], tuple(parts))
