@@ -66,9 +66,10 @@ def tag_digits(tag: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     key = (tag, dtype, device)
     got = _DIGITS.get(key)
     if got is None:
-        got = torch.empty(TAG, dtype=dtype, device=device)
-        for k in range(TAG):
-            got[k : k + 1].fill_((tag // _BASE**k) % _BASE)  # the digit is a kernel argument: no copy
+        with torch.inference_mode(False):  # cached: read by gathers in and out of inference mode
+            got = torch.empty(TAG, dtype=dtype, device=device)
+            for k in range(TAG):
+                got[k : k + 1].fill_((tag // _BASE**k) % _BASE)  # the digit is a kernel argument: no copy
         _DIGITS[key] = got
     return got
 
@@ -119,11 +120,15 @@ class GatherChecks:
             return
         if len(self._tags) >= self.MAX_PENDING:
             self.check_now()
-        k, store = len(self._tags), self._digits
-        if store is None or store.shape[1:] != digits.shape or store.device != digits.device:
-            store = self._digits = torch.empty(64, *digits.shape, device=digits.device)
-        elif k == store.shape[0]:  # grown on the device, doubling: no host wait
-            store = self._digits = torch.cat([store, torch.empty_like(store)])
+        store = self._digits
+        if store is not None and self._tags and (store.shape[1:] != digits.shape or store.device != digits.device):
+            self.check_now()  # another shape or device (not seen today): what is pending is read first
+        k = len(self._tags)
+        with torch.inference_mode(False):  # written by every later gather, inference or not
+            if store is None or store.shape[1:] != digits.shape or store.device != digits.device:
+                store = self._digits = torch.empty(64, *digits.shape, device=digits.device)
+            elif k == store.shape[0]:  # grown on the device, doubling: no host wait
+                store = self._digits = torch.cat([store, torch.empty_like(store)])
         store[k].copy_(digits)  # exact: every digit is an integer below 256
         self._tags.append((unit.name, unit.tag, step))
         for p, fqn in zip(unit.params, unit.fqns):
@@ -151,7 +156,7 @@ class GatherChecks:
             return None
         want = [[(tag // _BASE**j) % _BASE for j in range(TAG)] for _, tag, _ in self._tags]
         expected = to_device(torch.tensor(want, dtype=torch.float32), self._digits.device)
-        bad = (self._digits[:k] != expected.unsqueeze(1)).any()
+        bad = (self._digits[:k].round() != expected.unsqueeze(1)).any()  # as report() reads them
         written = self._written()
         if written is not None:
             bad = bad | written.any()

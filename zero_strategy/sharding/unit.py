@@ -437,7 +437,8 @@ class UnitStorage:
             # each parameter's placeholder is made once and reused: a reshard launches no kernel
             ph = self._placeholders.get(i)
             if ph is None or ph.shape != f.shape or ph.dtype != f.dtype or ph.device != f.device:
-                ph = self._placeholders[i] = placeholder(f.shape, f.dtype, f.device)  # a compact placement's shape
+                with torch.inference_mode(False):  # cached: a later write outside inference mode is named
+                    ph = self._placeholders[i] = placeholder(f.shape, f.dtype, f.device)  # a compact placement's
             p.data = ph
             f.untyped_storage().resize_(0)
         self._to(ShardedState.SHARDED, "reshard")
