@@ -16,10 +16,16 @@ import pytest
 def _prepared(stage: int, two: bool):
     import torch
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
     from accelerate_zero import ZeroPlugin
 
+    # Accelerate's state is shared by the process: an earlier test's mixed_precision="bf16" would
+    # carry over (and with it the bound forward this test leaves out)
+    AcceleratorState._reset_state(True)
     acc = Accelerator(cpu=True)
+    if acc.mixed_precision != "no":
+        raise AssertionError(f"the Accelerator kept mixed_precision={acc.mixed_precision!r} from an earlier test")
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"g": torch.nn.Linear(8, 8), "d": torch.nn.Linear(8, 1)})
     opts = [torch.optim.AdamW(model[k].parameters(), lr=1e-2) for k in ("g", "d")] if two else [
