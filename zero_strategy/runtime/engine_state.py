@@ -51,6 +51,11 @@ class WholeModelState:
     scaler: LossScaler
 
     @property
+    def has_model(self) -> bool:
+        """Whether the model is still alive (held weakly: see :attr:`module`)."""
+        return self._module_ref() is not None
+
+    @property
     def module(self) -> nn.Module:
         """The model, held weakly: it owns the engine, not the other way round."""
         module = self._module_ref()

@@ -78,6 +78,9 @@ class _Engine(Protocol):
     @property
     def module(self) -> nn.Module: ...
 
+    @property
+    def has_model(self) -> bool: ...
+
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, optimizer: torch.optim.Optimizer | None = None
     ) -> torch.Tensor: ...
@@ -98,7 +101,9 @@ class LiveEngines(Generic[E]):
         self._replacements: dict[tuple[types.ModuleType, str], Callable[..., Any]] = {}
 
     def __iter__(self) -> Iterator[E]:
-        return iter(list(self._engines))
+        """The engines whose model is alive (an engine a caller still holds after its model was
+        dropped serves no model: it is neither counted nor asked)."""
+        return iter([e for e in list(self._engines) if e.has_model])
 
     def add(self, engine: E) -> None:
         self._engines.add(engine)
