@@ -11,8 +11,11 @@ and the engine keeps them alive, and the check names what survived. Used at worl
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
+import sys
+import types
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,7 +34,10 @@ from zero_strategy.storage.host_memory import rss_anon
 # model being built among them, until the cyclic collector runs: once per process, and torch's,
 # not the engine's. Imported here, before any check.
 
-__all__ = ["CELLS", "Cell", "check_freed", "collector_off", "flat_memory", "left_to_the_collector", "still_alive"]
+__all__ = [
+    "CELLS", "Cell", "check_freed", "collector_off", "cycle_through", "flat_memory", "left_to_the_collector",
+    "still_alive",
+]  # fmt: skip
 
 D = 16
 
@@ -161,10 +167,38 @@ def left_to_the_collector() -> dict[str, int]:
     counts: dict[str, int] = {}
     for obj in found:
         kind = type(obj)
+        if kind in weakref.ProxyTypes:
+            continue  # a weak proxy (Lightning's): touching it may raise once its object is gone
         ours = isinstance(obj, (torch.Tensor, nn.Module, torch.optim.Optimizer))
         if ours or (kind.__module__ or "").startswith("zero_strategy"):
             counts[kind.__name__] = counts.get(kind.__name__, 0) + 1
     return counts
+
+
+def cycle_through(obj: Any, *, limit: int = 200_000) -> list[str] | None:
+    """A chain of strong references that leaves ``obj`` and comes back to it (the type names
+    along it), None if there is none within ``limit`` objects: ``obj`` would be freed by
+    reference counting once the outside lets it go. Classes, modules and module namespaces are
+    not walked (they live for the process, and through them everything reaches everything)."""
+    skip = {id(vars(m)) for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)}
+    parent: dict[int, Any] = {id(obj): None}
+    queue = collections.deque([obj])
+    while queue and len(parent) < limit:
+        cur = queue.popleft()
+        for ref in gc.get_referents(cur):
+            if ref is obj:
+                chain, node = [], cur
+                while node is not None:
+                    chain.append(type(node).__name__)
+                    node = parent[id(node)]
+                return [*reversed(chain), type(obj).__name__]
+            if id(ref) in parent or id(ref) in skip or isinstance(ref, (type, types.ModuleType)):
+                continue
+            if not gc.is_tracked(ref):
+                continue  # an atom (a number, a string): it refers to nothing
+            parent[id(ref)] = cur
+            queue.append(ref)
+    return None
 
 
 def still_alive(refs: dict[str, weakref.ref[Any]]) -> list[str]:
