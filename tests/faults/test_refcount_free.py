@@ -65,14 +65,11 @@ def test_an_optimizer_whose_engine_went_names_the_fix() -> None:
 
 def test_cycle_through_finds_a_cycle_and_only_a_cycle() -> None:
     """The Lightning test's check (``cycle_through``): a list that holds itself through a dict is
-    found with its chain; a live engine, held by its model, is in none."""
-    import zero_strategy as zs
+    found with its chain; nested containers without a way back are not. (No engine here: an
+    initialize in this process would leave its process group to the tests after it.)"""
     from zero_strategy.testing.refcount import cycle_through
 
     a: list = []
     a.append({"back": a})
     assert cycle_through(a) == ["list", "dict", "list"]
     assert cycle_through([[1], {"x": 2}]) is None
-    model, opt = zs.initialize(torch.nn.Linear(4, 4), lambda p: torch.optim.SGD(p, lr=0.1), stage=3)
-    assert cycle_through(model.zero_engine) is None and cycle_through(opt) is None
-    assert cycle_through(model) is None  # the engine refers to it weakly
