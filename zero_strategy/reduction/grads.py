@@ -313,11 +313,8 @@ class GradReducer:
         if f.rows is not None:  # the selected rows; the others stay (or become) zeros
             f.rows.add_into(g.layout, g.grad_shard, out, self.ctx.rank, fresh=not g.grad_valid)
             g.grad_valid = True
-        elif g.grad_valid:
-            g.grad_shard.add_(out)
         else:
-            g.grad_shard.copy_(out)
-            g.grad_valid = True
+            self._into_shard(g, out, 1.0)  # scaled already
         self.ctx.pool.put(scratch)
 
     def _into_shard(self, g: ShardGroup, reduced: torch.Tensor, factor: float) -> None:
