@@ -62,3 +62,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if item.get_closest_marker("gpu") is not None:
         return
     _fail_skipped_report(report)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group() -> Generator[None, None, None]:
+    """A test that leaves a default process group in the pytest process errors at teardown, and
+    the group is destroyed there, so the tests after it (which initialise their own) are not
+    failed by it with 'trying to initialize the default process group twice'."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(
+            "this test left a default process group in the pytest process: destroy it in the "
+            "test (or run the engine through the launcher) so later tests can initialise theirs",
+            pytrace=False,
+        )
