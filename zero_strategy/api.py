@@ -86,7 +86,11 @@ def initialize(
         from zero_strategy.config import resolve_overrides
 
         cfg = resolve_overrides(cfg, source="initialize() keyword arguments", **overrides)
-    cfg, process_group, layout = take_mesh(mesh, cfg, process_group, "initialize(mesh=...)")
+    rows, process_group, layout = take_mesh(mesh, process_group, "initialize(mesh=...)")
+    if rows is not None:
+        from zero_strategy.config import resolve_overrides
+
+        cfg = resolve_overrides(cfg, source=f"initialize(mesh=...)'s mesh {rows}", shard_size=len(rows[0]))
     with outside_sharded_init():  # called inside a sharded_init block: take the pieces as they are
         return _initialize(model, optimizer, cfg, process_group, policy, layout)
 

@@ -5,7 +5,9 @@ function or under ``if TYPE_CHECKING:`` counts as much as one at the top of a mo
 - the core's packages are layers (``LAYERS``, bottom first): a module imports only its own
   package and the layers below it, never a layer above or a sibling in its own layer;
 - the core never imports a front-end framework, and imports with torch alone;
-- ``collectives.py`` is the only core module that calls ``torch.distributed``'s collectives.
+- ``collectives.py`` is the only core module that calls ``torch.distributed``'s collectives;
+- below the composition root (``runtime/compose.py`` and the engine it builds), no module
+  imports or names ``ZeroConfig``: each layer receives its own small policy.
 """
 
 from __future__ import annotations
@@ -175,6 +177,60 @@ def test_the_detector_sees_local_and_type_checking_imports(tmp_path: Path) -> No
     known = {"pkg.a": a, "pkg.b": b}
     graph = {m: _imports(m, p, known) for m, p in known.items()}
     assert _cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+# The composition root: the runtime modules that read the user's config (every layer from
+# ``config`` up to ``runtime`` below them receives a policy instead).
+ROOT_MODULES = {"zero_strategy.runtime.compose", "zero_strategy.runtime.engine"}
+BELOW_ROOT = ("comm", "storage", "sharding", "reduction", "offload", "runtime")
+
+
+def _names_config(path: Path) -> bool:
+    """Whether the source imports or names ``ZeroConfig`` (anywhere: functions, TYPE_CHECKING)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "ZeroConfig" for a in node.names):
+            return True
+        if isinstance(node, ast.Name) and node.id == "ZeroConfig":
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "ZeroConfig":
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value == "ZeroConfig":
+            return True  # a string annotation
+    return False
+
+
+def _config_readers(known: dict[str, Path]) -> list[str]:
+    return sorted(
+        m for m, p in known.items() if _layer_of(m)[1] in BELOW_ROOT and m not in ROOT_MODULES and _names_config(p)
+    )
+
+
+def test_below_the_composition_root_no_module_reads_the_config() -> None:
+    """Issue 48: each layer takes its own policy (comm/policy.py, storage/offload.py,
+    sharding/gather_policy.py, reduction/policy.py, sharding/precision.py, runtime/shard_groups.py),
+    built by the composition root, never the whole ``ZeroConfig``."""
+    readers = _config_readers(_modules("zero_strategy"))
+    assert readers == [], f"these modules import or name ZeroConfig below the composition root: {readers}"
+
+
+def test_the_config_reader_check_sees_a_hidden_import(tmp_path: Path) -> None:
+    hidden = tmp_path / "hidden.py"
+    hidden.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from zero_strategy.config import ZeroConfig\n"
+    )
+    quoted = tmp_path / "quoted.py"
+    quoted.write_text("def f(c: 'ZeroConfig') -> None: ...\n")
+    clean = tmp_path / "clean.py"
+    clean.write_text(
+        '"""Built from ZeroConfig by the root."""\nfrom zero_strategy.config.comm import CompressionConfig\n'
+    )
+    known = {
+        "zero_strategy.storage.hidden": hidden,
+        "zero_strategy.sharding.quoted": quoted,
+        "zero_strategy.runtime.compose": hidden,
+        "zero_strategy.reduction.clean": clean,
+    }
+    assert _config_readers(known) == ["zero_strategy.sharding.quoted", "zero_strategy.storage.hidden"]
 
 
 def test_core_imports_no_frontend_and_distributed_calls_stay_in_collectives() -> None:

@@ -68,12 +68,12 @@ def test_node_shard_size_from_the_launcher(
     world = _fake_world(monkeypatch, every)
     cfg = zs.ZeroConfig(shard_size="node")
     if reason is None:
-        assert shard_layout.resolve_shard_size(world, cfg) == every[0][0]
+        assert shard_layout.resolve_shard_size(world, cfg.shard_size) == every[0][0]
         return
     with pytest.warns(UserWarning, match=r"shard_size='node': .*sharding over all 4 ranks \(flat\)") as record:
-        assert shard_layout.resolve_shard_size(world, cfg) is None
+        assert shard_layout.resolve_shard_size(world, cfg.shard_size) is None
     assert reason in str(record[0].message)
-    assert shard_layout.resolve_shard_size(world, zs.ZeroConfig(shard_size=2)) == 2  # a number: as given
+    assert shard_layout.resolve_shard_size(world, zs.ZeroConfig(shard_size=2).shard_size) == 2  # a number: as given
 
 
 def test_mesh_reaches_the_engine_and_is_checked(one_rank: None) -> None:

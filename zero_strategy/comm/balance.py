@@ -33,7 +33,6 @@ from collections.abc import Callable
 import torch
 
 from zero_strategy.comm import collectives as C
-from zero_strategy.config import ZeroConfig
 from zero_strategy.config.comm import LoadBalanceConfig
 
 __all__ = ["check_load_balance", "measure_speed", "shard_fractions"]
@@ -41,12 +40,11 @@ __all__ = ["check_load_balance", "measure_speed", "shard_fractions"]
 _SECONDS = 0.02  # per trial of a micro-benchmark (three trials each)
 
 
-def check_load_balance(config: ZeroConfig, world_size: int, *, built_sharded: bool) -> None:
-    """Refuse what cannot be balanced (before the engine changes anything): the config's own
-    rules with the world size (``ZeroConfig.conflicts``: scores per rank, NVMe at stage 3),
-    and ``built_sharded``: some parameter was built under ``sharded_init``."""
-    config.check(world_size, caller="initialize()")
-    if not config.load_balance.enabled or config.stage != 3:
+def check_load_balance(config: LoadBalanceConfig, stage: int, *, built_sharded: bool) -> None:
+    """Refuse what cannot be balanced (before the engine changes anything; the config's own
+    rules with the world size, ``ZeroConfig.conflicts``, ran first): ``built_sharded``, some
+    parameter was built under ``sharded_init`` at ``stage`` 3."""
+    if not config.enabled or stage != 3:
         return
     if built_sharded:
         raise ValueError(

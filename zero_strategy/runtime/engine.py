@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -48,8 +47,8 @@ from torch.utils._pytree import tree_flatten
 from zero_strategy._swap import unswap_class
 from zero_strategy._weak import weak_method
 from zero_strategy.comm import collectives as C
-from zero_strategy.comm.balance import check_load_balance, shard_fractions
-from zero_strategy.config import ZeroConfig, warn_not_applied
+from zero_strategy.comm.balance import shard_fractions
+from zero_strategy.config import ZeroConfig
 from zero_strategy.offload.disk_tier import DiskTier
 from zero_strategy.offload.host_step import HostStep
 from zero_strategy.offload.swapped_state import SwappedOptimizerState
@@ -62,21 +61,20 @@ from zero_strategy.reduction.grads import (
     ReduceAtUnitEnd,
     ReduceInBackward,
 )
-from zero_strategy.reduction.quantized import grad_codec
 from zero_strategy.runtime.budget import Budget
 from zero_strategy.runtime.compile_support import eager
+from zero_strategy.runtime.compose import make_scaler, resolve_policies, shard_group_contexts, world_context
 from zero_strategy.runtime.compressed_adam import adam_direction
 from zero_strategy.runtime.engine_state import WholeModelState
 from zero_strategy.runtime.optimizer_set import OptimizerSet, key
 from zero_strategy.runtime.placement import resolve_ratios
-from zero_strategy.runtime.shard_groups import refuse_experts, refuse_modifier_rank, shard_contexts
+from zero_strategy.runtime.shard_groups import refuse_experts, refuse_modifier_rank
 from zero_strategy.runtime.torch_clipping import LiveEngines
 from zero_strategy.runtime.whole_params import WholeParams
 from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
 from zero_strategy.runtime.zero3_hooks import Zero3Hooks, refuse_load_state_dict, refuse_sharded_state_dict
 from zero_strategy.sharding.construction import materialize_full
 from zero_strategy.sharding.expert_owners import unit_cuts
-from zero_strategy.sharding.gather_codec import gather_codec
 from zero_strategy.sharding.group import (
     GroupSpec,
     InPlaceMasters,
@@ -88,14 +86,9 @@ from zero_strategy.sharding.group import (
 from zero_strategy.sharding.members import unit_members
 from zero_strategy.sharding.partition import UnitPolicy, find_units
 from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, sharded_init_piece
-from zero_strategy.sharding.precision import select_precision, select_scaler
 from zero_strategy.sharding.replicated import ReplicatedParams
-from zero_strategy.sharding.secondary import SecondaryShards, secondary_context
-from zero_strategy.sharding.setup_checks import (
-    agree_on_setup,
-    check_params,
-    refuse_norm_layers_with_running_stats,
-)
+from zero_strategy.sharding.secondary import SecondaryShards
+from zero_strategy.sharding.setup_checks import refuse_norm_layers_with_running_stats
 from zero_strategy.sharding.states import (
     GRAD_TRANSITIONS,
     TRAINING_TRANSITIONS,
@@ -105,7 +98,7 @@ from zero_strategy.sharding.states import (
 )
 from zero_strategy.sharding.unit import ParamStorage, ShardedParams
 from zero_strategy.storage.host_memory import HostPeak
-from zero_strategy.storage.offload import OffloadPolicy, optimizer_offload, param_offload
+from zero_strategy.storage.offload import OffloadPolicy
 
 __all__ = ["GradState", "TrainingState", "ZeroEngine", "live_engines"]
 
@@ -126,27 +119,46 @@ class ZeroEngine(WholeModelState):
 
     def __init__(self, module: nn.Module, config: ZeroConfig, process_group: Any = None,
                  policy: UnitPolicy = None, mesh: Any = None) -> None:  # fmt: skip
-        warn_not_applied(config)  # once per setting and job
-        # where the optimizer's side and ZeRO-3's rows live (bad offload settings fail here, before any change)
-        config.check(caller="initialize()")  # every conflict of the resolved config (ZeroConfig.conflicts)
-        self.offload_optimizer, self.offload_params = optimizer_offload(config), param_offload(config)
-        self._module_ref = weakref.ref(module)  # the model owns the engine (module docstring)
+        """A few named steps (``compose.py``): the config is read once, into each layer's policy;
+        every step below receives policies, and its result becomes a field."""
         self.config = config
-        first = next(module.parameters(), None)
-        # the whole group; after the setup agreement self.ctx becomes the shard group's (shard_groups.py)
-        self.world = self.ctx = C.make_context(
-            process_group,
-            config.comm_timeout,
-            config.collective_impl,
-            device=first.device if first is not None else None,
-        )
-        built_sharded = any(sharded_init_piece(p) is not None for p in module.parameters())
-        check_load_balance(config, self.ctx.world_size, built_sharded=built_sharded)
-        # swap directories: an unusable nvme_path fails here, before any change
+        self.policies = p = resolve_policies(config)  # checks the config, before any change
+        self.offload_optimizer, self.offload_params = p.storage.optimizer, p.storage.params
+        self._module_ref = weakref.ref(module)  # the model owns the engine (module docstring)
+        named = list(module.named_parameters(remove_duplicate=True))
+        self._names = {id(q): n for n, q in named}
+        built_sharded = any(sharded_init_piece(q) is not None for _, q in named)
+        # 1. the whole group's context; self.ctx becomes the shard group's in step 4
+        self.world = self.ctx = world_context(module, p, process_group, built_sharded=built_sharded, config=config)
+        # 2. storage: swap directories (an unusable nvme_path fails here, before any change)
         self.disk = DiskTier(self.offload_optimizer, self.offload_params, self.ctx)
         weakref.finalize(self, self.disk.close)  # a dropped engine takes its I/O threads and files along
-        self.precision = select_precision(config.precision)
-        self.scaler = select_scaler(config.loss_scale, self.precision, explicit=config.explicitly_set("loss_scale"))
+        # 3. precision, and the engine's own state
+        self.precision, self.scaler = p.precision, make_scaler(p)
+        self._init_state()
+        # 4. every rank's agreement, then the shard, replica and hpZ groups
+        owned = {pid: type(e.module).__name__ for e in list(_LIVE) for pid in e._names}
+        groups = shard_group_contexts(self.world, p, named, owned, built_sharded=built_sharded, mesh=mesh)
+        self.ctx, self.replica = groups.shard, groups.replica
+        # 5. parameters and units: the storage, the shard groups, the masters
+        self._build(named, policy)
+        refuse_experts(self.replica, self.groups)
+        self._master: dict[int, torch.Tensor] = {id(q): m for g in self.groups for q, m in zip(g.params, g.masters)}
+        # 6. the gradient reducer, and the owners of whole-stepped parameters (Muon)
+        self.reducer = self._make_reducer()
+        self.whole = WholeParams(self.ctx, self.reducer.locate, self._names)  # Muon & co (whole_params.py)
+        # 7. ZeRO-3's scheduler and memory budget
+        self.budget: Budget | None = None  # the memory budget's tiers (budget.py), ZeRO-3 only
+        self.zero3: UnitScheduler | None = None
+        self.zero3 = self._make_zero3(groups.secondary) if isinstance(self.params, ShardedParams) else None
+        # 8. hooks
+        self.host_step = HostStep.build(getattr(self, "params", None), self.ctx.device)  # None: nothing to overlap
+        self.schedule: GradSchedule = self._schedule_for(())
+        self._install_hooks()
+        _LIVE.add(self)
+        self.init_peak.mark()
+
+    def _init_state(self) -> None:
         self.opts = OptimizerSet((), {})
         self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         # optimizer.step() calls in progress: torch fires the step hooks again when a subclass's step
@@ -172,89 +184,65 @@ class ZeroEngine(WholeModelState):
         self._hooks: list[Any] = []
         self._schedule_hooks: list[Any] = []
         self._on_destroy: list[Callable[[], None]] = []
-        if config.gradient_accumulation_steps not in (None, 1):
-            warnings.warn(
-                f"gradient_accumulation_steps={config.gradient_accumulation_steps} is read by the Lightning and "
-                "Accelerate front-ends; the core API neither scales the loss nor skips steps for it. In a plain "
-                "loop, divide the loss by the number of micro-steps and use model.no_sync().",
-                UserWarning,
-                stacklevel=3,
-            )
-
         self.init_peak = HostPeak()  # the host memory initialize takes (memory_stats' initialize_host_peak)
         self.phase_offloaded: Any = None  # offload_states / reload_states (phase_offload.py)
-        named = list(module.named_parameters(remove_duplicate=True))
-        self._names = {id(p): n for n, p in named}
-        owned = {pid: type(e.module).__name__ for e in list(_LIVE) for pid in e._names}
-        check_params(named, self.ctx, owned)
-        agree_on_setup(self.ctx, config, named)
-        self.ctx, self.replica = shard_contexts(self.world, config, built_sharded=built_sharded, mesh=mesh)
-        hpz = secondary_context(self.ctx, config)  # hpZ's k-rank group (secondary.py); None: off
-        self._build(named, policy)
-        refuse_experts(self.replica, self.groups)
-        self._master: dict[int, torch.Tensor] = {}
-        for g in self.groups:
-            for p, m in zip(g.params, g.masters):
-                self._master[id(p)] = m
-        world, scaler = self.world, self.scaler  # the reducer's callables hold no engine (module docstring)
-        self.reducer = GradReducer(
+
+    def _make_reducer(self) -> GradReducer:
+        world, scaler, reduce = self.world, self.scaler, self.policies.reduce  # no engine in the callables
+        return GradReducer(
             self.groups,
             self.ctx,
-            max_in_flight=2 if config.overlap_comm else 0,
+            max_in_flight=reduce.max_in_flight,
             grad_factor=lambda: 1.0 / (world.world_size * scaler.scale),
             replica=self.replica,
             world=self.world,
             describe_step=weak_method(self._step_label, default="after the engine was dropped"),
             compression=build_compression(
-                config.compression, self.groups, self.ctx, steps=weak_method(self.steps_done, default=0)
+                reduce.compression, self.groups, self.ctx, steps=weak_method(self.steps_done, default=0)
             ),
-            codec=grad_codec(config.zero_quantized_gradients),
+            codec=reduce.codec(),
         )
-        self.whole = WholeParams(self.ctx, self.reducer.locate, self._names)  # Muon & co (whole_params.py)
-        self.budget: Budget | None = None  # the memory budget's tiers (budget.py), ZeRO-3 only
-        if isinstance(self.params, ShardedParams):
-            self.budget = Budget(config.memory, self.ctx, self.params) if config.memory.enabled else None
-            if self.budget is not None:
-                self.budget.others = weak_method(self._other_engines_bytes, default=0)
-            self.params.use_secondary(SecondaryShards(hpz) if hpz is not None else None)
-            settings = Zero3Settings(
-                prefetch=config.prefetch,
-                prefetch_bucket_size=config.stage3_prefetch_bucket_size,
-                max_live_parameters=config.stage3_max_live_parameters,
-                max_reuse_distance=config.stage3_max_reuse_distance,
-                check_unit_order=config.check_unit_order,
-                defer_checks=config.gather_checks == "deferred"
-                or (config.gather_checks == "auto" and self.ctx.device.type != "cpu"),
-                cache=self.budget.cache if self.budget is not None else None,
-                moe_full_share=config.moe_full_gather_share,
-                moe_expert_cache=config.moe_expert_cache,
-                moe_compact=config.moe_compact_gather,
-            )
-            self.zero3 = UnitScheduler(self.params, self._plan, self.reducer, settings)
-            self.params.refresh_persistent("initialize")  # never partitioned for their readers
-            if self.budget is not None:  # does the model fit? (raises with each tier's bytes)
-                caches = sum(x.cache is not None for x in self.zero3.experts.values())
-                self.budget.reserve_expert_caches(config.moe_expert_cache, caches)  # from the cache tier
-                self.budget.check(self.memory_stats(), self.zero3.cache, when="at initialize")
-            self.reducer.deferred_check = self.params.checks  # read with the gradient flags
-        else:
-            self.zero3 = None
-        self.host_step = HostStep.build(getattr(self, "params", None), self.ctx.device)  # None: nothing to overlap
-        self.schedule: GradSchedule = self._schedule_for(())
-        self._install_hooks()
-        _LIVE.add(self)
-        self.init_peak.mark()
+
+    def _make_zero3(self, hpz: C.CommContext | None) -> UnitScheduler:
+        """ZeRO-3's unit scheduler from the gather policy, after the memory budget (if any)."""
+        params, gather, memory = self.params, self.policies.gather, self.policies.memory
+        if not isinstance(params, ShardedParams):
+            raise TypeError("_make_zero3: ZeRO-3's unit storage expected")  # the caller checks the stage
+        self.budget = Budget(memory, self.ctx, params) if memory.enabled else None
+        if self.budget is not None:
+            self.budget.others = weak_method(self._other_engines_bytes, default=0)
+        params.use_secondary(SecondaryShards(hpz) if hpz is not None else None)
+        settings = Zero3Settings(
+            prefetch=gather.prefetch,
+            prefetch_bucket_size=gather.prefetch_bucket_size,
+            max_live_parameters=gather.max_live_parameters,
+            max_reuse_distance=gather.max_reuse_distance,
+            check_unit_order=gather.check_unit_order,
+            defer_checks=gather.defer_checks(self.ctx.device),
+            cache=self.budget.cache if self.budget is not None else None,
+            moe_full_share=gather.moe_full_share,
+            moe_expert_cache=gather.moe_expert_cache,
+            moe_compact=gather.moe_compact,
+        )
+        self.zero3 = zero3 = UnitScheduler(params, self._plan, self.reducer, settings)  # memory_stats reads it
+        params.refresh_persistent("initialize")  # never partitioned for their readers
+        if self.budget is not None:  # does the model fit? (raises with each tier's bytes)
+            caches = sum(x.cache is not None for x in zero3.experts.values())
+            self.budget.reserve_expert_caches(gather.moe_expert_cache, caches)  # from the cache tier
+            self.budget.check(self.memory_stats(), zero3.cache, when="at initialize")
+        self.reducer.deferred_check = params.checks  # read with the gradient flags
+        return zero3
 
     def _build(self, named: list[tuple[str, nn.Parameter]], policy: UnitPolicy) -> None:
         """The parameter storage and the shard groups: at ZeRO-3 each unit's rows hold this
         rank's pieces and the masters are views of them; at ZeRO-1/2 the groups are size buckets
         and the masters are views of the parameters (or fp32 copies for 16-bit parameters)."""
-        config, module = self.config, self.module
+        module, policies = self.module, self.policies
         built_sharded = [p for _, p in named if sharded_init_piece(p) is not None]
         for n, p in named:
             if sharded_init_piece(p) is not None:
                 check_placeholder(p.data, n)
-        if config.stage != 3:  # ZeRO-1/2 keep full parameters: gather what sharded_init cut
+        if policies.stage != 3:  # ZeRO-1/2 keep full parameters: gather what sharded_init cut
             for p in built_sharded:
                 materialize_full(p)
 
@@ -268,25 +256,26 @@ class ZeroEngine(WholeModelState):
             )
 
         peak = self.init_peak
-        sync([] if config.stage == 3 else [p for _, p in named], list(module.buffers()))
+        sync([] if policies.stage == 3 else [p for _, p in named], list(module.buffers()))
         if self.precision.low_params:
-            refuse_norm_layers_with_running_stats(module, config)
-        fractions = shard_fractions(config.load_balance, self.ctx)  # None: even shards
-        if config.stage == 3:
+            refuse_norm_layers_with_running_stats(module, self.precision.param_dtype)
+        fractions = shard_fractions(policies.load_balance, self.ctx)  # None: even shards
+        if policies.stage == 3:
             self._plan = find_units(module, policy)
             # with a budget, persistent units are chosen by the budget (budget.py) once the state exists
-            threshold = -1 if config.memory.enabled else config.stage3_param_persistence_threshold
+            threshold = -1 if policies.memory.enabled else policies.gather.persistence_threshold
             # found once: ratio auto (the smallest offload that fits) and the unit storage
             members = unit_members(module, self._plan.storage_units(), named)
-            cuts = unit_cuts(self._plan.experts, config.moe_expert_layout, self.ctx.world_size, fractions)
-            self.offload_optimizer, self.offload_params = resolve_ratios(
-                config, members, self.precision, self.ctx, fractions, self.offload_optimizer, self.offload_params, cuts
+            cuts = unit_cuts(self._plan.experts, policies.gather.moe_expert_layout, self.ctx.world_size, fractions)
+            storage_policy = resolve_ratios(
+                policies.storage, policies.memory, members, self.precision, self.ctx, fractions, cuts
             )
+            self.offload_optimizer, self.offload_params = storage_policy.optimizer, storage_policy.params
             storage = ShardedParams(
                 members, named, self.ctx, self.precision, threshold,
                 offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
                 row_swap=self.disk.row_swap, fractions=fractions, unit_cuts=cuts, sync=sync, peak=peak,
-                codec=gather_codec(config),
+                codec=policies.gather.codec,
             )  # fmt: skip
             self.params, self.groups = storage, storage.groups
             forget_pieces(built_sharded)  # their pieces live in the unit rows now
@@ -302,9 +291,7 @@ class ZeroEngine(WholeModelState):
             fractions=fractions,
         )
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        bucket = bucket_numel(
-            min(config.reduce_bucket_size, config.allgather_bucket_size), sum(p.numel() for _, p in trainable)
-        )
+        bucket = bucket_numel(policies.bucket_size, sum(p.numel() for _, p in trainable))
         self.groups = build_groups(list(reversed(trainable)), spec, bucket_numel=bucket)
         with torch.no_grad():  # 16-bit parameters, after the fp32 masters were taken from them
             for _, p in named:
@@ -314,16 +301,16 @@ class ZeroEngine(WholeModelState):
                     p.data = p.data.to(target)
                     peak.released(held)  # the original's pages go back as the 16-bit copies come
         self.params = ReplicatedParams(
-            self.ctx, self.groups, [p for _, p in named], max_in_flight=2 if config.overlap_comm else 0
+            self.ctx, self.groups, [p for _, p in named], max_in_flight=policies.reduce.max_in_flight
         )
         peak.mark()  # the masters of 16-bit parameters and offloaded groups exist now
 
     def _schedule_for(self, optimizers: Sequence[torch.optim.Optimizer]) -> GradSchedule:
-        if self.config.stage == 3:
+        if self.policies.stage == 3:
             return ReduceAtUnitEnd()
         if not optimizers:  # model-only ZeRO-1/2: DDP's full averaged gradients in p.grad
             return AllReduceAtEnd()
-        return ReduceAtStep() if self.config.stage == 1 else ReduceInBackward()
+        return ReduceAtStep() if self.policies.stage == 1 else ReduceInBackward()
 
     def set_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Bind (or, with none, drop) the optimizers whose masters this engine feeds (several:
@@ -578,7 +565,7 @@ class ZeroEngine(WholeModelState):
     ) -> torch.Tensor:
         """Clip by the global norm over all ranks' shards: of ``optimizer``'s parameters when
         several optimizers are bound, else of the whole model. Returns that norm."""
-        cfg_clip = self.config.gradient_clipping
+        cfg_clip = self.policies.clipping
         if not _from_config and cfg_clip is not None and float(max_norm) != float(cfg_clip):
             raise ValueError(
                 f"clip_grad_norm_(max_norm={max_norm}) conflicts with gradient_clipping={cfg_clip} from the "
@@ -607,8 +594,8 @@ class ZeroEngine(WholeModelState):
         self.params.fence_rows()  # the step writes host rows that a gather's copy may still read (uploads.py)
         scope = self.opts.scope(optimizer)
         clipped = 0 in self._clipped or (scope is not None and key(optimizer) in self._clipped)
-        if self.config.gradient_clipping is not None and not clipped:
-            self.clip_grad_norm_(self.config.gradient_clipping, optimizer=optimizer, _from_config=True)
+        if self.policies.clipping is not None and not clipped:
+            self.clip_grad_norm_(self.policies.clipping, optimizer=optimizer, _from_config=True)
         if self._skip_step:
             self.reducer.drop_master_grads()
             return

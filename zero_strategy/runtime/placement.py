@@ -31,12 +31,11 @@ import torch
 from torch import nn
 
 from zero_strategy.comm import collectives as C
-from zero_strategy.config import ZeroConfig
-from zero_strategy.config.memory import format_bytes
+from zero_strategy.config.memory import MemoryConfig, format_bytes
 from zero_strategy.runtime.budget import device_total
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.precision import Precision
-from zero_strategy.storage.offload import OffloadPolicy, OnHost
+from zero_strategy.storage.offload import OffloadPolicy, OnHost, StoragePolicy
 
 __all__ = ["UnitBytes", "auto_offload", "resolve_ratios", "unit_bytes"]
 
@@ -140,15 +139,18 @@ def auto_offload(
 
 
 def resolve_ratios(
-    config: ZeroConfig, members: Sequence[tuple[str, Sequence[tuple[str, nn.Parameter]]]], precision: Precision,
-    ctx: C.CommContext, fractions: tuple[float, ...] | None, optimizer: OffloadPolicy, param: OffloadPolicy,
+    storage: StoragePolicy, memory: MemoryConfig, members: Sequence[tuple[str, Sequence[tuple[str, nn.Parameter]]]],
+    precision: Precision, ctx: C.CommContext, fractions: tuple[float, ...] | None,
     cuts: Mapping[str, tuple[int, ...]] | None = None,
-) -> tuple[OffloadPolicy, OffloadPolicy]:  # fmt: skip
-    """The offload policies, with any ``ratio: auto`` resolved (``members``: ``unit_members``;
-    ``cuts``: the expert owners' boundaries by unit label)."""
-    opt_auto, param_auto = config.offload_optimizer.ratio == "auto", config.offload_param.ratio == "auto"
-    if not (opt_auto or param_auto):
-        return optimizer, param
-    room = config.memory.resolve(device_total(ctx.device)).persistent
+) -> StoragePolicy:  # fmt: skip
+    """The storage policy with any ``ratio: auto`` resolved against the persistent tier of the
+    ``memory`` budget (``members``: ``unit_members``; ``cuts``: the expert owners' boundaries by
+    unit label)."""
+    if not (storage.auto_optimizer or storage.auto_params):
+        return storage
+    room = memory.resolve(device_total(ctx.device)).persistent
     units = unit_bytes(members, precision, ctx, fractions, cuts)
-    return auto_offload(units, optimizer, param, opt_auto, param_auto, room, ctx)
+    optimizer, param = auto_offload(
+        units, storage.optimizer, storage.params, storage.auto_optimizer, storage.auto_params, room, ctx
+    )
+    return StoragePolicy(optimizer, param)

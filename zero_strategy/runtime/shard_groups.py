@@ -27,21 +27,56 @@ the price is memory: model state per rank is ``1/s`` instead of ``1/N``.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from zero_strategy.comm import collectives as C
-from zero_strategy.config import ZeroConfig
+from zero_strategy.comm.policy import CommPolicy
+from zero_strategy.config.blocks import OffloadConfig
+from zero_strategy.config.comm import CompressionConfig, LoadBalanceConfig
+from zero_strategy.config.memory import MemoryConfig
 from zero_strategy.runtime.shard_layout import MeshLayout, mesh_groups_over, resolve_shard_size
 
-__all__ = ["refuse_modifier_rank", "shard_contexts", "valid_shard_sizes"]
+__all__ = [
+    "ShardGroupPolicy", "ShardGroupSettings", "refuse_modifier_rank", "shard_contexts", "shard_group_policy",
+    "valid_shard_sizes",
+]  # fmt: skip
 
 
 def valid_shard_sizes(world_size: int) -> list[int]:
     return [d for d in range(1, world_size + 1) if world_size % d == 0]
 
 
-def _unsupported(config: ZeroConfig, built_sharded: bool) -> list[str]:
-    """Settings that do not work with shard groups yet, each with what to do."""
+class ShardGroupSettings(Protocol):
+    """What :func:`shard_group_policy` reads of a config (``ZeroConfig`` has these)."""
+
+    @property
+    def shard_size(self) -> int | str | None: ...
+    @property
+    def compression(self) -> CompressionConfig: ...
+    @property
+    def load_balance(self) -> LoadBalanceConfig: ...
+    @property
+    def memory(self) -> MemoryConfig: ...
+    @property
+    def offload_optimizer(self) -> OffloadConfig: ...
+    @property
+    def offload_param(self) -> OffloadConfig: ...
+    @property
+    def moe_expert_layout(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ShardGroupPolicy:
+    """``size``: the config's ``shard_size`` (a number, ``"node"``, or None: all ranks);
+    ``unsupported``: the settings that do not work with shard groups yet, each with what to do
+    (refused when the groups are smaller than the world)."""
+
+    size: int | str | None = None
+    unsupported: tuple[str, ...] = ()
+
+
+def shard_group_policy(config: ShardGroupSettings) -> ShardGroupPolicy:
     out = []
     if config.compression.enabled:
         out.append("top-k compression (compression) exchanges sparse pieces over all ranks; remove it")
@@ -53,19 +88,18 @@ def _unsupported(config: ZeroConfig, built_sharded: bool) -> list[str]:
         out.append("offload to nvme keeps swap files per rank of one flat layout; offload to 'cpu' instead")
     if config.moe_expert_layout != "sharded":
         out.append(f"moe_expert_layout={config.moe_expert_layout!r} places experts over all ranks; use 'sharded'")
-    if built_sharded:
-        out.append("a model built with zero_strategy.sharded_init holds pieces cut over all ranks; build it whole")
-    return out
+    return ShardGroupPolicy(config.shard_size, tuple(out))
 
 
 def shard_contexts(
-    world: C.CommContext, config: ZeroConfig, *, built_sharded: bool, mesh: MeshLayout | None = None
-) -> tuple[C.CommContext, C.CommContext]:
-    """The shard group's and the replica group's contexts for ``config.shard_size`` (or a 2-D
+    world: C.CommContext, policy: ShardGroupPolicy, comm: CommPolicy, *, built_sharded: bool,
+    mesh: MeshLayout | None = None,
+) -> tuple[C.CommContext, C.CommContext]:  # fmt: skip
+    """The shard group's and the replica group's contexts for ``policy.size`` (or a 2-D
     ``mesh``'s own groups, runtime/shard_layout.py) over ``world``'s ranks (flat: ``world`` and a
     one-rank context). Collective over ``world`` when the layout is not flat or the size is
     ``"node"``; call it after the setup agreement (every rank has this config)."""
-    size, n = resolve_shard_size(world, config), world.world_size
+    size, n = resolve_shard_size(world, policy.size), world.world_size
     if size is None or size == n:
         return world, C.solo_context(world)
     if n % size:
@@ -74,14 +108,13 @@ def shard_contexts(
             f"initialize(): shard_size={size} does not divide the world size {n}; use one of the valid shard sizes "
             f"at {n} ranks: {sizes} (or None / -1 to shard over all ranks)"
         )
-    problems = _unsupported(config, built_sharded)
+    problems = list(policy.unsupported)
+    if built_sharded:
+        problems.append("a model built with zero_strategy.sharded_init holds pieces cut over all ranks; build it whole")
     if problems:
         raise ValueError(f"initialize(): shard_size={size} does not work yet with: " + "; ".join(problems))
     shard_pg, replica_pg = C.split_groups(world, size) if mesh is None else mesh_groups_over(mesh, world)
-    make = [
-        C.make_context(pg, config.comm_timeout, config.collective_impl, world.device) for pg in (shard_pg, replica_pg)
-    ]
-    return make[0], make[1]
+    return comm.context(shard_pg, world.device), comm.context(replica_pg, world.device)
 
 
 def refuse_experts(replica: C.CommContext, groups: Any) -> None:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from zero_strategy.comm import collectives as C
-from zero_strategy.config import ZeroConfig, resolve_overrides
 from zero_strategy.config.zero_config import NODE_SHARD_SIZE
 
 __all__ = ["MeshLayout", "mesh_shard_size", "resolve_shard_size", "take_mesh"]
@@ -87,18 +86,18 @@ def mesh_shard_size(mesh: Any, call: str) -> int:
     return len(_checked(mesh, call)[1][0])
 
 
-def take_mesh(mesh: Any, cfg: ZeroConfig, process_group: Any, call: str) -> tuple[ZeroConfig, Any, MeshLayout | None]:
-    """``initialize(mesh=...)``: the config with the mesh's shard size, the process group (a 1-D
-    mesh's own group) and, for a 2-D mesh, its layout for :func:`shard_groups.shard_contexts`."""
+def take_mesh(mesh: Any, process_group: Any, call: str) -> tuple[list[list[int]] | None, Any, MeshLayout | None]:
+    """``initialize(mesh=...)``: the mesh's rank rows (their length is the shard size the
+    config takes; None without a mesh), the process group (a 1-D mesh's own group) and, for a
+    2-D mesh, its layout for :func:`shard_groups.shard_contexts`."""
     if mesh is None:
-        return cfg, process_group, None
+        return None, process_group, None
     groups, rows = _checked(mesh, call)
-    cfg = resolve_overrides(cfg, source=f"{call}'s mesh {rows}", shard_size=len(rows[0]))
     if len(groups) == 1:
         if process_group is not None and process_group is not groups[0]:
             raise ValueError(f"{call}: both process_group and a 1-D mesh were given; pass one of them")
-        return cfg, groups[0], None
-    return cfg, process_group, MeshLayout(groups[1], groups[0], tuple(tuple(r) for r in rows))
+        return rows, groups[0], None
+    return rows, process_group, MeshLayout(groups[1], groups[0], tuple(tuple(r) for r in rows))
 
 
 def mesh_groups_over(layout: MeshLayout, world: C.CommContext) -> tuple[Any, Any]:
@@ -116,10 +115,9 @@ def _node_fallback(reason: str, n: int) -> None:
     warnings.warn(f"shard_size='node': {reason}; sharding over all {n} ranks (flat)", UserWarning, stacklevel=4)
 
 
-def resolve_shard_size(world: C.CommContext, config: ZeroConfig) -> int | None:
-    """``config.shard_size`` as a number: ``"node"`` read from the launcher's layout (a
+def resolve_shard_size(world: C.CommContext, size: int | str | None) -> int | None:
+    """The config's ``shard_size`` as a number: ``"node"`` read from the launcher's layout (a
     collective over ``world``; after the setup agreement, so every rank asks), else as given."""
-    size = config.shard_size
     if size != NODE_SHARD_SIZE:
         return size if isinstance(size, int) else None
     n = world.world_size

@@ -24,17 +24,23 @@ from a rounded copy.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from zero_strategy.comm import quantize
 from zero_strategy.sharding.gather_checks import TAG, write_tag
 
-if TYPE_CHECKING:
-    from zero_strategy.config import ZeroConfig
+__all__ = ["Cast", "CodecSettings", "Exact", "GatherCodec", "Int8", "gather_codec"]
 
-__all__ = ["Cast", "Exact", "GatherCodec", "Int8", "gather_codec"]
+
+class CodecSettings(Protocol):
+    """What :func:`gather_codec` reads of a config (``ZeroConfig`` has these)."""
+
+    @property
+    def zero_quantized_weights(self) -> bool: ...
+    @property
+    def gather_dtype(self) -> torch.dtype | None: ...
 
 
 class GatherCodec:
@@ -111,7 +117,7 @@ class Int8(GatherCodec):
 EXACT = Exact()
 
 
-def gather_codec(config: ZeroConfig) -> GatherCodec:
+def gather_codec(config: CodecSettings) -> GatherCodec:
     """The codec of ZeRO-3's forward and backward gathers under ``config`` (its conflicts, such as
     ``gather_dtype`` with 16-bit parameters, are refused by the config itself)."""
     if config.zero_quantized_weights:

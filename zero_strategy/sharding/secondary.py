@@ -49,7 +49,7 @@ import torch
 from zero_strategy.comm import collectives as C
 
 if TYPE_CHECKING:
-    from zero_strategy.config import ZeroConfig
+    from zero_strategy.comm.policy import CommPolicy
 
 __all__ = ["SecondaryShards", "secondary_context"]
 
@@ -63,23 +63,24 @@ class UnitStorage(Protocol):
     def version(self) -> int: ...
 
 
-def secondary_context(ctx: C.CommContext, config: ZeroConfig) -> C.CommContext | None:
-    """This rank's ``k``-group (``config.zero_hpz_partition_size``) inside ``ctx``'s group (the
-    shard group), or None where hpZ changes nothing (``k`` 1, or the group's size, or not at
+def secondary_context(ctx: C.CommContext, k: int, comm: CommPolicy, *, grouped: bool) -> C.CommContext | None:
+    """This rank's ``k``-group (the gather policy's ``hpz_size``, ``zero_hpz_partition_size``)
+    inside ``ctx``'s group (the shard group; ``grouped``: one smaller than the world), or None
+    where hpZ changes nothing (``k`` 1, or the group's size; the config refuses ``k > 1`` below
     stage 3). Refuses a ``k`` that does not divide the group's size, naming the valid sizes.
     Collective over ``ctx``'s group when it makes groups; call it before the model is touched."""
-    k, n = config.zero_hpz_partition_size, ctx.world_size
-    if config.stage != 3 or k == 1 or k == n:
+    n = ctx.world_size
+    if k == 1 or k == n:
         return None
     if n % k:
-        where = f"the shard group's {n} ranks (shard_size={n})" if config.shard_size else f"the world size {n}"
+        where = f"the shard group's {n} ranks (shard_size={n})" if grouped else f"the world size {n}"
         sizes = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
         raise ValueError(
             f"initialize(): zero_hpz_partition_size={k} does not divide {where}; use one of the valid sizes: "
             f"{sizes} (1: off; {n}: the whole group, which keeps no secondary shard)"
         )
     group, _ = C.split_groups(ctx, k)
-    return C.make_context(group, config.comm_timeout, config.collective_impl, ctx.device)
+    return comm.context(group, ctx.device)
 
 
 class SecondaryShards:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import socket
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from zero_strategy.comm import collectives as C
-from zero_strategy.config import ZeroConfig
 from zero_strategy.sharding.pieces import sharded_init_piece
 
 __all__ = ["agree_on_setup", "check_params", "persistent_buffers", "refuse_norm_layers_with_running_stats"]
@@ -51,15 +51,16 @@ def check_params(named: list[tuple[str, nn.Parameter]], ctx: C.CommContext, owne
             )
 
 
-def agree_on_setup(ctx: C.CommContext, config: ZeroConfig, named: list[tuple[str, nn.Parameter]]) -> None:
-    """One small all-gather at initialize: every rank must have the same config and the same
+def agree_on_setup(ctx: C.CommContext, settings: Mapping[str, Any], named: list[tuple[str, nn.Parameter]]) -> None:
+    """One small all-gather at initialize: every rank must have the same config (``settings``:
+    its resolved values, ``ZeroConfig.to_dict()``) and the same
     parameters (names, shapes, dtypes, trainable or not), and on CUDA its own (host, device).
     Otherwise every rank raises, naming the first difference, instead of the engines issuing
     collectives that do not match."""
     if not ctx.distributed:
         return
     desc = {
-        "config": json.dumps(config.to_dict(), sort_keys=True, default=str),
+        "config": json.dumps(dict(settings), sort_keys=True, default=str),
         "params": [
             f"{n} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}{'' if p.requires_grad else ' frozen'}"
             for n, p in named
@@ -102,14 +103,14 @@ def agree_on_setup(ctx: C.CommContext, config: ZeroConfig, named: list[tuple[str
         )
 
 
-def refuse_norm_layers_with_running_stats(module: nn.Module, config: ZeroConfig) -> None:
+def refuse_norm_layers_with_running_stats(module: nn.Module, param_dtype: torch.dtype | None) -> None:
     """16-bit parameters: a BatchNorm's fp32 running statistics next to 16-bit weights fail in
     its kernel (FSDP keeps such modules in fp32; not done here). Mixed precision keeps fp32
     parameters, so BatchNorm is fine there."""
     for name, m in module.named_modules():
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats and m.affine:
             raise ValueError(
-                f"initialize(): precision with 16-bit parameters ({config.precision.param_dtype}) stores them in 16 "
+                f"initialize(): precision with 16-bit parameters ({param_dtype}) stores them in 16 "
                 f"bits, but '{name or type(m).__name__}' ({type(m).__name__}) keeps fp32 running statistics beside "
                 "its weights; use mixed precision instead ('bf16-mixed' / '16-mixed': fp32 parameters under "
                 "autocast), or replace the BatchNorm layers (e.g. GroupNorm/LayerNorm)"

@@ -38,14 +38,17 @@ the offloaded tensors apart (their own storages, counted under ``host_*`` by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from zero_strategy.config import OffloadConfig, ZeroConfig
+    from zero_strategy.config import OffloadConfig
 
-__all__ = ["HOST", "OffloadPolicy", "OnDevice", "OnDisk", "OnHost", "host_empty", "optimizer_offload", "param_offload"]
+__all__ = [
+    "HOST", "OffloadPolicy", "OffloadSettings", "OnDevice", "OnDisk", "OnHost", "StoragePolicy", "host_empty",
+    "optimizer_offload", "param_offload", "storage_policy",
+]  # fmt: skip
 
 HOST = torch.device("cpu")
 
@@ -108,12 +111,43 @@ def _from_block(block: OffloadConfig, what: str) -> OffloadPolicy:
     raise ValueError(f"initialize(): zero_optimization.{what}.device={block.device!r}: use 'none', 'cpu' or 'nvme'")
 
 
-def optimizer_offload(config: ZeroConfig) -> OffloadPolicy:
+class OffloadSettings(Protocol):
+    """What the offload policies are built from (``ZeroConfig`` has these sections)."""
+
+    @property
+    def offload_optimizer(self) -> OffloadConfig: ...
+    @property
+    def offload_param(self) -> OffloadConfig: ...
+
+
+@dataclass(frozen=True)
+class StoragePolicy:
+    """The storage layer's policy: where the optimizer's side (``optimizer``) and ZeRO-3's
+    persistent rows (``params``) live, with their pinning, paths, buffer sizes and ratios.
+    ``ratio: auto`` resolves later, once the units' sizes are known (``runtime/placement.py``:
+    ``auto_optimizer``/``auto_params`` say which)."""
+
+    optimizer: OffloadPolicy
+    params: OffloadPolicy
+    auto_optimizer: bool = False
+    auto_params: bool = False
+
+
+def storage_policy(config: OffloadSettings) -> StoragePolicy:
+    return StoragePolicy(
+        optimizer_offload(config),
+        param_offload(config),
+        auto_optimizer=config.offload_optimizer.ratio == "auto",
+        auto_params=config.offload_param.ratio == "auto",
+    )
+
+
+def optimizer_offload(config: OffloadSettings) -> OffloadPolicy:
     """The placement of the optimizer's side (masters, their gradients, optimizer state)."""
     return _from_block(config.offload_optimizer, "offload_optimizer")
 
 
-def param_offload(config: ZeroConfig) -> OffloadPolicy:
+def param_offload(config: OffloadSettings) -> OffloadPolicy:
     """The placement of ZeRO-3's persistent parameter rows. The config's own rules
     (``ZeroConfig.conflicts``, run first) refuse it at ZeRO-1/2, as DeepSpeed does: there
     every rank holds the full parameters on the device anyway."""
