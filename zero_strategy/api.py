@@ -21,7 +21,7 @@ from zero_strategy.runtime.whole_params import whole_groups
 from zero_strategy.sharding.construction import outside_sharded_init
 from zero_strategy.sharding.partition import UnitPolicy
 from zero_strategy.sharding.precision import select_precision
-from zero_strategy.storage.offload import OnDevice, OnDisk, optimizer_offload
+from zero_strategy.storage.offload import OnDisk, optimizer_offload, param_offload
 
 __all__ = [
     "backward",
@@ -134,10 +134,13 @@ def _built(
     opts = [build_optimizer(o, model) for o in given]
     for opt in opts:
         check_optimizer(opt, model, stacklevel=stacklevel)
-        if any(whole_groups(opt)) and not isinstance(optimizer_offload(cfg), OnDevice):
+        on_disk = [f for f, pol in (("offload_optimizer", optimizer_offload(cfg)), ("offload_param", param_offload(cfg)))
+                   if isinstance(pol, OnDisk)]  # fmt: skip
+        if any(whole_groups(opt)) and on_disk:
             raise ValueError(
                 f"{call}: {type(opt).__name__} steps parameters whole on an owner rank (whole_params.py), which "
-                "is not supported with offload_optimizer yet (the host step runs on pieces); remove offload_optimizer"
+                f"{on_disk[0]}: {{device: nvme}} does not support (the disk tier's swap files hold master pieces, "
+                f"not the owners' whole matrices); use {on_disk[0]}: {{device: cpu}}, or remove {on_disk[0]}"
             )
         if isinstance(optimizer_offload(cfg), OnDisk):
             base_step(opt)  # an optimizer subclass whose step the disk tier cannot split is refused now

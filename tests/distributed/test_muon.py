@@ -10,9 +10,15 @@ with the same optimizers, within 1e-6 relative:
 - ``one``: one optimizer with Muon groups and AdamW groups selected by a ``use_muon`` flag per
   group (``_MuonAux``, written here; it declares ``zero_whole_params = "use_muon"``);
 - ``shampoo``: a Shampoo-like optimizer written here, declared with ``@zs.whole_params``;
+- ``muon``: ``torch.optim.Muon`` alone (the 1-D parameters frozen), one torch optimizer;
 - accumulation (``model.no_sync()`` micro-batches) and ``gradient_clipping`` on some cells, a
-  model built under ``sharded_init``, ``bf16-mixed`` against DDP under bf16 autocast, and
-  hybrid sharding on 4 ranks (shard groups of 2).
+  model built under ``sharded_init``, ``bf16-mixed`` against DDP under bf16 autocast,
+  ``offload_optimizer: {device: cpu}`` at ZeRO-1, 2 and 3 (with ``offload_param`` at ZeRO-3),
+  and hybrid sharding on 4 ranks (shard groups of 2). Every cell checks that ``memory_stats``
+  counts the owners' whole matrices (``whole_masters``) once over the shard group.
+
+``case_bf16``: ``precision="bf16"`` (16-bit parameters) against the same optimizers on a bf16
+model with fp32 master weights (``_bf16_oracle``), within 1e-6.
 
 ``case_momentum`` checks that under accumulation Muon's momentum advances once per optimizer
 step: after each step the owner's momentum buffer equals DDP's.
@@ -153,6 +159,10 @@ def _optimizers(model, form: str):
     import torch
 
     muon_aux, shampoo = _optimizer_classes()
+    if form == "muon":  # torch's Muon alone (one torch optimizer: the overlapped host step's path), 1-D frozen
+        for p in model.parameters():
+            p.requires_grad_(p.requires_grad and p.ndim == 2)
+        return [torch.optim.Muon([p for p in model.parameters() if p.requires_grad], lr=0.02)]
     matrices, rest = _split(model)
     if form == "one":
         return [muon_aux([{"params": matrices, "use_muon": True}, {"params": rest, "use_muon": False}])]
@@ -213,7 +223,7 @@ def _ddp(form: str, steps: int, rank: int, *, accum: int, clip: float | None, af
 
 
 def _zero(form: str, stage: int, clip: float | None, sharded: bool = False, precision: str = "fp32",
-          shard_size: int | None = None):  # fmt: skip
+          shard_size: int | None = None, offload: str | None = None):  # fmt: skip
     import torch
 
     import zero_strategy as zs
@@ -223,6 +233,10 @@ def _zero(form: str, stage: int, clip: float | None, sharded: bool = False, prec
     with zs.sharded_init() if sharded else contextlib.nullcontext():  # placeholders keep their shapes
         model = Net()
     extra = {"policy": {Block}, "stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    if offload is not None:  # "cpu": the optimizer's side on the host; "cpu+param": ZeRO-3's rows too
+        extra["offload_optimizer"] = {"device": "cpu"}
+        if offload == "cpu+param":
+            extra["offload_param"] = {"device": "cpu"}
     model, opts = zs.initialize(
         model, _optimizers(model, form), stage=stage, gradient_clipping=clip, precision=precision,
         shard_size=shard_size, **extra,
@@ -240,22 +254,36 @@ def _weights(model, zero: bool) -> dict:
 
 
 def case_parity(rank: int, world: int, form: str, stage: int, accum: int, clip: float | None,
-                sharded: bool = False, precision: str = "fp32", shard_size: int | None = None) -> None:  # fmt: skip
+                sharded: bool = False, precision: str = "fp32", shard_size: int | None = None,
+                offload: str | None = None, steps: int | None = None) -> None:  # fmt: skip
     """Losses and weights equal DDP's within 1e-6 relative; Muon's state only on the owners.
     ``sharded``: the model is built under ``zs.sharded_init()`` (ZeRO-3). ``precision``:
     ``bf16-mixed`` against DDP under bf16 autocast (1e-6). ``shard_size``: hybrid sharding, the
-    owners are ranks of each shard group (every replica steps its copy of a matrix)."""
-    steps = 20 if accum == 1 else 8
+    owners are ranks of each shard group (every replica steps its copy of a matrix). ``offload``:
+    ``offload_optimizer`` (and ``offload_param``) on the host, with the overlapped host step's
+    test uploads (``ZERO_STRATEGY_TEST_HOST_COPIES=deferred``: a row copied before the owners'
+    values came back would gather stale values); the owners' matrices and state are counted in
+    ``memory_stats`` on the host (``_check_memory``)."""
+    import os
+
+    steps = steps or (20 if accum == 1 else 8)
     ref, ref_opts, ref_losses = _ddp(form, steps, rank, accum=accum, clip=clip, autocast=precision != "fp32")
-    model, opts = _zero(form, stage, clip, sharded, precision, shard_size)
-    losses = _train(model, opts, [], steps, rank, accum=accum, clip=clip, ddp=False)
-    what = f"{form} stage {stage} accum {accum} clip {clip} sharded {sharded} {precision} ({world} ranks)"
+    if offload is not None:
+        os.environ["ZERO_STRATEGY_TEST_HOST_COPIES"] = "deferred"
+    try:
+        model, opts = _zero(form, stage, clip, sharded, precision, shard_size, offload)
+        losses = _train(model, opts, [], steps, rank, accum=accum, clip=clip, ddp=False)
+    finally:
+        os.environ.pop("ZERO_STRATEGY_TEST_HOST_COPIES", None)
+    what = f"{form} stage {stage} accum {accum} clip {clip} sharded {sharded} {precision} offload {offload} ({world} ranks)"
     assert_close(losses, ref_losses, rtol=1e-6, atol=1e-7, what=f"{what} losses")
     got = _weights(model, True)
     for k, v in _weights(ref, False).items():
         assert_close(got[k], v, rtol=1e-6, atol=1e-7, what=f"{what} {k}")
     whole = model.zero_engine.whole
-    assert len(whole.entries) == 4, f"{what}: {len(whole.entries)} matrices stepped whole, expected 4"
+    expected = 5 if form == "muon" else 4  # torch's Muon alone also steps the (tied) embedding
+    assert len(whole.entries) == expected, f"{what}: {len(whole.entries)} matrices stepped whole, expected {expected}"
+    _check_memory(model, opts, offload, what)
     owners = set(range(model.zero_engine.ctx.world_size))  # the shard group's ranks
     assert {e.owner for e in whole.entries} == owners, f"{what}: owners {[e.owner for e in whole.entries]}"
     mine = {id(e.proxy) for e in whole.owned()}
@@ -264,6 +292,110 @@ def case_parity(rank: int, world: int, form: str, stage: int, accum: int, clip: 
             for t in group["params"]:
                 if t.ndim == 2 and t.numel() and id(t) not in mine:  # a whole matrix is stepped on its owner only
                     raise AssertionError(f"{what}: rank {rank} steps a whole {tuple(t.shape)} it does not own")
+
+
+def _check_memory(model, opts, offload: str | None, what: str) -> None:
+    """``memory_stats`` counts the owners' whole matrices (``whole_masters``, within ``masters``)
+    and their state where they live: this rank's owned proxies, and over the shard group every
+    whole-stepped matrix once. Offloaded, the proxies and their state are host tensors and the
+    host tiers hold at least their bytes."""
+    import torch
+    import torch.distributed as dist
+
+    whole = model.zero_engine.whole
+    stats = model.memory_stats()
+    mine = whole.owned()
+    proxy_bytes = sum(e.proxy.numel() * e.proxy.element_size() for e in mine)
+    state_bytes = sum(v.numel() * v.element_size() for e in mine for o in opts if e.proxy in o.state
+                      for v in o.state[e.proxy].values() if isinstance(v, torch.Tensor))  # fmt: skip
+    assert mine and stats["whole_masters"] == proxy_bytes > 0, f"{what}: {stats['whole_masters']} vs {proxy_bytes}"
+    assert stats["masters"] >= proxy_bytes and stats["optimizer_state"] >= state_bytes > 0, what
+    total = torch.tensor([stats["whole_masters"]], dtype=torch.int64)
+    dist.all_reduce(total, group=model.zero_engine.ctx.group)
+    expected = sum(e.param.numel() * 4 for e in whole.entries)  # fp32 masters
+    assert int(total) == expected, f"{what}: whole_masters over the ranks {int(total)}, the matrices {expected}"
+    if offload is not None:
+        assert all(e.proxy.device.type == "cpu" for e in mine), what
+        for e in mine:
+            assert all(v.device.type == "cpu" for o in opts if e.proxy in o.state for v in o.state[e.proxy].values()
+                       if isinstance(v, torch.Tensor)), f"{what}: {e.name}'s state is not on the host"  # fmt: skip
+        host = stats["tier_host_pinned"] + stats["tier_host_pageable"]
+        assert host >= proxy_bytes + state_bytes, f"{what}: host tiers {host}"
+
+
+def _bf16_oracle(form: str, steps: int, rank: int, world: int):
+    """What ``precision="bf16"`` means, without ZeRO: the model's parameters in bf16, fp32
+    master weights that the optimizers step, the bf16 gradients averaged in fp32 over the ranks
+    (the engine reduces in fp32), the masters rounded into the parameters after each step; the
+    forward under the bf16 autocast the engine applies."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    Net, _ = _classes()
+    torch.manual_seed(0)
+    masters = Net()
+    opts = _optimizers(masters, form)
+    model = copy.deepcopy(masters).to(torch.bfloat16)  # the tied weight stays tied
+    pairs = [(p, m) for p, m in zip(model.parameters(), masters.parameters()) if m.requires_grad]
+    losses = []
+    for step in range(steps):
+        tokens = _batch(step, 0, rank)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1]).float()
+        loss = F.cross_entropy(logits.reshape(-1, V), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+        for p, m in pairs:
+            m.grad = p.grad.float()
+            dist.all_reduce(m.grad)
+            m.grad /= world
+            p.grad = None
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            for p, m in pairs:
+                p.copy_(m)
+    return model, masters, losses
+
+
+def case_bf16(rank: int, world: int, form: str, stage: int) -> None:
+    """``precision="bf16"`` (16-bit parameters, fp32 masters) against :func:`_bf16_oracle`, 20
+    steps: the losses, the bf16 weights and the fp32 masters within 1e-6 relative. Both sides
+    compute the same bf16 forward and backward, reduce the same gradients in fp32 (2 ranks: one
+    exact addition) and step the same fp32 masters with the same optimizers, so nothing but
+    float rounding can differ; a bf16 weight that differs at all differs by at least 2^-8
+    relative. DDP under autocast with fp32 weights is a different computation (its weights are
+    not rounded to bf16 each step): Muon's normalised update amplifies that difference to a few
+    percent after 20 steps, which is why it is not the oracle here."""
+    import torch
+
+    ref, ref_masters, ref_losses = _bf16_oracle(form, 20, rank, world)
+    model, opts = _zero(form, stage, None, precision="bf16")
+    losses = _train(model, opts, [], 20, rank, accum=1, clip=None, ddp=False)
+    what = f"bf16 {form} stage {stage}"
+    assert_close(losses, ref_losses, rtol=1e-6, atol=1e-7, what=f"{what} losses")
+    got = _weights(model, True)
+    for k, v in _weights(ref, False).items():
+        assert got[k].dtype == torch.bfloat16 or not v.is_floating_point(), f"{what}: {k} is {got[k].dtype}"
+        assert_close(got[k].float(), v.float(), rtol=1e-6, atol=1e-7, what=f"{what} {k}")
+    engine, ref_of = model.zero_engine, dict(ref_masters.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        master = engine.master_of(p)
+        if master is None:  # frozen
+            continue
+        group, index = engine.reducer.locate(p)
+        lo, hi = group.layout.local_range(index)
+        assert master.dtype == torch.float32, f"{what}: master of {name} is {master.dtype}"
+        assert_close(
+            master, ref_of[name].detach().reshape(-1)[lo:hi], rtol=1e-6, atol=1e-7, what=f"{what} master {name}"
+        )
+        checked += 1
+    assert checked == sum(p.requires_grad for p in ref_masters.parameters()), f"{what}: {checked} masters checked"
 
 
 def case_momentum(rank: int, world: int, stage: int) -> None:
@@ -348,8 +480,14 @@ def _world2(rank: int, world: int, root: str) -> bool:
         {"form": "one", "stage": 3, "accum": 1, "clip": None},
         {"form": "shampoo", "stage": 2, "accum": 1, "clip": None},
         {"form": "shampoo", "stage": 3, "accum": 2, "clip": None},
+        {"form": "two", "stage": 1, "accum": 1, "clip": None, "offload": "cpu", "steps": 8},
+        {"form": "muon", "stage": 2, "accum": 2, "clip": 0.5, "offload": "cpu"},
+        {"form": "muon", "stage": 3, "accum": 1, "clip": None, "offload": "cpu", "steps": 8},
+        {"form": "one", "stage": 3, "accum": 2, "clip": 0.5, "offload": "cpu+param"},
     ]
     run_subtests(lambda **kw: case_parity(rank, world, **kw), grid, label="muon parity")
+    run_subtests(lambda **kw: case_bf16(rank, world, **kw), [{"form": "two", "stage": 2}, {"form": "one", "stage": 3}],
+                 label="bf16")  # fmt: skip
     run_subtests(lambda **kw: case_momentum(rank, world, **kw), [{"stage": 2}, {"stage": 3}], label="momentum")
     case_resume(rank, world, root + "/one", "one", 3, 1)
     case_resume(rank, world, root + "/two", "two", 2, 3)  # the checkpoint the world-3 launch loads

@@ -79,3 +79,27 @@ def test_muon_at_world_size_1_equals_plain_muon(stage: int) -> None:
     new.step()
     assert len(new.state) == 2
     model.zero_engine.close()
+
+
+def test_memory_counts_an_owners_whole_matrix_and_its_state_in_its_tier() -> None:
+    """``model_state_bytes`` counts a whole-stepped proxy as masters (and as ``whole_masters``)
+    and its optimizer state in the tier given for it (the host under ``offload_optimizer``)."""
+    from zero_strategy.sharding.memory import model_state_bytes
+
+    proxy = torch.zeros(8, 4)
+    opt = torch.optim.Muon([proxy], lr=0.02)
+    opt.state[proxy]["momentum_buffer"] = torch.zeros(8, 4)
+    for tier, key in (("host", "tier_host_pageable"), ("device", "tier_device")):
+        stats = model_state_bytes([], [], [], [opt], whole=[(proxy, tier)])
+        assert stats["whole_masters"] == stats["masters"] == 128 and stats["optimizer_state"] == 128
+        assert stats[key] == stats["model_state"] == 256, (tier, stats)
+    assert model_state_bytes([], [], [], [opt])["whole_masters"] == 0
+
+
+def test_optimizer_state_on_disk_is_refused_with_the_field_and_the_fix() -> None:
+    model = torch.nn.Linear(4, 4, bias=False)
+    with pytest.raises(
+        ValueError, match=r"offload_optimizer: \{device: nvme\}.*use offload_optimizer: \{device: cpu\}"
+    ):
+        zs.initialize(model, torch.optim.Muon(model.parameters()), stage=2, offload_optimizer={"device": "nvme"})
+    assert getattr(model, "zero_engine", None) is None

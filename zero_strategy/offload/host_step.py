@@ -42,7 +42,9 @@ backward (they overlap the backward), so each group's step finds its gradient sh
 (the global norm of clipping and the overflow check need every group's anyway).
 
 Groups whose optimizer state is on disk are stepped by the disk tier before this runs, and are
-skipped here. The host groups are stepped from the engine's step pre-hook, so a pre-hook that
+skipped here, and so are the parts with a master the optimizer does not hold: a matrix stepped
+whole on its owner (``runtime/whole_params.py``), whose piece is written by the exchange after
+the step; those parts are stepped by the plain step and copied by ``after_step``. The host groups are stepped from the engine's step pre-hook, so a pre-hook that
 the user registers on the optimizer after ``initialize`` runs after them: what it changes (a
 learning rate, a gradient) reaches only the device groups. Set the learning rate before
 ``step()`` (as schedulers do). An exception in the middle (an optimizer error on one group)
@@ -122,10 +124,13 @@ class HostStep:
             return []
         stashed: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         stepped = {id(g) for g in disk.groups} if disk is not None else set()
+        held = {id(p) for pg in optimizer.param_groups for p in pg["params"]}
         with guard():
             for u in self.units:
                 if u.group is None or id(u.group) in stepped:
                     continue
+                if any(id(m) not in held for m in u.group.masters):
+                    continue  # a master stepped whole on its owner (whole_params.py): written after the step
                 u.settle(host=True)  # sync point 1: its previous upload has read the masters
                 step_subset(optimizer, u.group.masters)
                 u.start_upload(self.uploader)  # sync point 2

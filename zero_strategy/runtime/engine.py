@@ -599,7 +599,7 @@ class ZeroEngine(WholeModelState):
         if self._skip_step:
             self.reducer.drop_master_grads()
             return
-        self.whole.gather(key(optimizer), self._step_label())  # whole matrices to their owners (or nothing)
+        self.whole.gather(optimizer, self._step_label())  # whole matrices to their owners (or nothing)
         adam_direction(self.reducer.compression, optimizer, self.step_count)  # frozen-variance Adam (or nothing)
         if self.swapped is not None and self.optimizer is not None:
             self.disk.step(self.optimizer, self.params.masters_resident, self._step_label())
@@ -644,7 +644,7 @@ class ZeroEngine(WholeModelState):
             self._clipped.discard(key(optimizer))
         self._loss_scaled = False
         if not skipped:
-            self.whole.scatter(key(optimizer), self._step_label())  # the owners' updated matrices back to pieces
+            self.whole.scatter(optimizer, self._step_label())  # the owners' updated matrices back to pieces
             self.params.after_step(self._step_label(), only=self.opts.scope(optimizer))  # its own parameters
             if self.zero3 is not None and self._root_depth > 0:  # a step inside the forward (manual optimization)
                 self.zero3.regather_root()

@@ -21,6 +21,7 @@ from zero_strategy.offload.disk_tier import DiskTier
 from zero_strategy.reduction.grads import GradReducer
 from zero_strategy.runtime.budget import Budget, cache_stats
 from zero_strategy.runtime.optimizer_set import OptimizerSet
+from zero_strategy.runtime.whole_params import WholeParams
 from zero_strategy.runtime.zero3 import UnitScheduler
 from zero_strategy.sharding.group import ShardGroup
 from zero_strategy.sharding.memory import model_state_bytes
@@ -49,6 +50,7 @@ class WholeModelState:
     init_peak: HostPeak
     step_count: int
     scaler: LossScaler
+    whole: WholeParams
 
     @property
     def has_model(self) -> bool:
@@ -102,7 +104,8 @@ class WholeModelState:
     def memory_stats(self) -> dict[str, int]:
         """Bytes held by this rank, by kind: full parameters (at ZeRO-3 only while gathered),
         ZeRO-3 parameter rows (the persistent shards), gradient shards, fp32 masters that are
-        not views, optimizer state of the master pieces, any full gradients still in
+        not views (and the whole matrices this rank owns for a Muon-like optimizer, also as
+        ``whole_masters``), optimizer state of the master pieces, any full gradients still in
         ``p.grad``; then the working communication buffers (now and at peak) and, at ZeRO-3,
         the gathered parameters now and at peak, the gathers issued and their bytes, the cache
         tier's bytes and counters and, with ``zero_strategy.memory``, each tier's budget
@@ -119,6 +122,7 @@ class WholeModelState:
             self.disk.disk_bytes(),
             self.ctx.device,
             self.reducer.compression.tensors() if self.reducer.compression is not None else (),
+            [(e.proxy, e.group.tier) for e in self.whole.owned()],  # whole matrices on their owner
         )
         out["swap_buffers"] = self.disk.buffer_bytes()
         out["comm_scratch"] = self.ctx.pool.allocated  # working buffers, reused across steps

@@ -35,9 +35,24 @@ The protocol (``whole_groups``): an optimizer needs whole parameters when
   optimizer with Muon groups and AdamW groups, like ``MuonWithAuxAdam``). The decorator
   :func:`whole_params` sets it. ``zero_whole_params = False`` opts a subclass out.
 
+**Optimizer offload** (``offload_optimizer: {device: cpu}``): the owner's proxy and its
+optimizer state live in host memory between steps, beside the host masters. The step itself,
+the orthogonalisation included, runs on the compute device: the exchange assembles each whole
+matrix's gradient and values on the device already (the all-to-all's output), the owner's
+state tensors are copied up for the step, and after it the state and the values are copied
+back to the proxy's host tensors. Newton-Schulz is a few matrix products of ``m * n * min(m, n)``
+work each, milliseconds on an accelerator and seconds on the host's cores for a large matrix,
+while the bytes that move are the state up and down and the values down (``4 * numel`` each in
+fp32), against the gradient and values down and the values up for a host step. DeepSpeed does
+the same: its ZeRO Muon update runs on the accelerator's gradients, with the momentum read from
+and written back to the (offloaded) optimizer partitions. During the step the device holds the
+owner's matrices (values, gradient, state) of the optimizer being stepped; between steps none of
+it. On a CPU-only machine the compute device is the host and nothing moves.
+
 Refused at ``initialize``: an optimizer that re-runs a closure (L-BFGS: its backward would run
-after the reduction, ``optimizer.py``) and offloaded optimizer state (``offload_optimizer``:
-the host step runs group by group on pieces).
+after the reduction, ``optimizer.py``) and optimizer state on disk (``offload_optimizer:
+{device: nvme}``: the disk tier plans its swap files over the master pieces, which the
+owners' whole matrices are not; ``api.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +64,7 @@ from typing import Any, TypeVar
 import torch
 
 from zero_strategy.comm import collectives as C
+from zero_strategy.runtime.optimizer_set import key
 
 __all__ = ["WHOLE_PARAMS_ATTR", "WholeParams", "assign_owners", "matrix_cost", "whole_groups", "whole_params"]
 
@@ -141,6 +157,47 @@ class _Entry:
         return self.group.layout.local_range(self.index, rank)
 
 
+@dataclass
+class _Lifted:
+    """An owner's proxy held in host memory (``offload_optimizer``), moved to the compute device
+    for one step: its host tensors, to take the updated values and state back."""
+
+    proxy: torch.Tensor
+    values: torch.Tensor  # the proxy's host tensor
+    state: dict[str, Any]  # the optimizer's state of the proxy (the same dict)
+    host_state: dict[str, torch.Tensor]  # the host tensors of the state values moved up
+
+    def lift(self, device: torch.device) -> None:
+        """The proxy and its state's tensors (not scalars: a step count stays where the
+        optimizer keeps it) onto ``device``; the values are written by the exchange."""
+        self.proxy.data = torch.empty(self.values.shape, dtype=self.values.dtype, device=device)
+        for k, v in self.state.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != device:
+                self.host_state[k] = v
+                self.state[k] = v.to(device, non_blocking=v.is_pinned())
+
+    def lower(self, copy: bool) -> None:
+        """Back to the host tensors, with the updated values and state when ``copy`` (after a
+        step; a failed one leaves the host tensors as they were). State the step created on the
+        device (a first step's momentum) moves to new host tensors."""
+        if copy:
+            self.values.copy_(self.proxy.data)
+        self.proxy.data = self.values
+        for k, v in list(self.state.items()):
+            if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != self.values.device):
+                continue
+            host = self.host_state.get(k)
+            if host is None or host.shape != v.shape or host.dtype != v.dtype:
+                host = torch.empty(
+                    v.shape, dtype=v.dtype, device=self.values.device, pin_memory=self.values.is_pinned()
+                )
+                copy = True  # nothing to fall back to
+            if copy:
+                host.copy_(v)
+            self.state[k] = host
+        self.host_state.clear()
+
+
 class WholeParams:
     """The whole-stepped parameters of one engine: their owners, proxies and exchanges."""
 
@@ -151,6 +208,7 @@ class WholeParams:
         self.entries: list[_Entry] = []
         self._loads = [0] * ctx.world_size
         self._pending: dict[int, list[_Entry]] = {}  # gathered for a step in progress, by optimizer key
+        self._lifted: dict[int, list[_Lifted]] = {}  # host proxies on the device for that step, by optimizer key
 
     def bind(self, opt_key: int, params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Owners for ``params`` (one optimizer's whole-stepped parameters, in its order) and the
@@ -159,8 +217,8 @@ class WholeParams:
         proxies = []
         for p, m, owner in zip(params, masters, owners):
             group, index = self._locate(p)
-            if owner == self.ctx.rank:
-                proxy = torch.zeros(p.shape, dtype=m.dtype, device=m.device)
+            if owner == self.ctx.rank:  # beside its master (host memory under offload_optimizer)
+                proxy = torch.zeros(p.shape, dtype=m.dtype, device=m.device, pin_memory=m.is_pinned())
             else:
                 proxy = torch.empty((0, *p.shape[1:]), dtype=m.dtype, device=m.device)
             name = self._names.get(id(p), str(tuple(p.shape)))
@@ -174,7 +232,7 @@ class WholeParams:
         self._loads = [0] * self.ctx.world_size
         for e in self.entries:
             self._loads[e.owner] += matrix_cost(e.param.shape)
-        self._pending.clear()
+        self.forget()
 
     def proxy_params(self) -> dict[int, int]:
         """Proxy id -> model parameter id (the optimizer's scope counts proxies as masters)."""
@@ -223,11 +281,13 @@ class WholeParams:
         C.all_to_all_v(self.ctx, out, inp, send, recv, what=what).wait()
         return out
 
-    def gather(self, opt_key: int, label: str) -> None:
-        """Before the optimizer with key ``opt_key`` steps: each owner assembles the whole
-        averaged gradient (the proxy's ``.grad``) and master values (the proxy) of its matrices.
+    def gather(self, optimizer: torch.optim.Optimizer, label: str) -> None:
+        """Before ``optimizer`` steps: each owner assembles the whole averaged gradient (the
+        proxy's ``.grad``) and master values (the proxy) of its matrices, on the compute device
+        (a proxy in host memory and its state are moved there for the step: module docstring).
         Parameters without a gradient on any rank are left out (their proxy has no gradient: the
         optimizer skips them, as under DDP). Collective over the shard group."""
+        opt_key = key(optimizer)
         entries = [e for e in self.entries if e.opt_key == opt_key and e.master.grad is not None]
         for e in self.entries:
             if e.opt_key == opt_key:
@@ -246,6 +306,11 @@ class WholeParams:
             return
         me, off = self.ctx.rank, 0
         mine = [e for e in entries if e.owner == me]
+        lifted = [_Lifted(e.proxy, e.proxy.data, optimizer.state[e.proxy], {}) for e in mine
+                  if e.proxy.device != out.device]  # fmt: skip
+        self._lifted[opt_key] = lifted
+        for x in lifted:
+            x.lift(out.device)
         grads = {id(e.proxy): torch.empty(e.param.numel(), dtype=e.proxy.dtype, device=e.proxy.device) for e in mine}
         for j in range(self.ctx.world_size):
             for e in mine:
@@ -257,15 +322,19 @@ class WholeParams:
         for e in mine:
             e.proxy.grad = grads[id(e.proxy)].view(e.proxy.shape)
 
-    def scatter(self, opt_key: int, label: str) -> None:
+    def scatter(self, optimizer: torch.optim.Optimizer, label: str) -> None:
         """After the step: every rank's master piece takes its piece of the owner's updated
-        values; the proxies' gradients are dropped. Collective over the shard group."""
+        values; the proxies' gradients are dropped, and proxies lifted to the device for the step
+        go back to host memory with their state. Collective over the shard group."""
+        opt_key = key(optimizer)
         entries = self._pending.pop(opt_key, [])
         if not entries:
             return
         out = self._exchange(entries, False, f"whole parameters from their owners ({label})")
         for e in entries:
             e.proxy.grad = None
+        for x in self._lifted.pop(opt_key, []):
+            x.lower(copy=True)
         if out is None:
             return
         off = 0
@@ -284,3 +353,7 @@ class WholeParams:
             for e in entries:
                 e.proxy.grad = None
         self._pending.clear()
+        for lifted in self._lifted.values():
+            for x in lifted:
+                x.lower(copy=False)
+        self._lifted.clear()

@@ -1,7 +1,8 @@
 """Counting the bytes a rank holds, by kind and by memory tier (``memory_stats()``).
 
 Kinds: full parameters (at ZeRO-3 only while gathered), ZeRO-3 parameter rows (the persistent
-shards), gradient shards, master pieces that are not views, optimizer state, full gradients
+shards), gradient shards, master pieces that are not views (and the whole matrices an owner
+steps for Muon-like optimizers), optimizer state, full gradients
 still in ``p.grad``, and top-k compression's residuals (full size on every rank,
 ``compression.py``). Each storage is counted once, however many views of it there are.
 
@@ -34,9 +35,13 @@ def model_state_bytes(
     disk_bytes: Mapping[str, int] | None = None,
     compute: torch.device | None = None,
     residuals: Iterable[torch.Tensor] = (),
+    whole: Sequence[tuple[torch.Tensor, str]] = (),
 ) -> dict[str, int]:
     """Bytes per kind, ``model_state`` (their sum) and the same per tier. ``disk_bytes``: bytes
-    in swap files by kind (optimizer state, ZeRO-3 parameter rows), counted on disk. With an accelerator as
+    in swap files by kind (optimizer state, ZeRO-3 parameter rows), counted on disk. ``whole``:
+    the whole matrices an owner rank steps for an optimizer that needs whole parameters
+    (``runtime/whole_params.py``) with the tier of their masters; counted as masters, their
+    state as optimizer state, and their bytes also as ``whole_masters`` (not part of the sum). With an accelerator as
     ``compute`` device a tensor's tier is where it actually is (a misplaced one shows); on a
     CPU-only machine, where both tiers are the same memory, it is where the policy put it."""
     on_cpu_only = compute is None or compute.type == "cpu"
@@ -71,6 +76,11 @@ def model_state_bytes(
         for m in g.masters:
             out["masters"] += nbytes(m, g.tier)
             tier_of[id(m)] = g.tier
+    before = out["masters"]
+    for proxy, tier in whole:
+        out["masters"] += nbytes(proxy, tier)
+        tier_of[id(proxy)] = tier
+    whole_bytes = out["masters"] - before
     for optimizer in optimizers:
         for master, st in optimizer.state.items():
             for v in st.values():
@@ -83,4 +93,5 @@ def model_state_bytes(
         tiers["tier_disk"] += n
     out["model_state"] = sum(out.values())
     out.update(tiers)
+    out["whole_masters"] = whole_bytes
     return out
