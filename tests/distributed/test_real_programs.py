@@ -138,7 +138,7 @@ def case_class_swap(rank: int, world: int, kind: str, stage: int) -> None:
     assert isinstance(model, cls) and type(model).__mro__[1] is cls, type(model).__mro__
     eng = model.zero_engine
     depths, zero_grads = [], []
-    model.head.register_forward_pre_hook(lambda m, a: depths.append(eng._root_depth))
+    model.head.register_forward_pre_hook(lambda m, a: depths.append(eng.sync_state.root_depth))
     inner = eng.zero_grad
     eng.zero_grad = lambda set_to_none=True, **kw: (
         zero_grads.append(set_to_none),

@@ -157,7 +157,7 @@ def test_an_optimizer_subclass_calling_super_step_steps_once(offload: dict, tmp_
             model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-        assert model.zero_engine.step_count == 3 and model.zero_engine.step_depth == 0
+        assert model.zero_engine.step_count == 3 and model.zero_engine.steps.depth == 0
         runs.append({k: v.clone() for k, v in zs.full_state_dict(model).items()})
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
 
@@ -208,7 +208,7 @@ def test_a_refused_or_failed_step_leaves_no_step_open() -> None:
     model(torch.randn(4, 8)).sum().backward()
     with pytest.raises(RuntimeError, match="closure"):
         opt.step(lambda: 0.0)
-    assert model.zero_engine.step_depth == 0
+    assert model.zero_engine.steps.depth == 0
     before = {k: v.clone() for k, v in zs.full_state_dict(model).items()}
     opt.step()  # the same gradients, now stepped
     sched.step()

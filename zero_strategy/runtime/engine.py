@@ -65,7 +65,7 @@ from zero_strategy.runtime.budget import Budget
 from zero_strategy.runtime.compile_support import eager
 from zero_strategy.runtime.compose import make_scaler, resolve_policies, shard_group_contexts, world_context
 from zero_strategy.runtime.compressed_adam import adam_direction
-from zero_strategy.runtime.engine_state import WholeModelState
+from zero_strategy.runtime.engine_state import StepCalls, SyncState, WholeModelState
 from zero_strategy.runtime.optimizer_set import OptimizerSet, key
 from zero_strategy.runtime.placement import resolve_ratios
 from zero_strategy.runtime.shard_groups import refuse_experts, refuse_modifier_rank
@@ -161,25 +161,12 @@ class ZeroEngine(WholeModelState):
     def _init_state(self) -> None:
         self.opts = OptimizerSet((), {})
         self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        # optimizer.step() calls in progress: torch fires the step hooks again when a subclass's step
-        # calls super().step(); the engine acts when the depth goes 0 -> 1 and 1 -> 0 only
-        self.step_depth = 0
-        self.internal_step = False  # the engine itself steps the optimizer (the disk tier): hooks stand aside
         self.training_state = TrainingState.IDLE
         self.grad_state = GradState.EMPTY
         self.step_count = 0
-        self._sync = True  # False inside no_sync()
-        # Whether the next backward reduces: decided when the forward runs, as DDP does (a
-        # grad-enabled forward outside no_sync() sets it, a backward that reduced clears it).
-        self._backward_sync = False
-        self._sync_buffers_next = True
-        self._root_depth = 0  # nesting of calls of the root module (only the outermost one acts)
-        self._clipped: set[int] = set()  # clipped since the last step: optimizer_set.key of each, 0 for the whole model
+        self.steps = StepCalls()  # the optimizer step's progress (engine_state.py)
+        self.sync_state = SyncState()  # when gradients reduce: no_sync, the next backward, the root's nesting
         self._scratch_budget: int | None = None  # communication buffers kept between steps (bytes)
-        self._stepped: set[int] = set()  # optimizers that stepped (key()): their state exists
-        self._skip_step = False
-        self.last_step_skipped = False
-        self._loss_scaled = False  # fp16: was a scaled loss backpropagated in this window?
         self.destroyed = False
         self._hooks: list[Any] = []
         self._schedule_hooks: list[Any] = []
@@ -414,30 +401,30 @@ class ZeroEngine(WholeModelState):
             self.zero3.root_post_forward(ok=ok)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if self._root_depth > 1:  # the root called inside its own forward (Lightning's training_step
+        if self.sync_state.root_depth > 1:  # the root called inside its own forward (Lightning's training_step
             return  # calling self(x)): the outermost call gathers and records (depth: ZeroModule.__call__)
-        if self.step_depth and not self.internal_step:
+        if self.steps.depth and not self.steps.internal:
             self.reset_step_calls()  # a step that raised left its count behind: no step spans a forward
         if self.training_state is TrainingState.BACKWARD and torch._C._current_graph_task_id() == -1:
             self._abort_backward()  # the last backward raised before its end: start clean
         if self._calls is not None:
             self._calls.drop_stale()  # a submodule call outside the forward that was interrupted
-        if self._sync_buffers_next and module.training:
+        if self.sync_state.buffers_next and module.training:
             buffers = list(module.buffers())
             if buffers:  # like DDP's broadcast_buffers: rank 0's buffers win
                 C.broadcast_coalesced(self.world, buffers, what=f"module buffers ({self._step_label()})")
         if self.training_state is TrainingState.IDLE:  # (inside a running backward: a recomputation)
             self._set_training(TrainingState.FORWARD, "forward")
-        if torch.is_grad_enabled() and self._sync:
-            self._backward_sync = True  # the backward of this forward reduces (DDP's rule)
+        if torch.is_grad_enabled() and self.sync_state.enabled:
+            self.sync_state.backward = True  # the backward of this forward reduces (DDP's rule)
         if self.zero3 is not None:
             self.zero3.root_pre_forward(training=module.training)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self._root_depth > 1:
+        if self.sync_state.root_depth > 1:
             return output
         # As DDP: buffers are broadcast before a forward that follows a synced training forward.
-        self._sync_buffers_next = torch.is_grad_enabled() and self._sync
+        self.sync_state.buffers_next = torch.is_grad_enabled() and self.sync_state.enabled
         if self.training_state is TrainingState.FORWARD:
             self._set_training(TrainingState.IDLE, "the end of forward")
         self._hook_outputs(output)
@@ -457,8 +444,8 @@ class ZeroEngine(WholeModelState):
             self._abort_backward()  # the last backward raised before its end: start clean
         if self.training_state is TrainingState.IDLE:
             self._set_training(TrainingState.FORWARD, "a submodule called outside the forward")
-        if torch.is_grad_enabled() and self._sync:
-            self._backward_sync = True
+        if torch.is_grad_enabled() and self.sync_state.enabled:
+            self.sync_state.backward = True
 
     def _outside_call_done(self, ok: bool, output: Any) -> None:
         if self.training_state is TrainingState.FORWARD:
@@ -470,7 +457,7 @@ class ZeroEngine(WholeModelState):
         self._queue_end_of_backward()
 
     def _in_root_call(self) -> bool:
-        return self._root_depth > 0
+        return self.sync_state.root_depth > 0
 
     def _queue_end_of_backward(self) -> None:
         """The first hook of a backward: gradients are coming (only a backward moves the
@@ -479,9 +466,9 @@ class ZeroEngine(WholeModelState):
             return  # queued already
         self._set_training(TrainingState.BACKWARD, "backward")
         self._set_grad(GradState.ACCUMULATING, "backward")
-        self._clipped.clear()  # new gradients: every clip so far is over (the step clips again)
+        self.steps.clipped.clear()  # new gradients: every clip so far is over (the step clips again)
         if self.zero3 is not None:
-            self.zero3.backward_started(sync=self._backward_sync)
+            self.zero3.backward_started(sync=self.sync_state.backward)
         Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _abort_backward(self) -> None:
@@ -492,26 +479,26 @@ class ZeroEngine(WholeModelState):
 
     def on_grad_accumulated(self, p: nn.Parameter) -> None:
         self._queue_end_of_backward()  # normally queued already by an output hook
-        self.reducer.on_grad_ready(p, sync=self._backward_sync)
+        self.reducer.on_grad_ready(p, sync=self.sync_state.backward)
 
     @property
     def backward_sync(self) -> bool:
         """Whether the backward now running (or the next one) reduces gradients."""
-        return self._backward_sync
+        return self.sync_state.backward
 
     def sync_next_backward(self) -> None:
         """Make the next backward reduce even though its forward ran inside ``no_sync()``
         (Accelerate's ``trigger_sync_in_backward``, DDP's ``prepare_for_backward``)."""
-        self._backward_sync = True
+        self.sync_state.backward = True
 
     def _end_of_backward(self) -> None:
         self._set_training(TrainingState.IDLE, "the end of backward")
-        sync = self._backward_sync
+        sync = self.sync_state.backward
         self.schedule.end_of_backward(self.reducer, sync=sync)
         if self.zero3 is not None:
             self.zero3.end_of_backward()
         if sync:
-            self._backward_sync = False  # until a forward outside no_sync() (or sync_next_backward)
+            self.sync_state.backward = False  # until a forward outside no_sync() (or sync_next_backward)
 
     # -- gradient accumulation ------------------------------------------------------------
     @contextlib.contextmanager
@@ -520,11 +507,11 @@ class ZeroEngine(WholeModelState):
         accumulate without communication (a full gradient's memory at ZeRO-2). As with DDP,
         what counts is where the forward ran: the backward of the next forward outside the
         block reduces the sum."""
-        prev, self._sync = self._sync, False
+        prev, self.sync_state.enabled = self.sync_state.enabled, False
         try:
             yield
         finally:
-            self._sync = prev
+            self.sync_state.enabled = prev
 
     def _need_optimizer(self, call: str) -> None:
         if self.schedule.full_grads:
@@ -547,12 +534,12 @@ class ZeroEngine(WholeModelState):
                 f"parameters {unmanaged[:5]} have gradients but are not managed by zero_strategy (they were "
                 "frozen when initialize() ran, or added later); set requires_grad before initialize()"
             )
-        if self.scaler.enabled and self.grad_state is GradState.ACCUMULATING and not self._loss_scaled:
+        if self.scaler.enabled and self.grad_state is GradState.ACCUMULATING and not self.steps.loss_scaled:
             raise RuntimeError(
                 "fp16 training needs a scaled loss: gradients are unscaled by the loss scale, so call "
                 "zero_strategy.backward(loss) or optimizer.scale_loss(loss).backward() instead of loss.backward()"
             )
-        self._skip_step = self.reducer.finish(check_overflow=self.scaler.enabled)
+        self.steps.skip = self.reducer.finish(check_overflow=self.scaler.enabled)
         self._set_grad(GradState.FINAL, "finalize_grads()")
 
     def clip_grad_norm_(
@@ -576,7 +563,7 @@ class ZeroEngine(WholeModelState):
         self.params.fence_rows()  # the step writes host rows that a gather's copy may still read (uploads.py)
         scope = self.opts.scope(optimizer)
         total = self.reducer.clip_grad_norm_(max_norm, norm_type, only=scope)
-        self._clipped.add(0 if scope is None or optimizer is None else key(optimizer))
+        self.steps.clipped.add(0 if scope is None or optimizer is None else key(optimizer))
         return total
 
     def clip_grad_value_(self, clip_value: float, *, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -593,10 +580,10 @@ class ZeroEngine(WholeModelState):
         self.finalize_grads()
         self.params.fence_rows()  # the step writes host rows that a gather's copy may still read (uploads.py)
         scope = self.opts.scope(optimizer)
-        clipped = 0 in self._clipped or (scope is not None and key(optimizer) in self._clipped)
+        clipped = 0 in self.steps.clipped or (scope is not None and key(optimizer) in self.steps.clipped)
         if self.policies.clipping is not None and not clipped:
             self.clip_grad_norm_(self.policies.clipping, optimizer=optimizer, _from_config=True)
-        if self._skip_step:
+        if self.steps.skip:
             self.reducer.drop_master_grads()
             return
         self.whole.gather(optimizer, self._step_label())  # whole matrices to their owners (or nothing)
@@ -617,17 +604,17 @@ class ZeroEngine(WholeModelState):
 
     @contextlib.contextmanager
     def _internal_step(self) -> Iterator[None]:
-        self.internal_step = True
+        self.steps.internal = True
         try:
             yield
         finally:
-            self.internal_step = False
+            self.steps.internal = False
 
     def reset_step_calls(self) -> None:
         """No ``optimizer.step()`` is in progress (it returned or raised, or a forward starts):
         the depth count starts over and the disk tier's gradients are back."""
-        self.step_depth = 0
-        self.internal_step = False
+        self.steps.depth = 0
+        self.steps.internal = False
         self._restore_stashed_grads()
         self.whole.forget()
         if self.host_step is not None:
@@ -635,33 +622,35 @@ class ZeroEngine(WholeModelState):
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._restore_stashed_grads()
-        skipped = self._skip_step
-        self.last_step_skipped = skipped
+        skipped = self.steps.skip
+        self.steps.last_skipped = skipped
         self.scaler.update(skipped)
         if self.opts.scope(optimizer) is None:
-            self._clipped.clear()
+            self.steps.clipped.clear()
         else:  # a clip of the whole model holds until the next backward (the other optimizers step too)
-            self._clipped.discard(key(optimizer))
-        self._loss_scaled = False
+            self.steps.clipped.discard(key(optimizer))
+        self.steps.loss_scaled = False
         if not skipped:
             self.whole.scatter(optimizer, self._step_label())  # the owners' updated matrices back to pieces
             self.params.after_step(self._step_label(), only=self.opts.scope(optimizer))  # its own parameters
-            if self.zero3 is not None and self._root_depth > 0:  # a step inside the forward (manual optimization)
+            if (
+                self.zero3 is not None and self.sync_state.root_depth > 0
+            ):  # a step inside the forward (manual optimization)
                 self.zero3.regather_root()
         if self.opts.begins_step(optimizer):  # a step of the model (several optimizers: each once in it)
             self.step_count += 1
             C.mark_step()  # the step's wall time, against which comm_report() sets the exposed communication
         if self.zero3 is not None:
             self.zero3.step = self._step_label()
-        new = not skipped and key(optimizer) not in self._stepped  # this optimizer's state exists now
+        new = not skipped and key(optimizer) not in self.steps.stepped  # this optimizer's state exists now
         if new:
-            self._stepped.add(key(optimizer))
+            self.steps.stepped.add(key(optimizer))
             stats = self.memory_stats()
             self._scratch_budget = int(SCRATCH_SHARE * (stats["model_state"] - stats["tier_disk"]))
         if self.budget is not None and self.zero3 is not None and (new or self.budget.pending and not skipped):
             # measured again, persistent units chosen (budget.py)
             self.budget.after_new_state(self.memory_stats, self.zero3.cache, self.zero3.order, self._step_label(),
-                                        can_change=self._root_depth == 0)  # fmt: skip
+                                        can_change=self.sync_state.root_depth == 0)  # fmt: skip
         if self._scratch_budget is not None:
             self.ctx.pool.trim(self._scratch_budget)
 
@@ -673,12 +662,12 @@ class ZeroEngine(WholeModelState):
         scope = self.opts.scope(optimizer)
         self.reducer.zero_grad(set_to_none=set_to_none, full_grads=self.schedule.full_grads, only=scope)
         if scope is not None and optimizer is not None:
-            self._clipped.discard(key(optimizer))
+            self.steps.clipped.discard(key(optimizer))
             if self.grad_state is not GradState.EMPTY:
                 self._set_grad(GradState.ACCUMULATING, "zero_grad() of one of several optimizers")
             return
-        self._clipped.clear()
-        self._loss_scaled = False
+        self.steps.clipped.clear()
+        self.steps.loss_scaled = False
         self._set_grad(GradState.EMPTY, "zero_grad()")
 
     @contextlib.contextmanager
@@ -700,7 +689,7 @@ class ZeroEngine(WholeModelState):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if not self.scaler.enabled:
             return loss
-        self._loss_scaled = True
+        self.steps.loss_scaled = True
         return loss * self.scaler.scale
 
     # -- inspection ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,7 +31,36 @@ from zero_strategy.sharding.setup_checks import persistent_buffers
 from zero_strategy.sharding.unit import ParamStorage, ShardedParams
 from zero_strategy.storage.host_memory import HostPeak
 
-__all__ = ["WholeModelState"]
+__all__ = ["StepCalls", "SyncState", "WholeModelState"]
+
+
+@dataclass
+class StepCalls:
+    """The optimizer step's progress, between ``step()``'s pre- and post-hooks and across steps."""
+
+    # step() calls in progress: torch fires the step hooks again when a subclass's step calls
+    # super().step(); the engine acts when the depth goes 0 -> 1 and 1 -> 0 only
+    depth: int = 0
+    internal: bool = False  # the engine itself steps the optimizer (the disk tier): hooks stand aside
+    skip: bool = False  # fp16 overflow: this step is skipped
+    last_skipped: bool = False  # whether the last step was skipped (fp16 overflow)
+    loss_scaled: bool = False  # fp16: was a scaled loss backpropagated in this window?
+    clipped: set[int] = field(default_factory=set)  # clipped since the last step: optimizer_set.key, 0: all
+    stepped: set[int] = field(default_factory=set)  # optimizers that stepped (key()): their state exists
+
+
+@dataclass
+class SyncState:
+    """When gradients reduce, DDP's rules: ``enabled`` is False inside ``no_sync()``; ``backward``,
+    whether the next backward reduces, is decided when the forward runs (a grad-enabled forward
+    outside ``no_sync()`` sets it, a backward that reduced clears it); ``buffers_next``: the next
+    forward broadcasts the buffers; ``root_depth``: nesting of calls of the root module (only the
+    outermost one acts)."""
+
+    enabled: bool = True
+    backward: bool = False
+    buffers_next: bool = True
+    root_depth: int = 0
 
 
 class WholeModelState:

@@ -47,16 +47,16 @@ class ZeroModule(_ModuleBase):
                 "a forward after offload_states(model): the model's state is on the host; call "
                 "zero_strategy.reload_states(model) first"
             )
-        depth = eng._root_depth
-        eng._root_depth = depth + 1
+        depth = eng.sync_state.root_depth
+        eng.sync_state.root_depth = depth + 1
         try:
             out = super().__call__(*args, **kwargs)
         except BaseException:
-            eng._root_depth = depth
+            eng.sync_state.root_depth = depth
             if depth == 0:
                 eng.root_done(ok=False)
             raise
-        eng._root_depth = depth
+        eng.sync_state.root_depth = depth
         if depth == 0:
             eng.root_done(ok=True)
         return out

@@ -97,7 +97,7 @@ class ZeroOptimizer(_OptimizerBase):
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last ``step()`` was skipped because fp16 gradients overflowed (on any rank)."""
-        return self._zero_engine.last_step_skipped
+        return self._zero_engine.steps.last_skipped
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply ``loss`` by the current fp16 loss scale (identity otherwise)."""
@@ -353,10 +353,10 @@ def engine_of(optimizer: torch.optim.Optimizer) -> ZeroEngine:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     engine = engine_of(optimizer)
-    if engine.internal_step:  # the engine steps the optimizer itself (the disk tier)
+    if engine.steps.internal:  # the engine steps the optimizer itself (the disk tier)
         return
-    engine.step_depth += 1
-    if engine.step_depth > 1:  # a subclass's super().step() re-enters the hooks: the engine acts once
+    engine.steps.depth += 1
+    if engine.steps.depth > 1:  # a subclass's super().step() re-enters the hooks: the engine acts once
         return
     try:
         _check_step_call(optimizer, engine, args, kwargs)
@@ -387,8 +387,8 @@ def _check_step_call(optimizer: torch.optim.Optimizer, engine: ZeroEngine, args:
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     engine = engine_of(optimizer)
-    if engine.internal_step or engine.step_depth == 0:  # the engine's own step, or a count that was reset
+    if engine.steps.internal or engine.steps.depth == 0:  # the engine's own step, or a count that was reset
         return
-    engine.step_depth -= 1
-    if engine.step_depth == 0:  # the outermost step call: everything the subclass did is in the masters
+    engine.steps.depth -= 1
+    if engine.steps.depth == 0:  # the outermost step call: everything the subclass did is in the masters
         engine.after_optimizer_step(optimizer)
