@@ -2,9 +2,12 @@
 
 ``MuonWithAdamW`` takes param groups that each say ``use_muon`` (as ``MuonWithAuxAdam`` is
 used: the transformers ``Trainer`` and a ``configure_optimizers`` returning one optimizer take
-one) and steps each group with torch's own functional updates: ``torch.optim.Muon``'s
-(momentum, Nesterov, Newton-Schulz, its learning-rate adjustment) on the ``use_muon`` groups,
-``torch.optim.AdamW``'s on the others. It declares ``@zs.whole_params(group_flag="use_muon")``.
+one) and steps the ``use_muon`` groups as ``torch.optim.Muon`` does (Nesterov momentum, its
+quintic Newton-Schulz, its learning-rate adjustment, decoupled weight decay) but orthogonalises
+in fp32 where torch's Muon rounds to bf16 (in bf16, the last-bit differences of a gradient norm
+summed in another order flip roundings that grow over the steps: 1e-5 apart from DDP after 12
+steps), and the others with torch's own AdamW update (``torch.optim.adamw.adamw``). It declares
+``@zs.whole_params(group_flag="use_muon")``.
 
 Used by ``_muon_jobs.py`` (Accelerate and the ``Trainer``, imported from this directory) and by
 ``tests/lightning/test_muon_lightning.py`` (as ``tests.accelerate._muon_optim``).
@@ -16,13 +19,25 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim._muon import muon  # the update torch.optim.Muon.step runs
 from torch.optim.adamw import adamw  # the update torch.optim.AdamW.step runs
 
 import zero_strategy as zs
 
 MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
+NS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's Newton-Schulz coefficients (5 iterations)
+
+
+def orthogonalise(g: torch.Tensor) -> torch.Tensor:
+    """torch.optim.Muon's quintic Newton-Schulz iteration, in the matrix's dtype (fp32)."""
+    a, b, c = NS
+    x = g / g.norm().clamp_min(1e-7)
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    for _ in range(5):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.T if tall else x
 
 
 @zs.whole_params(group_flag="use_muon")
@@ -46,10 +61,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
             grads = [p.grad for p in params]
             state = [self.state[p] for p in params]
             if group["use_muon"]:
-                bufs = [s.setdefault("momentum_buffer", torch.zeros_like(p)) for s, p in zip(state, params)]
-                muon(params, grads, bufs, lr=group["lr"], weight_decay=group["weight_decay"],
-                     momentum=group["momentum"], nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315),
-                     ns_steps=5, eps=1e-7, adjust_lr_fn=None, has_complex=False)  # fmt: skip
+                lr, m = group["lr"], group["momentum"]
+                for s, p, g in zip(state, params, grads):
+                    buf = s.setdefault("momentum_buffer", torch.zeros_like(p))
+                    buf.lerp_(g, 1 - m)
+                    p.mul_(1 - lr * group["weight_decay"])
+                    p.add_(orthogonalise(g.lerp(buf, m)), alpha=-lr * max(1, p.shape[0] / p.shape[1]) ** 0.5)
                 continue
             for s, p in zip(state, params):
                 if not s:
