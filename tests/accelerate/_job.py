@@ -24,6 +24,8 @@
   ``requires_grad`` per half, clipping the discriminator's parameters), Accelerate's DDP, then
   ZeroPlugin at stages 1-3; ZeRO modes ``save_state`` halfway, and a fresh model at the same
   stage resumes with ``load_state``.
+- ``muon``: Muon with AdamW groups in one optimizer, and the ``Trainer`` with it
+  (``_muon_jobs.py``).
 """
 
 from __future__ import annotations
@@ -61,12 +63,16 @@ def eval_loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(list(data), batch_size=2, shuffle=False)
 
 
-def build(mode: str, mixed: str | None = None) -> tuple[Accelerator, Any, Any, Any, Any]:
-    """``mode``: ddp, zero1/zero2/zero3 (explicit config) or env (``ZeroPlugin.from_env()``)."""
+def build(mode: str, mixed: str | None = None, optimizer: Any = None) -> tuple[Accelerator, Any, Any, Any, Any]:
+    """``mode``: ddp, zero1/zero2/zero3 (explicit config) or env (``ZeroPlugin.from_env()``);
+    ``optimizer(model)`` builds the optimizer (default: AdamW)."""
     acc = Accelerator(gradient_accumulation_steps=GAS, step_scheduler_with_optimizer=False, mixed_precision=mixed)
     torch.manual_seed(0)
     model = Net(Cell(dtype="float32"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if optimizer is not None:
+        opt = optimizer(model)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.2 * s))
     loader = eval_loader()
     if mode == "ddp":
@@ -478,6 +484,12 @@ def job_gan(out: dict[str, Any]) -> None:
         out[f"{mode}_resumed"] = _gan_run(mode, GAN_SAVE_AT, None, save_dir)
 
 
+def _job_muon(out: dict[str, Any]) -> None:
+    from _muon_jobs import job_muon  # this script's directory is on sys.path
+
+    job_muon(out)
+
+
 def main() -> None:
     """Writes ``rank<r>.json`` (results), then ``rank<r>.done`` after the final barrier, or
     ``rank<r>.error`` with the traceback if anything raised: the test tolerates a non-zero exit
@@ -494,6 +506,7 @@ def main() -> None:
             "env": job_env,
             "sync": job_sync,
             "gan": job_gan,
+            "muon": _job_muon,
         }[job](out)
         rank = dist.get_rank() if dist.is_initialized() else 0
         out["world"] = dist.get_world_size() if dist.is_initialized() else 1

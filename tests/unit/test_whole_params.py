@@ -103,3 +103,33 @@ def test_optimizer_state_on_disk_is_refused_with_the_field_and_the_fix() -> None
     ):
         zs.initialize(model, torch.optim.Muon(model.parameters()), stage=2, offload_optimizer={"device": "nvme"})
     assert getattr(model, "zero_engine", None) is None
+
+
+@pytest.mark.parametrize("name", ["Muon", "MUON", "muon", "MuonWithAuxAdam"])
+def test_a_deepspeed_muon_optimizer_block_names_the_line_that_builds_it(name: str, tmp_path) -> None:
+    """``optimizer: {type: Muon}`` (DeepSpeed's ``MUON_OPTIMIZER``, any case; and the class it
+    builds) warns on its own: the training loop builds it, with the line, the JSON's values filled
+    in (``muon_lr``/``adam_lr`` over ``lr``) and DeepSpeed's defaults for the rest; ``check``
+    gives the same reason. Another optimizer type stays in the generic list."""
+    import json
+
+    from zero_strategy.config.report import check_file
+
+    params = {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.1, "adam_lr": 1e-3, "betas": [0.9, 0.99]}
+    config = {"zero_optimization": {"stage": 2}, "optimizer": {"type": name, "params": params}}
+    with pytest.warns(UserWarning) as caught:
+        zs.ZeroConfig.from_dict(config, source=f"ds-{name}.json")
+    notes = [str(w.message) for w in caught if f"optimizer: {{type: {name}}} in ds-{name}.json" in str(w.message)]
+    assert len(notes) == 1, [str(w.message) for w in caught]
+    line = ("torch.optim.Muon(matrices, lr=0.01, momentum=0.9, weight_decay=0.1) beside "
+            "torch.optim.AdamW(rest, lr=0.001, betas=(0.9, 0.99), eps=1e-10, weight_decay=0.1)")  # fmt: skip
+    assert line in notes[0] and "the training loop builds it" in notes[0], notes[0]
+    assert not any("owns them: " in str(w.message) and "optimizer" in str(w.message) for w in caught)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**config, "optimizer": {"type": name}}))
+    reasons = dict(check_file(path).ignored)
+    defaults = ("torch.optim.Muon(matrices, lr=0.02, momentum=0.95, weight_decay=0.0) beside "
+                "torch.optim.AdamW(rest, lr=0.0003, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)")  # fmt: skip
+    assert defaults in reasons["optimizer"], reasons
+    with pytest.warns(UserWarning, match=r"owns them: optimizer"):
+        zs.ZeroConfig.from_dict({"optimizer": {"type": "AdamW"}}, source=f"ds-adamw-{name}.json")

@@ -121,7 +121,8 @@ def check_file(path: str | os.PathLike[str], *, stage: int | None = None, world_
     report.not_applied = not_applied_settings(cfg)
     report.auto = reader.auto
     report.ignored = [(key, IGNORED_WHY.get(key, "not implemented by zero_strategy")) for key in reader.ignored]
-    report.ignored += [(key, "the training loop / front-end owns it") for key in reader.frontend]
+    owned = {"optimizer": reader.optimizer_note} if reader.optimizer_note else {}
+    report.ignored += [(key, owned.get(key, "the training loop / front-end owns it")) for key in reader.frontend]
     report.ignored += [(key, "fp16.enabled is false: the loss scale applies to fp16 only") for key in reader.unused]
     return report
 

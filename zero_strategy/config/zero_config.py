@@ -42,6 +42,7 @@ from zero_strategy.config.blocks import (
     _to_reduce_dtype,
 )
 from zero_strategy.config.comm import CompressionConfig, LoadBalanceConfig
+from zero_strategy.config.ds_optimizer import muon_note
 from zero_strategy.config.memory import MemoryConfig, to_size
 from zero_strategy.config.values import (
     FAILED,
@@ -590,6 +591,7 @@ class _DeepSpeedReader:
         self.auto: list[str] = []  # keys left "auto" (not set)
         self.ignored: list[str] = []  # DeepSpeed features not implemented here
         self.frontend: list[str] = []  # top-level keys the training loop owns
+        self.optimizer_note: str | None = None  # optimizer: {type: Muon}: the line that builds it
         self.unused: list[str] = []  # keys of a block its own "enabled": false turns off (fp16's loss scale)
 
     def put(self, name: str, value: Any, where: str) -> None:
@@ -624,6 +626,7 @@ class _DeepSpeedReader:
         moved = {key: f"{_ZO}.{key}" for key in _DS_KEYS[_ZO]}
         top = check_keys(d, "", self.source, _DS_TOP_KEYS, (*_FRONTEND_KEYS, *_TOP_IGNORED), moved=moved)
         self.frontend = [key for key in top if key in _FRONTEND_KEYS]
+        self.optimizer_note = muon_note(d.get("optimizer"), self.source)
         self.ignored += [key for key in top if key in _TOP_IGNORED]
         zero = self._offload_ignored(
             self.block(d, _ZO, (*_DS_KEYS[_ZO], *_ZERO_BLOCK_LEGACY, _MICS), _ZERO_BLOCK_IGNORED)
@@ -727,6 +730,9 @@ class _DeepSpeedReader:
         )
 
     def _warn(self, frontend: list[str]) -> None:
+        if self.optimizer_note is not None:  # said on its own, with the line that builds it
+            frontend = [key for key in frontend if key != "optimizer"]
+            warn_once(self.optimizer_note, stacklevel=4)
         reasons = (
             (self.ignored, f"zero_strategy does not implement these DeepSpeed options and ignores them "
                            f"(in {self.source})"),
