@@ -73,8 +73,9 @@ def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
     return out
 
 
-def _modules(package: str) -> dict[str, Path]:
-    base = PACKAGES[package]
+def _modules(package: str, base: Path | None = None) -> dict[str, Path]:
+    """Module name -> source file of ``package`` (under ``base``: another copy of its tree)."""
+    base = PACKAGES[package] if base is None else base
     out = {}
     for f in base.rglob("*.py"):
         parts = (package, *f.relative_to(base).with_suffix("").parts)
