@@ -88,7 +88,7 @@ def _owner_switch(rank: int, world: int, experts: int, reps: int) -> list[dict]:
     """Owners' fetches (each rank its own random experts) against whole gathers of one layer."""
     import torch
 
-    from zero_strategy.sharding.expert_owners import OwnerPick
+    from zero_strategy.sharding.experts.owners import OwnerPick
 
     model, _ = _engine(experts, 1.0, hidden=128, inter=128, layout="owners")
     x = next(iter(model.zero_engine.zero3.experts.values()))

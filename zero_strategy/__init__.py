@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from zero_strategy.runtime.phase_offload import offload_states, reload_states
     from zero_strategy.runtime.whole_params import whole_params
     from zero_strategy.sharding.construction import sharded_init
-    from zero_strategy.sharding.experts import declare_experts, select_experts
+    from zero_strategy.sharding.experts.detect import declare_experts, select_experts
     from zero_strategy.sharding.partition import zero_auto_partition
     from zero_strategy.sharding.unit import UnitDivergence
 
@@ -89,8 +89,8 @@ _PUBLIC: dict[str, str] = {
     "reload_states": "zero_strategy.runtime.phase_offload",
     "whole_params": "zero_strategy.runtime.whole_params",
     "sharded_init": "zero_strategy.sharding.construction",
-    "declare_experts": "zero_strategy.sharding.experts",
-    "select_experts": "zero_strategy.sharding.experts",
+    "declare_experts": "zero_strategy.sharding.experts.detect",
+    "select_experts": "zero_strategy.sharding.experts.detect",
     "zero_auto_partition": "zero_strategy.sharding.partition",
     "UnitDivergence": "zero_strategy.sharding.unit",
 }

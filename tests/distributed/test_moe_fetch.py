@@ -160,11 +160,11 @@ def _train(
         share = {} if switch else {"moe_full_gather_share": 1.0}
         if cache:  # the experts' cache: bytes per experts layer
             share["moe_expert_cache"] = cache
-        if layout != "sharded":  # each expert whole on one rank (sharding/expert_owners.py)
+        if layout != "sharded":  # each expert whole on one rank (sharding/experts/owners.py)
             share["moe_expert_layout"] = layout
         if impl != "auto":  # "native": torch.distributed's own collectives (gloo's all_to_all_single)
             share["collective_impl"] = impl
-        if not compact:  # the selected rows in zeroed full-size parameters (sharding/experts.py)
+        if not compact:  # the selected rows in zeroed full-size parameters (sharding/experts/selective.py)
             share["moe_compact_gather"] = False
         cfg = zs.ZeroConfig(stage=stage, stage3_param_persistence_threshold=0, **share, **(extra or {}))
         net, opt = zs.initialize(model, opt, config=cfg)
@@ -324,7 +324,7 @@ def _cells() -> list[dict]:
         dict(kind="list", experts=8, top_k=2, stage=2, accum="plain", clip=None),
         dict(kind="mixtral", experts=8, top_k=2, stage=2, accum="no_sync", clip=0.05),
         dict(kind="qwen3_moe", experts=8, top_k=1, stage=2, accum="none", clip=None),
-        # compact gathers ([U, ...], expert_compact.py) under transformers' other experts forwards,
+        # compact gathers ([U, ...], experts/compact.py) under transformers' other experts forwards,
         # activation checkpointing (recomputed in the backward, reentrant or not), GPT-OSS's
         # transposed weights with biases, and the full-size placement kept as an option
         dict(kind="mixtral", experts=32, top_k=2, stage=3, accum="no_sync", clip=None, experts_impl="grouped_mm"),

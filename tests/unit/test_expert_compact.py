@@ -1,4 +1,4 @@
-"""Compact expert placements (``sharding/expert_compact.py``), one process: the slots, the
+"""Compact expert placements (``sharding/experts/compact.py``), one process: the slots, the
 remapped selection, the folding of gradients of different placements, and the torch behaviour
 the placement relies on (a dtype change through ``.data`` drops the gradient accumulator)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from zero_strategy.sharding.expert_compact import CompactRows, compactable, reattach
+from zero_strategy.sharding.experts.compact import CompactRows, compactable, reattach
 
 
 class _Experts(nn.Module):
@@ -97,7 +97,7 @@ def test_fold_one_pass_takes_the_gradient_without_a_copy() -> None:
 
 
 def test_spans_of_merge_neighbours_and_map_to_one_compact_range() -> None:
-    from zero_strategy.sharding.expert_compact import compact_start, spans_of
+    from zero_strategy.sharding.experts.compact import compact_start, spans_of
 
     # experts of 4 elements; this rank holds [6, 22): part of expert 1, experts 2-4, part of 5
     assert spans_of((1, 2, 4, 5), 4, 6, 22) == [(6, 12), (16, 22)]
@@ -110,7 +110,7 @@ def test_compact_plan_packs_every_rank_and_adds_this_ranks_rows() -> None:
     """Two ranks, one parameter of 4 experts x 2 elements, cut at element 3; gradients held
     for experts (0, 2): each rank's ranges are packed from the compact gradient, and this
     rank's reduced rows land at their full positions of its piece."""
-    from zero_strategy.sharding.expert_compact import CompactPlan, span_segments
+    from zero_strategy.sharding.experts.compact import CompactPlan, span_segments
 
     class _Layout:
         bounds = [[0, 3, 8]]

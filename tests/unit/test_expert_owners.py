@@ -1,4 +1,4 @@
-"""The expert owners' layout (``moe_expert_layout: owners``, ``sharding/expert_owners.py``):
+"""The expert owners' layout (``moe_expert_layout: owners``, ``sharding/experts/owners.py``):
 where the experts live, and the settings it refuses. The exchange itself is tested against DDP
 at world size 2 in ``tests/distributed/test_moe_fetch.py``."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
-from zero_strategy.sharding.expert_owners import owner_cuts
+from zero_strategy.sharding.experts.owners import owner_cuts
 from zero_strategy.sharding.layout import ShardLayout
 
 
@@ -120,21 +120,21 @@ def test_the_auto_offload_estimate_counts_the_owners_padding() -> None:
 
 
 def test_owners_refuse_uneven_cuts_of_a_model_built_under_sharded_init(monkeypatch) -> None:
-    from zero_strategy.sharding import expert_owners
-    from zero_strategy.sharding.expert_detect import find_expert_modules
+    from zero_strategy.sharding.experts import owners
+    from zero_strategy.sharding.experts.detect import find_expert_modules
 
     model = _tiny_mixtral(experts=5)
     found = find_expert_modules(model)
-    assert len(found) == 2 and expert_owners.unit_cuts(found, "owners", 2, None)["model.layers.0.mlp.experts"] == (
+    assert len(found) == 2 and owners.unit_cuts(found, "owners", 2, None)["model.layers.0.mlp.experts"] == (
         0,
         3,
         5,
     )
-    monkeypatch.setattr(expert_owners, "sharded_init_piece", lambda p: torch.zeros(1))  # as if built sharded
+    monkeypatch.setattr(owners, "sharded_init_piece", lambda p: torch.zeros(1))  # as if built sharded
     with pytest.raises(ValueError, match="built under sharded_init.*5 experts on 2 ranks.*without sharded_init"):
-        expert_owners.unit_cuts(found, "owners", 2, None)
+        owners.unit_cuts(found, "owners", 2, None)
     even = _tiny_mixtral(experts=4)  # 2 + 2: the owners' cuts are sharded_init's even pieces
-    assert expert_owners.unit_cuts(find_expert_modules(even), "owners", 2, None)
+    assert owners.unit_cuts(find_expert_modules(even), "owners", 2, None)
 
 
 def test_a_cache_tier_the_experts_caches_fill_exactly_frees_units_after_use() -> None:

@@ -1,4 +1,4 @@
-"""Which modules are MoE experts modules (``sharding/experts.py``): found by their stacked
+"""Which modules are MoE experts modules (``sharding/experts/selective.py``): found by their stacked
 parameters and selection argument, never by a per-model list; and the rows each rank sends."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import transformers
 from torch import nn
 
-from zero_strategy.sharding.experts import find_expert_modules, row_segments
+from zero_strategy.sharding.experts.selective import find_expert_modules, row_segments
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.partition import find_units
 

@@ -40,7 +40,7 @@ def not_applied_settings(cfg: ZeroConfig) -> list[str]:
             "export_full), in the parameters' dtype: 16-bit when the file enables bf16 or fp16, fp32 under a "
             "front-end's mixed precision (the Trainer's --bf16 with \"auto\"), where DeepSpeed writes 16-bit"
         )
-    if cfg.stage != 3:  # the MoE experts' knobs act on ZeRO-3's gathers (sharding/experts.py)
+    if cfg.stage != 3:  # the MoE experts' knobs act on ZeRO-3's gathers (sharding/experts/selective.py)
         for name in _ZERO3_MOE:
             if cfg.explicitly_set(name):
                 out.append(

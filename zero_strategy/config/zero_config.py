@@ -134,7 +134,7 @@ def _to_shard_size(value: Any, where: str) -> int | str | None:
 
 
 _GATHER_CHECKS = ("auto", "immediate", "deferred")
-_EXPERT_LAYOUTS = ("sharded", "owners")  # sharding/expert_owners.py
+_EXPERT_LAYOUTS = ("sharded", "owners")  # sharding/experts/owners.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +214,7 @@ class ZeroConfig:
     comm_timeout: float | None = setting(None, optional(float_rule(gt=0.0, le=1e9)), ds=_OWN)
     prefetch: int = setting(1, int_rule(0), ds=_OWN)  # units gathered ahead of use
     check_unit_order: bool = setting(True, to_bool, ds=_OWN)
-    # ZeRO-3 MoE experts units (sharding/experts.py): a selective gather that would move at least
+    # ZeRO-3 MoE experts units (sharding/experts/selective.py): a selective gather that would move at least
     # this share of a whole gather's bytes gathers (and reduces) the whole unit instead
     moe_full_gather_share: float = setting(0.2, float_rule(gt=0.0, le=1.0), ds=_OWN)
     # the experts' cache: bytes of selected experts' rows each experts unit keeps between the
@@ -224,7 +224,7 @@ class ZeroConfig:
     # the selections is gathered) or "owners" (each expert whole on one rank, fetched from it)
     moe_expert_layout: str = setting("sharded", lambda value, where: to_choice(value, where, _EXPERT_LAYOUTS), ds=_OWN)
     # the sharded layout's selective gathers place the union's rows as [U, ...] parameters and
-    # call the experts module with slots (sharding/expert_compact.py); false: zeroed full-size ones
+    # call the experts module with slots (sharding/experts/compact.py); false: zeroed full-size ones
     moe_compact_gather: bool = setting(True, to_bool, ds=_OWN)
     # ZeRO-3's per-gather checks once the unit order is known: "immediate" (a host read per
     # gather; every rank raises UnitDivergence), "deferred" (compared on the device, read with

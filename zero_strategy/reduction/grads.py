@@ -111,7 +111,7 @@ class _InFlight:
     inp: torch.Tensor | None = None
     out: torch.Tensor | None = None
     sparse: SparseExchange | None = None  # top-k compression's exchange instead of a reduce-scatter
-    rows: ReducePlan | None = None  # an MoE experts unit's selected rows only (sharding/experts.py)
+    rows: ReducePlan | None = None  # an MoE experts unit's selected rows only (sharding/experts/selective.py)
     coded: Exchange | None = None  # the codec's exchange (quantized.py: qgZ's int8 all-to-all)
 
 
@@ -229,7 +229,7 @@ class GradReducer:
         width = lay.shard_numel if rows is None else rows.width
         size = n * width if rows is None else rows.send_numel
         inp = self.ctx.pool.get(size, g.reduce_dtype if fb is None else g.master_dtype, g.device)
-        # compact expert gathers hold their gradients outside p.grad (sharding/expert_compact.py)
+        # compact expert gathers hold their gradients outside p.grad (sharding/experts/compact.py)
         held = rows.grads if rows is not None else g.experts.full_grads() if g.experts is not None else None
         grads: list[torch.Tensor | None] = []
         for i, p in enumerate(g.params):
@@ -262,7 +262,7 @@ class GradReducer:
             if rows is None:  # a reduce-scatter, or qgZ's int8 all-to-all (quantized.py)
                 coded = self.codec.launch(self.ctx, inp, width, what=what)
                 self._in_flight.append(_InFlight(g, coded.handle, inp, coded.got, coded=coded))
-            else:  # the selected experts' rows: a reduce-scatter, or to their owners (expert_owners.py)
+            else:  # the selected experts' rows: a reduce-scatter, or to their owners (experts/owners.py)
                 out, handle = rows.exchange(self.ctx, inp, what)
                 self._in_flight.append(_InFlight(g, handle, inp, out, rows=rows))
         if self.max_in_flight == 0:

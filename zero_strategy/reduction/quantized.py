@@ -26,8 +26,9 @@ shard (``1/shard_size`` of the bucket) and is left exact, so each gradient is ro
 the error does not grow with the number of replicas.
 
 Only the sharded reductions use the codec: an MoE experts unit's selected rows
-(``sharding/experts.py``) and the full all-reduce without an optimizer (``AllReduceAtEnd``) stay
-exact; top-k compression (``compression.py``) is refused with it by the config.
+(``sharding/experts/selective.py``) and the full all-reduce without an optimizer
+(``AllReduceAtEnd``) stay exact; top-k compression (``compression.py``) is refused with it by the
+config.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ class Budget:
 
     def reserve_expert_caches(self, per_layer: int, layers: int) -> None:
         """The experts' caches (``moe_expert_cache`` bytes per experts layer, ``sharding/
-        expert_cache.py``) keep gathered expert rows: they take their bytes from the cache tier,
+        experts/cache.py``) keep gathered expert rows: they take their bytes from the cache tier,
         and the cache of whole units gets what is left."""
         reserved = per_layer * layers
         if not reserved:

@@ -10,7 +10,7 @@ graph there and runs the hook as plain Python, and compiles the module code betw
 The compiled code then only ever sees gathered parameters (full shape, contiguous strides),
 the same tensors at every call, so it neither recompiles nor reads a placeholder; backward
 reads the parameters the engine gathered again for it, as eager autograd does. One exception:
-an MoE experts module with compact gathers (``sharding/expert_compact.py``) sees parameters of
+an MoE experts module with compact gathers (``sharding/experts/compact.py``) sees parameters of
 ``[U, ...]`` and ``num_experts = U``, so its code is recompiled for new union sizes, up to
 dynamo's recompile limit, after which that module runs eagerly.
 

@@ -74,7 +74,7 @@ from zero_strategy.runtime.whole_params import WholeParams
 from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
 from zero_strategy.runtime.zero3_hooks import Zero3Hooks, refuse_load_state_dict, refuse_sharded_state_dict
 from zero_strategy.sharding.construction import materialize_full
-from zero_strategy.sharding.expert_owners import unit_cuts
+from zero_strategy.sharding.experts.owners import unit_cuts
 from zero_strategy.sharding.group import (
     GroupSpec,
     InPlaceMasters,

@@ -162,7 +162,7 @@ class WholeModelState:
             meter = sharded.meter
             out |= {"gathered": meter.live, "gathered_peak": meter.peak, "gathers": meter.gathers,
                     "gathered_bytes": meter.gathered_bytes} | cache_stats(self.zero3.cache, self.budget, sharded.units)  # fmt: skip
-            out |= self.zero3.moe.entries()  # MoE experts units (sharding/experts.py)
+            out |= self.zero3.moe.entries()  # MoE experts units (sharding/experts/selective.py)
         return out
 
     def _step_label(self) -> str:

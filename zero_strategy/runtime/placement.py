@@ -59,7 +59,7 @@ def unit_bytes(
     fractions: tuple[float, ...] | None, cuts: Mapping[str, tuple[int, ...]] | None = None,
 ) -> list[UnitBytes]:  # fmt: skip
     """The footprint of each unit (``partition.unit_members``) on this rank; ``cuts``: the expert
-    owners' boundaries by unit label (``expert_owners.py``), whose rows are padded to the largest
+    owners' boundaries by unit label (``experts/owners.py``), whose rows are padded to the largest
     owner's."""
     out = []
     for label, params in members:

@@ -38,8 +38,8 @@ from zero_strategy.comm import collectives as C
 from zero_strategy.comm import profiling as P
 from zero_strategy.reduction.grads import GradReducer
 from zero_strategy.sharding.cache import GatherCache
-from zero_strategy.sharding.expert_owners import OwnedExperts
-from zero_strategy.sharding.experts import FULL_SHARE, ExpertRows, MoeStats
+from zero_strategy.sharding.experts.owners import OwnedExperts
+from zero_strategy.sharding.experts.selective import FULL_SHARE, ExpertRows, MoeStats
 from zero_strategy.sharding.partition import UnitPlan
 from zero_strategy.sharding.states import ShardedState
 from zero_strategy.sharding.unit import ShardedParams, UnitStorage
@@ -61,8 +61,8 @@ class Zero3Settings:
     defer_checks: bool = False  # gather checks read once per step once the unit order is known
     cache: int | None = None  # the cache cap in bytes (memory budget); None or 0: free each unit after use
     moe_full_share: float = FULL_SHARE  # experts units: gather whole above this share of a whole gather
-    moe_expert_cache: int = 0  # experts units: bytes of kept expert rows per unit (sharding/expert_cache.py)
-    moe_compact: bool = True  # experts units: selected rows placed as [U, ...] (sharding/expert_compact.py)
+    moe_expert_cache: int = 0  # experts units: bytes of kept expert rows per unit (sharding/experts/cache.py)
+    moe_compact: bool = True  # experts units: selected rows placed as [U, ...] (sharding/experts/compact.py)
 
 
 class UnitScheduler:
@@ -112,7 +112,7 @@ class UnitScheduler:
         self.cache = GatherCache(storage.meter, settings.cache)
         self._running: list[int] = []  # tags of the units whose forward runs now (the cache keeps them)
         self._step_live = False  # the root and pinned units are in use (a forward and its backward)
-        # MoE experts units (sharding/experts.py): gathered by selection, finished with their block's unit
+        # MoE experts units (sharding/experts/selective.py): gathered by selection, finished with their block's unit
         self.moe = MoeStats()
         unit_fqns = [fqn for fqn, _ in plan.units]
         self.experts: dict[int, ExpertRows] = {}
@@ -123,7 +123,7 @@ class UnitScheduler:
                 continue
             x = (
                 OwnedExperts(found, eu, self.moe, settings.moe_full_share)
-                if eu.layout.cuts is not None  # moe_expert_layout: owners (sharding/expert_owners.py)
+                if eu.layout.cuts is not None  # moe_expert_layout: owners (sharding/experts/owners.py)
                 else ExpertRows(
                     found, eu, self.moe, settings.moe_full_share, settings.moe_expert_cache, settings.moe_compact
                 )
@@ -487,7 +487,7 @@ class UnitScheduler:
         if not self.cache.enabled and not self._reuse_soon(u, self._bwd_pos, -1):
             u.release()
 
-    # -- MoE experts units (sharding/experts.py) --------------------------------------------
+    # -- MoE experts units (sharding/experts/selective.py) ----------------------------------
     def expert_pre_forward(self, x: ExpertRows, selection: torch.Tensor | None) -> None:
         """Before an experts module's forward: agree on the union of the selected experts (one
         all-reduce) and gather its rows. A forward with gradients remembers the union for its

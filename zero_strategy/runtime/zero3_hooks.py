@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 from zero_strategy._weak import weak_method
 from zero_strategy.runtime.compile_support import eager, hook_caller
 from zero_strategy.runtime.zero3 import UnitScheduler
-from zero_strategy.sharding.experts import SELECT_HOOK, ExpertRows
+from zero_strategy.sharding.experts.selective import SELECT_HOOK, ExpertRows
 from zero_strategy.sharding.pieces import is_placeholder
 from zero_strategy.sharding.unit import UnitStorage
 
@@ -123,7 +123,7 @@ class Zero3Hooks:
     def _expert_pre(self, x: ExpertRows, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         self.scheduler.expert_pre_forward(x, x.found.selection(args, kwargs))
         x.open_call = True
-        return x.call_arguments(args, kwargs)  # compact rows: the selection as slots (expert_compact.py)
+        return x.call_arguments(args, kwargs)  # compact rows: the selection as slots (experts/compact.py)
 
     def _expert_call_done(self, x: ExpertRows, module: nn.Module, args: Any, output: Any) -> None:
         x.call_done()

@@ -99,7 +99,7 @@ class ReducePlan:
     segments: list[list[tuple[int, torch.Tensor]]]  # per rank: (parameter, flat positions)
     width: int
     covered: frozenset[int] = frozenset()  # the parameters some rank reduces rows of
-    # compact gradients (expert_compact.py): packed from these instead of ``p.grad``
+    # compact gradients (experts/compact.py): packed from these instead of ``p.grad``
     grads: tuple[torch.Tensor | None, ...] | None = field(default=None, kw_only=True)
 
     @property
@@ -148,7 +148,7 @@ class ReducePlan:
 
 
 class RowSelection(Protocol):
-    """What the reducer asks an MoE experts unit (``experts.py``): the rows of its next
+    """What the reducer asks an MoE experts unit (``experts/selective.py``): the rows of its next
     reduction, and the gradients it holds outside ``p.grad`` (compact gathers)."""
 
     def reduce_plan(self) -> ReducePlan | None: ...
@@ -188,7 +188,7 @@ class ShardGroup:
         self.master_device = self.masters[0].device  # where the optimizer works on it
         self.tier = tier  # "device" or "host": where its masters, gradient shard and optimizer state live
         self._grad_shard: torch.Tensor | None = None
-        self.experts: RowSelection | None = None  # an MoE experts unit: reduced by its selection (experts.py)
+        self.experts: RowSelection | None = None  # an MoE experts unit: reduced by its selection (experts/selective.py)
         self.grad_valid = False  # False: the next reduction overwrites instead of adding
 
     @property

@@ -12,7 +12,7 @@ score. ``chunks[i]`` is then the *largest* piece of parameter ``i``: every rank'
 to it, and the collectives stay equal-sized. Checkpoints record the real offsets
 (``checkpoint/state.py``), since a ``Shard(0)`` DTensor would assume ``torch.chunk``'s.
 
-With expert owners (``expert_owners.py``) the layout has ``cuts``: ``world_size + 1`` expert
+With expert owners (``experts/owners.py``) the layout has ``cuts``: ``world_size + 1`` expert
 boundaries (0 to ``E``) for parameters whose first dimension is ``E`` experts, and rank ``r``'s
 piece of every parameter is experts ``cuts[r]:cuts[r + 1]``, whole. Like load balancing, it is
 uneven, so checkpoints record the real offsets and reshard between layouts.

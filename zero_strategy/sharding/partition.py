@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from zero_strategy.sharding.expert_detect import ExpertsModule, find_expert_modules
+from zero_strategy.sharding.experts.detect import ExpertsModule, find_expert_modules
 
 __all__ = ["UnitPlan", "UnitPolicy", "find_units", "is_zero_unit_class", "zero_auto_partition"]
 
@@ -59,7 +59,7 @@ class UnitPlan:
     units: list[tuple[str, nn.Module]]
     rule: str
     conditional_lists: list[list[str]] = field(default_factory=list)
-    # MoE experts modules (``experts.py``): each a unit of its own inside its block's unit,
+    # MoE experts modules (``experts/selective.py``): each a unit of its own inside its block's unit,
     # gathered by the router's selection instead of by the unit hooks
     experts: list[ExpertsModule] = field(default_factory=list)
 

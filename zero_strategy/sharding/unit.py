@@ -191,7 +191,7 @@ class UnitStorage:
         row_swap: RowSwap | None = None,
         checks: GatherChecks | None = None,
         fractions: tuple[float, ...] | None = None,
-        cuts: tuple[int, ...] | None = None,  # expert owners' boundaries (expert_owners.py)
+        cuts: tuple[int, ...] | None = None,  # expert owners' boundaries (experts/owners.py)
         peak: HostPeak | None = None,  # counts the host memory the originals free (host_memory.py)
         codec: GatherCodec = EXACT,  # the forward's and backward's gathers (gather_codec.py)
         feed: RowFeed | None = None,  # rows in host memory into the gathers (storage/uploads.py)
@@ -546,7 +546,7 @@ class ShardedParams(ParamStorage):
         units, or from a unit and outside it (tied weights), belongs to the root unit, which
         stays gathered for the whole forward and backward. The offload policies say where each
         unit's rows and masters live (``offload.py``); ``unit_cuts`` gives experts units (by
-        label) their owners' boundaries (``expert_owners.py``).
+        label) their owners' boundaries (``experts/owners.py``).
 
         The model is converted unit by unit: ``sync`` (the initial broadcast from rank 0) gets
         each unit's parameters just before its rows are written, and the unit's parameters lose

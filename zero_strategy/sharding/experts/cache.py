@@ -2,7 +2,7 @@
 layer under a cap in bytes (``moe_expert_cache``), so that a later pass gathers only the union
 of its selected experts minus the kept ones.
 
-Without it, each pass of an experts unit (``experts.py``) gathers the union of the experts its
+Without it, each pass of an experts unit (``selective.py``) gathers the union of the experts its
 tokens selected: the forward, the backward of the same micro-step (which needs the forward's
 union again), the next micro-step under accumulation, an evaluation forward. Offloading MoE
 systems (mixtral-offloading, MoE-Infinity) keep an LRU cache of experts per layer; this is
@@ -77,7 +77,7 @@ class ExpertCache:
 
     def fill(self, flats: Sequence[torch.Tensor], experts: Sequence[int], at: Mapping[int, int] | None = None) -> None:
         """Write the kept rows of ``experts`` into the flat parameters (full-size, or compact with
-        expert ``e`` in slot ``at[e]``: ``expert_compact.py``)."""
+        expert ``e`` in slot ``at[e]``: ``experts/compact.py``)."""
         for e in experts:
             for (i, a, b), rows in zip(self.slices[e], self.kept[e]):
                 _rows(flats[i], e, a, b, at).copy_(rows)

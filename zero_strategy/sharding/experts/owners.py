@@ -1,6 +1,6 @@
 """Expert owners: each expert of a stacked experts module lives whole on one rank.
 
-The default layout of an experts unit (``experts.py``) gathers, for every rank, the *union* of
+The default layout of an experts unit (``selective.py``) gathers, for every rank, the *union* of
 the experts that some rank selected, and reduce-scatters that union's gradient rows. With
 ``moe_expert_layout: owners`` (under ``zero_strategy`` in the config) each expert instead has
 an owner:
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from zero_strategy.comm import collectives as C
-from zero_strategy.sharding.experts import ExpertRows, ExpertsModule, MoeStats, row_segments
+from zero_strategy.sharding.experts.selective import ExpertRows, ExpertsModule, MoeStats, row_segments
 from zero_strategy.sharding.gather_checks import TAG
 from zero_strategy.sharding.group import ReducePlan
 from zero_strategy.sharding.layout import ShardLayout

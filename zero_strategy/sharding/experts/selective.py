@@ -31,11 +31,11 @@ a gradient hook of an idle expert.
 Cost switch. When the padded selective gather would move at least ``full_share`` of a whole
 gather's bytes, the whole unit is gathered (and reduced) in one collective instead.
 
-The experts' cache (``moe_expert_cache``, ``expert_cache.py``): rows gathered by a step's earlier
+The experts' cache (``moe_expert_cache``, ``experts/cache.py``): rows gathered by a step's earlier
 passes are kept per layer under a cap in bytes until the parameters change, and a later pass
 gathers only its union minus the kept experts (nothing at all when every one is kept).
 
-Compact gathers (``moe_compact_gather``, ``expert_compact.py``): the union's rows are placed in
+Compact gathers (``moe_compact_gather``, ``experts/compact.py``): the union's rows are placed in
 parameters of shape ``[U, ...]`` and the module's call sees slots instead of expert indices, so a
 layer's gathered memory follows the union too.
 """
@@ -48,8 +48,8 @@ from typing import Any
 import torch
 
 from zero_strategy.comm import collectives as C
-from zero_strategy.sharding.expert_cache import ExpertCache
-from zero_strategy.sharding.expert_compact import (
+from zero_strategy.sharding.experts.cache import ExpertCache
+from zero_strategy.sharding.experts.compact import (
     CompactPlan,
     CompactRows,
     Spans,
@@ -60,7 +60,7 @@ from zero_strategy.sharding.expert_compact import (
     spans_of,
     with_selection,
 )
-from zero_strategy.sharding.expert_detect import (
+from zero_strategy.sharding.experts.detect import (
     SELECT_HOOK,
     SELECTION_ARGUMENTS,
     ExpertsModule,
@@ -130,13 +130,13 @@ class MoeStats:
         self.gathered_bytes = 0  # bytes the expert gathers moved (received, with padding)
         self.peak_gather_bytes = 0  # the most one expert gather moved
         self.peak_layer_bytes = 0  # the most one experts layer held gathered at once (full-size or compact)
-        self.compact_gathers = 0  # selective gathers placed compactly ([U, ...]: expert_compact.py)
+        self.compact_gathers = 0  # selective gathers placed compactly ([U, ...]: experts/compact.py)
         self.full_bytes = 0  # bytes whole gathers of the same units would have moved
         self.union_experts = 0  # experts in the agreed unions, summed over the forwards
         self.experts_seen = 0  # experts of the modules, summed over the same forwards
         self.reduced_bytes = 0  # gradient bytes the expert reductions moved
         self.full_reduce_bytes = 0  # bytes whole reductions would have moved
-        # the experts' cache (expert_cache.py)
+        # the experts' cache (experts/cache.py)
         self.cache_hits = 0  # experts of a pass's union found kept: not gathered
         self.cache_misses = 0  # experts of a pass's union gathered
         self.cache_passes = 0  # passes whose whole union was kept: no gather at all
@@ -220,7 +220,7 @@ class ExpertRows:
                         slices[e].append((i, lo, lo + r))
             self.cache = ExpertCache(cache_cap, slices, unit.full[0].element_size())
             stats.caches.append(self.cache)
-        # compact gathers (expert_compact.py): stacked experts whose call can run on [U, ...] rows
+        # compact gathers (experts/compact.py): stacked experts whose call can run on [U, ...] rows
         self.compact: CompactRows | None = None
         if compact and not found.members and unit.params and compactable(found.module, found.num_experts):
             shapes = [f.shape for f in unit.full]

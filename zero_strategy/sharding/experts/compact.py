@@ -1,6 +1,6 @@
 """Compact expert gathers: the selected experts' rows in tensors of shape ``[U, ...]``.
 
-A selective gather (``experts.py``) moves only the rows of the union ``U`` of the experts the
+A selective gather (``selective.py``) moves only the rows of the union ``U`` of the experts the
 ranks selected. Without this module it writes them into zeroed full-size parameters
 ``[E, ...]``, so a layer's gathered memory is that of a whole gather whatever the union. With it
 (``moe_compact_gather``, on by default), the gathered parameters hold the union's rows only.

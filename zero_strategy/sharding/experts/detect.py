@@ -1,6 +1,6 @@
 """Which modules are MoE experts modules, without a per-model list (the detection half of
-``experts.py``, which documents it; kept apart so that ``partition.py`` can find the experts
-without importing the units that gather them).
+``selective.py``, which documents it; kept apart so that ``sharding/partition.py`` can find
+the experts without importing the units that gather them).
 """
 
 from __future__ import annotations
