@@ -2,7 +2,9 @@
 
 The composition root (``runtime/compose.py``) turns the user's config into one frozen
 :class:`ReducePolicy`; the reducer is built from it. It holds whether reductions overlap the
-backward (``overlap_comm``: up to two buckets in flight), the top-k compression section
+backward (``overlap_comm``: up to two buckets in flight), the ZeRO-1/2 bucket size (DeepSpeed's
+``reduce_bucket_size`` and ``allgather_bucket_size``, the smaller: one bucket is reduced and
+gathered as one), the top-k compression section
 (``compression.py``) and the wire format of the sharded reductions (``quantized.py``: exact or
 int8, ZeRO++'s qgZ). *When* a reduction runs is the gradient schedule, chosen by stage and
 optimizer (``schedule.py``), not a setting.
@@ -25,6 +27,10 @@ class ReduceSettings(Protocol):
     @property
     def overlap_comm(self) -> bool: ...
     @property
+    def reduce_bucket_size(self) -> int: ...
+    @property
+    def allgather_bucket_size(self) -> int: ...
+    @property
     def compression(self) -> CompressionConfig: ...
     @property
     def zero_quantized_gradients(self) -> bool: ...
@@ -33,6 +39,7 @@ class ReduceSettings(Protocol):
 @dataclass(frozen=True)
 class ReducePolicy:
     overlap: bool = True
+    bucket_size: int = 4_000_000  # elements per ZeRO-1/2 bucket
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     quantized: bool = False
 
@@ -47,5 +54,8 @@ class ReducePolicy:
 
 def reduce_policy(config: ReduceSettings) -> ReducePolicy:
     return ReducePolicy(
-        overlap=config.overlap_comm, compression=config.compression, quantized=config.zero_quantized_gradients
+        overlap=config.overlap_comm,
+        bucket_size=min(config.reduce_bucket_size, config.allgather_bucket_size),
+        compression=config.compression,
+        quantized=config.zero_quantized_gradients,
     )

@@ -64,7 +64,6 @@ class EnginePolicies:
     precision: Precision
     gather: GatherPolicy
     reduce: ReducePolicy
-    bucket_size: int  # elements per ZeRO-1/2 bucket (DeepSpeed's reduce and all-gather sizes, the smaller)
     clipping: float | None  # gradient_clipping: the norm clipped to before every step, None: off
     loss_scale: LossScaleConfig
     loss_scale_explicit: bool  # an fp16 block was given: DeepSpeed's schedule even in mixed precision
@@ -94,7 +93,6 @@ def resolve_policies(config: ZeroConfig, caller: str = "initialize()") -> Engine
         precision=select_precision(config.precision),
         gather=gather_policy(config),
         reduce=reduce_policy(config),
-        bucket_size=min(config.reduce_bucket_size, config.allgather_bucket_size),
         clipping=config.gradient_clipping,
         loss_scale=config.loss_scale,
         loss_scale_explicit=config.explicitly_set("loss_scale"),

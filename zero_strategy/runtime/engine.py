@@ -278,7 +278,7 @@ class ZeroEngine(WholeModelState):
             fractions=fractions,
         )
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        bucket = bucket_numel(policies.bucket_size, sum(p.numel() for _, p in trainable))
+        bucket = bucket_numel(policies.reduce.bucket_size, sum(p.numel() for _, p in trainable))
         self.groups = build_groups(list(reversed(trainable)), spec, bucket_numel=bucket)
         with torch.no_grad():  # 16-bit parameters, after the fp32 masters were taken from them
             for _, p in named:
