@@ -3,11 +3,13 @@
 keyword, into a function or method of ``zero_strategy`` that the source names), and count the
 files it enters (a *stay*: each function it enters) and the *climbs*: a call from a module into
 a module of a higher layer (``LAYERS`` in ``test_imports.py``). An object that keeps it
-(``self.config = config``) makes every method of its class that reads it a stay, and a piece of
-it (``config.offload_optimizer``) passed on counts as the config. Measured with this walk: before
-the composition root (``dadb514``) 13 files, 35 stays; after it, 10 files, 17 stays (the
-root and the policy builders it calls); no climbs either way. (The issue counted 30 files, 76
-stays and 22 climbs with a wider walk that also followed calls on the engine's other objects.)
+(``self.config = config``) makes every method of its class that reads it a stay; a piece of it
+(``config.offload_optimizer``) passed on, or a local name assigned from it, counts as the config. Measured with this walk:
+before the composition root (``dadb514``) 16 files, 43 stays; after it, 10 files, 17 stays
+(the root, the engine, and the policy builders the root calls); no climb either way: under this
+walk the old code passed the config down, never up. (The issue counted 30 files, 76 stays and
+22 climbs with a wider walk, whose rules it does not give; this one bounds the files entered and
+the calls into a higher layer.)
 
 The walk is static (``ast``): a callee named through an import, a module alias (``C.f``), the
 module's own functions, ``self.method`` of the same class, or a class (its ``__init__``).
@@ -125,6 +127,26 @@ def _kept_on_self(fn: ast.FunctionDef, tracked: frozenset[str]) -> set[str]:
     }
 
 
+def _derived(fn: ast.FunctionDef, tracked: frozenset[str]) -> frozenset[str]:
+    """``tracked`` and the local names ``fn`` assigns from it (``cfg = config``,
+    ``block = config.offload_optimizer``, ``a, b = config.x, config.y``), to a fixed point."""
+    out = set(tracked)
+    while True:
+        more = set()
+        for n in ast.walk(fn):
+            if not isinstance(n, ast.Assign):
+                continue
+            pairs = [(t, n.value) for t in n.targets]
+            pairs += [
+                (t, v) for t in n.targets if isinstance(t, ast.Tuple) and isinstance(n.value, ast.Tuple)
+                for t, v in zip(t.elts, n.value.elts)
+            ]  # fmt: skip
+            more |= {t.id for t, v in pairs if isinstance(t, ast.Name) and _tracked(v, frozenset(out))}
+        if more <= out:
+            return frozenset(out)
+        out |= more
+
+
 def _reads(fn: ast.FunctionDef, attrs: set[str]) -> bool:
     return any(
         isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and f"{n.value.id}.{n.attr}" in attrs
@@ -147,6 +169,7 @@ def walk_config(root: Path, start: tuple[str, str, str] = ("zero_strategy.runtim
         seen.add((module, fn.name, cls, tracked))
         out.files.add(module)
         out.stays += 1
+        tracked = _derived(fn, tracked)
         kept = _kept_on_self(fn, tracked) if cls is not None else set()
         if kept:  # the object keeps it: every method of its class that reads it is a stay
             for node in index.trees[module].body:

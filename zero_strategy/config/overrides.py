@@ -63,10 +63,10 @@ def not_applied_settings(cfg: ZeroConfig) -> list[str]:
     return out
 
 
-def warn_not_applied(cfg: ZeroConfig) -> None:
+def warn_not_applied(cfg: ZeroConfig, stacklevel: int = 4) -> None:
     """``not_applied_settings`` as warnings, each once per job (``warn_once``), at initialize."""
     for message in not_applied_settings(cfg):
-        warn_once(message, stacklevel=4)
+        warn_once(message, stacklevel=stacklevel)
 
 
 # zero_strategy's MoE knobs, which only ZeRO-3 applies

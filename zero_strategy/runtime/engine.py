@@ -34,6 +34,7 @@ What ``p.grad`` holds (``p`` a model parameter):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -47,48 +48,42 @@ from torch.utils._pytree import tree_flatten
 from zero_strategy._swap import unswap_class
 from zero_strategy._weak import weak_method
 from zero_strategy.comm import collectives as C
-from zero_strategy.comm.balance import shard_fractions
 from zero_strategy.config import ZeroConfig
 from zero_strategy.offload.disk_tier import DiskTier
 from zero_strategy.offload.host_step import HostStep
 from zero_strategy.offload.swapped_state import SwappedOptimizerState
-from zero_strategy.reduction.compression import build_compression
 from zero_strategy.reduction.grads import (
     AllReduceAtEnd,
-    GradReducer,
     GradSchedule,
     ReduceAtStep,
     ReduceAtUnitEnd,
     ReduceInBackward,
 )
-from zero_strategy.runtime.budget import Budget
 from zero_strategy.runtime.compile_support import eager
-from zero_strategy.runtime.compose import make_scaler, resolve_policies, shard_group_contexts, world_context
+from zero_strategy.runtime.compose import (
+    build_storage,
+    make_reducer,
+    make_scaler,
+    make_zero3,
+    note_accumulation,
+    resolve_policies,
+    shard_group_contexts,
+    world_context,
+)
 from zero_strategy.runtime.compressed_adam import adam_direction
 from zero_strategy.runtime.engine_state import StepCalls, SyncState, WholeModelState
 from zero_strategy.runtime.optimizer_set import OptimizerSet, key
-from zero_strategy.runtime.placement import resolve_ratios
 from zero_strategy.runtime.shard_groups import refuse_experts, refuse_modifier_rank
 from zero_strategy.runtime.torch_clipping import LiveEngines
 from zero_strategy.runtime.whole_params import WholeParams
-from zero_strategy.runtime.zero3 import UnitScheduler, Zero3Settings
+from zero_strategy.runtime.zero3 import UnitScheduler
 from zero_strategy.runtime.zero3_hooks import Zero3Hooks, refuse_load_state_dict, refuse_sharded_state_dict
-from zero_strategy.sharding.construction import materialize_full
-from zero_strategy.sharding.experts.owners import unit_cuts
 from zero_strategy.sharding.group import (
-    GroupSpec,
-    InPlaceMasters,
-    SeparateMasters,
     ShardGroup,
-    bucket_numel,
-    build_groups,
 )
-from zero_strategy.sharding.members import unit_members
-from zero_strategy.sharding.partition import UnitPolicy, find_units
-from zero_strategy.sharding.pieces import check_placeholder, forget_pieces, sharded_init_piece
+from zero_strategy.sharding.partition import UnitPolicy
+from zero_strategy.sharding.pieces import sharded_init_piece
 from zero_strategy.sharding.replicated import ReplicatedParams
-from zero_strategy.sharding.secondary import SecondaryShards
-from zero_strategy.sharding.setup_checks import refuse_norm_layers_with_running_stats
 from zero_strategy.sharding.states import (
     GRAD_TRANSITIONS,
     TRAINING_TRANSITIONS,
@@ -133,6 +128,7 @@ class ZeroEngine(WholeModelState):
         # 2. storage: swap directories (an unusable nvme_path fails here, before any change)
         self.disk = DiskTier(self.offload_optimizer, self.offload_params, self.ctx)
         weakref.finalize(self, self.disk.close)  # a dropped engine takes its I/O threads and files along
+        note_accumulation(p)  # a setting the front-ends read, said here once the config is usable
         # 3. precision, and the engine's own state
         self.precision, self.scaler = p.precision, make_scaler(p)
         self._init_state()
@@ -141,16 +137,23 @@ class ZeroEngine(WholeModelState):
         groups = shard_group_contexts(self.world, p, named, owned, built_sharded=built_sharded, mesh=mesh)
         self.ctx, self.replica = groups.shard, groups.replica
         # 5. parameters and units: the storage, the shard groups, the masters
-        self._build(named, policy)
+        built = build_storage(module, named, policy, p, self.precision, self.world, self.ctx, self.disk, self.init_peak)
+        self.params, self.groups = built.params, built.groups
+        self.policies = p = dataclasses.replace(p, storage=built.placement)  # ratio auto resolved
+        self.offload_optimizer, self.offload_params = p.storage.optimizer, p.storage.params
         refuse_experts(self.replica, self.groups)
         self._master: dict[int, torch.Tensor] = {id(q): m for g in self.groups for q, m in zip(g.params, g.masters)}
         # 6. the gradient reducer, and the owners of whole-stepped parameters (Muon)
-        self.reducer = self._make_reducer()
+        self.reducer = make_reducer(
+            self.groups, self.ctx, self.replica, self.world, p, self.scaler,
+            describe_step=weak_method(self._step_label, default="after the engine was dropped"),
+            steps_done=weak_method(self.steps_done, default=0),
+        )  # fmt: skip
         self.whole = WholeParams(self.ctx, self.reducer.locate, self._names)  # Muon & co (whole_params.py)
-        # 7. ZeRO-3's scheduler and memory budget
-        self.budget: Budget | None = None  # the memory budget's tiers (budget.py), ZeRO-3 only
-        self.zero3: UnitScheduler | None = None
-        self.zero3 = self._make_zero3(groups.secondary) if isinstance(self.params, ShardedParams) else None
+        # 7. ZeRO-3's scheduler and memory budget (none at ZeRO-1/2)
+        others = weak_method(self._other_engines_bytes, default=0)
+        self.zero3, self.budget = make_zero3(self.params, built.plan, self.reducer, p, groups.secondary, others)
+        self._check_fit()
         # 8. hooks
         self.host_step = HostStep.build(getattr(self, "params", None), self.ctx.device)  # None: nothing to overlap
         self.schedule: GradSchedule = self._schedule_for(())
@@ -160,13 +163,11 @@ class ZeroEngine(WholeModelState):
 
     def _init_state(self) -> None:
         self.opts = OptimizerSet((), {})
-        self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.training_state = TrainingState.IDLE
         self.grad_state = GradState.EMPTY
         self.step_count = 0
         self.steps = StepCalls()  # the optimizer step's progress (engine_state.py)
         self.sync_state = SyncState()  # when gradients reduce: no_sync, the next backward, the root's nesting
-        self._scratch_budget: int | None = None  # communication buffers kept between steps (bytes)
         self.destroyed = False
         self._hooks: list[Any] = []
         self._schedule_hooks: list[Any] = []
@@ -174,123 +175,13 @@ class ZeroEngine(WholeModelState):
         self.init_peak = HostPeak()  # the host memory initialize takes (memory_stats' initialize_host_peak)
         self.phase_offloaded: Any = None  # offload_states / reload_states (phase_offload.py)
 
-    def _make_reducer(self) -> GradReducer:
-        world, scaler, reduce = self.world, self.scaler, self.policies.reduce  # no engine in the callables
-        return GradReducer(
-            self.groups,
-            self.ctx,
-            max_in_flight=reduce.max_in_flight,
-            grad_factor=lambda: 1.0 / (world.world_size * scaler.scale),
-            replica=self.replica,
-            world=self.world,
-            describe_step=weak_method(self._step_label, default="after the engine was dropped"),
-            compression=build_compression(
-                reduce.compression, self.groups, self.ctx, steps=weak_method(self.steps_done, default=0)
-            ),
-            codec=reduce.codec(),
-        )
-
-    def _make_zero3(self, hpz: C.CommContext | None) -> UnitScheduler:
-        """ZeRO-3's unit scheduler from the gather policy, after the memory budget (if any)."""
-        params, gather, memory = self.params, self.policies.gather, self.policies.memory
-        if not isinstance(params, ShardedParams):
-            raise TypeError("_make_zero3: ZeRO-3's unit storage expected")  # the caller checks the stage
-        self.budget = Budget(memory, self.ctx, params) if memory.enabled else None
-        if self.budget is not None:
-            self.budget.others = weak_method(self._other_engines_bytes, default=0)
-        params.use_secondary(SecondaryShards(hpz) if hpz is not None else None)
-        settings = Zero3Settings(
-            prefetch=gather.prefetch,
-            prefetch_bucket_size=gather.prefetch_bucket_size,
-            max_live_parameters=gather.max_live_parameters,
-            max_reuse_distance=gather.max_reuse_distance,
-            check_unit_order=gather.check_unit_order,
-            defer_checks=gather.defer_checks(self.ctx.device),
-            cache=self.budget.cache if self.budget is not None else None,
-            moe_full_share=gather.moe_full_share,
-            moe_expert_cache=gather.moe_expert_cache,
-            moe_compact=gather.moe_compact,
-        )
-        self.zero3 = zero3 = UnitScheduler(params, self._plan, self.reducer, settings)  # memory_stats reads it
-        params.refresh_persistent("initialize")  # never partitioned for their readers
-        if self.budget is not None:  # does the model fit? (raises with each tier's bytes)
-            caches = sum(x.cache is not None for x in zero3.experts.values())
-            self.budget.reserve_expert_caches(gather.moe_expert_cache, caches)  # from the cache tier
-            self.budget.check(self.memory_stats(), zero3.cache, when="at initialize")
-        self.reducer.deferred_check = params.checks  # read with the gradient flags
-        return zero3
-
-    def _build(self, named: list[tuple[str, nn.Parameter]], policy: UnitPolicy) -> None:
-        """The parameter storage and the shard groups: at ZeRO-3 each unit's rows hold this
-        rank's pieces and the masters are views of them; at ZeRO-1/2 the groups are size buckets
-        and the masters are views of the parameters (or fp32 copies for 16-bit parameters)."""
-        module, policies = self.module, self.policies
-        built_sharded = [p for _, p in named if sharded_init_piece(p) is not None]
-        for n, p in named:
-            if sharded_init_piece(p) is not None:
-                check_placeholder(p.data, n)
-        if policies.stage != 3:  # ZeRO-1/2 keep full parameters: gather what sharded_init cut
-            for p in built_sharded:
-                materialize_full(p)
-
-        # rank 0's values everywhere (DDP's start), one bucket at a time: a rank that holds them
-        # already writes nothing (mapped weights stay file pages); at ZeRO-3 unit by unit, each
-        # just before its rows are written (ShardedParams), so no copy of the model exists
-        def sync(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor] = ()) -> None:
-            full = [p for p in params if sharded_init_piece(p) is None]  # sharded_init: pieces of one init
-            C.broadcast_coalesced(
-                self.world, full + list(buffers), what="initial module state", keep_equal=True, on_bucket=peak.mark
-            )
-
-        peak = self.init_peak
-        sync([] if policies.stage == 3 else [p for _, p in named], list(module.buffers()))
-        if self.precision.low_params:
-            refuse_norm_layers_with_running_stats(module, self.precision.param_dtype)
-        fractions = shard_fractions(policies.load_balance, self.ctx)  # None: even shards
-        if policies.stage == 3:
-            self._plan = find_units(module, policy)
-            # with a budget, persistent units are chosen by the budget (budget.py) once the state exists
-            threshold = -1 if policies.memory.enabled else policies.gather.persistence_threshold
-            # found once: ratio auto (the smallest offload that fits) and the unit storage
-            members = unit_members(module, self._plan.storage_units(), named)
-            cuts = unit_cuts(self._plan.experts, policies.gather.moe_expert_layout, self.ctx.world_size, fractions)
-            storage_policy = resolve_ratios(
-                policies.storage, policies.memory, members, self.precision, self.ctx, fractions, cuts
-            )
-            self.offload_optimizer, self.offload_params = storage_policy.optimizer, storage_policy.params
-            storage = ShardedParams(
-                members, named, self.ctx, self.precision, threshold,
-                offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-                row_swap=self.disk.row_swap, fractions=fractions, unit_cuts=cuts, sync=sync, peak=peak,
-                codec=policies.gather.codec,
-            )  # fmt: skip
-            self.params, self.groups = storage, storage.groups
-            forget_pieces(built_sharded)  # their pieces live in the unit rows now
+    def _check_fit(self) -> None:
+        """ZeRO-3 with a memory budget: does the model fit? (raises with each tier's bytes)"""
+        if self.budget is None or self.zero3 is None:
             return
-        spec = GroupSpec(
-            world_size=self.ctx.world_size,
-            rank=self.ctx.rank,
-            master_dtype_for=self.precision.master_dtype_for,
-            reduce_dtype_for=self.precision.grad_reduce_dtype,
-            master_policy=SeparateMasters() if self.precision.low_params else InPlaceMasters(),
-            offload=self.offload_optimizer,
-            total_numel=sum(p.numel() for _, p in named if p.requires_grad),
-            fractions=fractions,
-        )
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        bucket = bucket_numel(policies.reduce.bucket_size, sum(p.numel() for _, p in trainable))
-        self.groups = build_groups(list(reversed(trainable)), spec, bucket_numel=bucket)
-        with torch.no_grad():  # 16-bit parameters, after the fp32 masters were taken from them
-            for _, p in named:
-                target = self.precision.param_dtype_for(p)
-                if p.dtype != target:
-                    held = p.untyped_storage().nbytes() if p.device.type == "cpu" else 0
-                    p.data = p.data.to(target)
-                    peak.released(held)  # the original's pages go back as the 16-bit copies come
-        self.params = ReplicatedParams(
-            self.ctx, self.groups, [p for _, p in named], max_in_flight=policies.reduce.max_in_flight
-        )
-        peak.mark()  # the masters of 16-bit parameters and offloaded groups exist now
+        caches = sum(x.cache is not None for x in self.zero3.experts.values())
+        self.budget.reserve_expert_caches(self.policies.gather.moe_expert_cache, caches)  # from the cache tier
+        self.budget.check(self.memory_stats(), self.zero3.cache, when="at initialize")
 
     def _schedule_for(self, optimizers: Sequence[torch.optim.Optimizer]) -> GradSchedule:
         if self.policies.stage == 3:
@@ -591,16 +482,16 @@ class ZeroEngine(WholeModelState):
         if self.swapped is not None and self.optimizer is not None:
             self.disk.step(self.optimizer, self.params.masters_resident, self._step_label())
             # the optimizer's own step skips the disk groups (stepped already); their gradients come back after
-            self._stashed_grads = [(m, m.grad) for g in self.swapped.groups for m in g.masters]
-            for m, _ in self._stashed_grads:
+            self.steps.stashed = [(m, m.grad) for g in self.swapped.groups for m in g.masters]
+            for m, _ in self.steps.stashed:
                 m.grad = None
         if self.host_step is not None and optimizer is self.optimizer:  # host masters: step and upload
-            self._stashed_grads += self.host_step.run(optimizer, self._internal_step, self.swapped)  # not disk groups
+            self.steps.stashed += self.host_step.run(optimizer, self._internal_step, self.swapped)  # not disk groups
 
     def _restore_stashed_grads(self) -> None:
-        for m, grad in self._stashed_grads:
+        for m, grad in self.steps.stashed:
             m.grad = grad
-        self._stashed_grads = []
+        self.steps.stashed = []
 
     @contextlib.contextmanager
     def _internal_step(self) -> Iterator[None]:
@@ -646,13 +537,13 @@ class ZeroEngine(WholeModelState):
         if new:
             self.steps.stepped.add(key(optimizer))
             stats = self.memory_stats()
-            self._scratch_budget = int(SCRATCH_SHARE * (stats["model_state"] - stats["tier_disk"]))
+            self.steps.scratch_budget = int(SCRATCH_SHARE * (stats["model_state"] - stats["tier_disk"]))
         if self.budget is not None and self.zero3 is not None and (new or self.budget.pending and not skipped):
             # measured again, persistent units chosen (budget.py)
             self.budget.after_new_state(self.memory_stats, self.zero3.cache, self.zero3.order, self._step_label(),
                                         can_change=self.sync_state.root_depth == 0)  # fmt: skip
-        if self._scratch_budget is not None:
-            self.ctx.pool.trim(self._scratch_budget)
+        if self.steps.scratch_budget is not None:
+            self.ctx.pool.trim(self.steps.scratch_budget)
 
     def zero_grad(self, set_to_none: bool = True, *, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Forget this window's gradients (see :meth:`GradReducer.zero_grad`): with several

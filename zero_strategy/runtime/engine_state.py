@@ -47,6 +47,9 @@ class StepCalls:
     loss_scaled: bool = False  # fp16: was a scaled loss backpropagated in this window?
     clipped: set[int] = field(default_factory=set)  # clipped since the last step: optimizer_set.key, 0: all
     stepped: set[int] = field(default_factory=set)  # optimizers that stepped (key()): their state exists
+    # master gradients set aside while the disk tier or the host step runs the optimizer itself
+    stashed: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    scratch_budget: int | None = None  # communication buffers kept between steps (bytes), once measured
 
 
 @dataclass

@@ -112,7 +112,7 @@ def mesh_groups_over(layout: MeshLayout, world: C.CommContext) -> tuple[Any, Any
 
 
 def _node_fallback(reason: str, n: int) -> None:
-    warnings.warn(f"shard_size='node': {reason}; sharding over all {n} ranks (flat)", UserWarning, stacklevel=4)
+    warnings.warn(f"shard_size='node': {reason}; sharding over all {n} ranks (flat)", UserWarning, stacklevel=5)
 
 
 def resolve_shard_size(world: C.CommContext, size: int | str | None) -> int | None:
