@@ -476,6 +476,7 @@ def _world2(rank: int, world: int, root: str) -> bool:
         {"form": "two", "stage": 3, "accum": 1, "clip": None, "sharded": True},
         {"form": "two", "stage": 2, "accum": 1, "clip": None, "precision": "bf16-mixed"},
         {"form": "one", "stage": 3, "accum": 2, "clip": 0.5, "precision": "bf16-mixed"},
+        {"form": "one", "stage": 1, "accum": 1, "clip": None, "precision": "bf16-mixed"},
         {"form": "one", "stage": 1, "accum": 2, "clip": 0.5},
         {"form": "one", "stage": 3, "accum": 1, "clip": None},
         {"form": "shampoo", "stage": 2, "accum": 1, "clip": None},
@@ -524,6 +525,7 @@ def _world3(rank: int, world: int, root: str) -> bool:
         {"form": "two", "stage": 1, "accum": 2, "clip": 0.5},
         {"form": "one", "stage": 3, "accum": 1, "clip": None},
         {"form": "one", "stage": 2, "accum": 2, "clip": 0.5},
+        {"form": "one", "stage": 3, "accum": 1, "clip": None, "precision": "bf16-mixed"},
     ]
     run_subtests(lambda **kw: case_parity(rank, world, **kw), grid, label="muon parity")
     case_load_at_3(rank, world, root)
