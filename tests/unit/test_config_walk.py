@@ -21,7 +21,7 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.unit.test_imports import PACKAGES, _layer_of, _modules
+from tests.unit.test_imports import PACKAGES, _from_base, _layer_of, _modules
 
 MAX_FILES, MAX_CLIMBS = 12, 3  # issue 48, item 2
 
@@ -44,11 +44,7 @@ class _Index:
         is_pkg = self.known[module].name == "__init__.py"
         for node in ast.walk(self.trees[module]):
             if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = module.split(".") if is_pkg else module.split(".")[:-1]
-                    parts = parts[: len(parts) - node.level + 1]
-                    base = ".".join(parts + ([base] if base else []))
+                base = _from_base(module, node, is_pkg)
                 for a in node.names:
                     sub = f"{base}.{a.name}"
                     out[a.asname or a.name] = (sub, None) if sub in self.known else (base, a.name)

@@ -84,6 +84,16 @@ def _modules(package: str, base: Path | None = None) -> dict[str, Path]:
     return out
 
 
+def _from_base(name: str, node: ast.ImportFrom, is_pkg: bool) -> str:
+    """The absolute module of ``from ... import`` in module ``name`` (relative levels resolved)."""
+    base = node.module or ""
+    if node.level:
+        parts = name.split(".") if is_pkg else name.split(".")[:-1]
+        parts = parts[: len(parts) - node.level + 1]
+        base = ".".join(parts + ([base] if base else []))
+    return base
+
+
 def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """Every module of ``known`` that ``name`` imports, anywhere in its source."""
     found: set[str] = set()
@@ -93,11 +103,7 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = name.split(".") if is_pkg else name.split(".")[:-1]
-                parts = parts[: len(parts) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
+            base = _from_base(name, node, is_pkg)
             # `from pkg import sub` imports the module pkg.sub; `from pkg import name` imports pkg
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         for t in targets:

@@ -152,7 +152,7 @@ def _cuda_budget(others: int = 0):
     from zero_strategy.comm.collectives import CommContext
     from zero_strategy.config.memory import MemoryConfig
     from zero_strategy.runtime.budget import Budget
-    from zero_strategy.sharding.unit import GatherMeter
+    from zero_strategy.sharding.gather_meter import GatherMeter
 
     ctx = CommContext(None, 0, 1, C.DEFAULT_TIMEOUT, "native", torch.device("cuda", 0))
     storage = type("Storage", (), {"units": [], "meter": GatherMeter()})()

@@ -293,18 +293,8 @@ def make_zero3(
     if budget is not None:
         budget.others = other_engines_bytes
     params.use_secondary(SecondaryShards(hpz) if hpz is not None else None)
-    settings = Zero3Settings(
-        prefetch=gather.prefetch,
-        prefetch_bucket_size=gather.prefetch_bucket_size,
-        max_live_parameters=gather.max_live_parameters,
-        max_reuse_distance=gather.max_reuse_distance,
-        check_unit_order=gather.check_unit_order,
-        defer_checks=gather.defer_checks(params.ctx.device),
-        cache=budget.cache if budget is not None else None,
-        moe_full_share=gather.moe_full_share,
-        moe_expert_cache=gather.moe_expert_cache,
-        moe_compact=gather.moe_compact,
-    )
+    cache = budget.cache if budget is not None else None
+    settings = Zero3Settings(gather, defer_checks=gather.defer_checks(params.ctx.device), cache=cache)
     zero3 = UnitScheduler(params, plan, reducer, settings)
     params.refresh_persistent("initialize")  # never partitioned for their readers
     reducer.deferred_check = params.checks  # read with the gradient flags

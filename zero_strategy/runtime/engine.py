@@ -109,8 +109,6 @@ class ZeroEngine(WholeModelState):
     params: ParamStorage
     groups: list[ShardGroup]  # the optimizer's shard groups (ZeRO-3: one per unit with trainable parameters)
     zero3: UnitScheduler | None  # ZeRO-3's unit lifecycle, None at ZeRO-1/2
-    offload_optimizer: OffloadPolicy  # where masters, their gradients and the optimizer state live
-    offload_params: OffloadPolicy  # where ZeRO-3's persistent rows live
 
     def __init__(self, module: nn.Module, config: ZeroConfig, process_group: Any = None,
                  policy: UnitPolicy = None, mesh: Any = None) -> None:  # fmt: skip
@@ -118,7 +116,6 @@ class ZeroEngine(WholeModelState):
         every step below receives policies, and its result becomes a field."""
         self.config = config
         self.policies = p = resolve_policies(config)  # checks the config, before any change
-        self.offload_optimizer, self.offload_params = p.storage.optimizer, p.storage.params
         self._module_ref = weakref.ref(module)  # the model owns the engine (module docstring)
         named = list(module.named_parameters(remove_duplicate=True))
         self._names = {id(q): n for n, q in named}
@@ -140,7 +137,6 @@ class ZeroEngine(WholeModelState):
         built = build_storage(module, named, policy, p, self.precision, self.world, self.ctx, self.disk, self.init_peak)
         self.params, self.groups = built.params, built.groups
         self.policies = p = dataclasses.replace(p, storage=built.placement)  # ratio auto resolved
-        self.offload_optimizer, self.offload_params = p.storage.optimizer, p.storage.params
         refuse_experts(self.replica, self.groups)
         self._master: dict[int, torch.Tensor] = {id(q): m for g in self.groups for q, m in zip(g.params, g.masters)}
         # 6. the gradient reducer, and the owners of whole-stepped parameters (Muon)
@@ -160,6 +156,16 @@ class ZeroEngine(WholeModelState):
         self._install_hooks()
         _LIVE.add(self)
         self.init_peak.mark()
+
+    @property
+    def offload_optimizer(self) -> OffloadPolicy:
+        """Where the masters, their gradients and the optimizer state live."""
+        return self.policies.storage.optimizer
+
+    @property
+    def offload_params(self) -> OffloadPolicy:
+        """Where ZeRO-3's persistent rows live."""
+        return self.policies.storage.params
 
     def _init_state(self) -> None:
         self.opts = OptimizerSet((), {})

@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 from zero_strategy.comm import collectives as C
 from zero_strategy.comm.policy import CommPolicy
-from zero_strategy.config.blocks import OffloadConfig
 from zero_strategy.config.comm import CompressionConfig, LoadBalanceConfig
 from zero_strategy.config.memory import MemoryConfig
 from zero_strategy.runtime.shard_layout import MeshLayout, mesh_groups_over, resolve_shard_size
+from zero_strategy.storage.offload import OffloadSettings
 
 __all__ = [
     "ShardGroupPolicy", "ShardGroupSettings", "refuse_modifier_rank", "shard_contexts", "shard_group_policy",
@@ -47,8 +47,9 @@ def valid_shard_sizes(world_size: int) -> list[int]:
     return [d for d in range(1, world_size + 1) if world_size % d == 0]
 
 
-class ShardGroupSettings(Protocol):
-    """What :func:`shard_group_policy` reads of a config (``ZeroConfig`` has these)."""
+class ShardGroupSettings(OffloadSettings, Protocol):
+    """What :func:`shard_group_policy` reads of a config (``ZeroConfig`` has these), the two
+    offload sections included."""
 
     @property
     def shard_size(self) -> int | str | None: ...
@@ -58,10 +59,6 @@ class ShardGroupSettings(Protocol):
     def load_balance(self) -> LoadBalanceConfig: ...
     @property
     def memory(self) -> MemoryConfig: ...
-    @property
-    def offload_optimizer(self) -> OffloadConfig: ...
-    @property
-    def offload_param(self) -> OffloadConfig: ...
     @property
     def moe_expert_layout(self) -> str: ...
 

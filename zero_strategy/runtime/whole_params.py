@@ -187,12 +187,12 @@ class _Lifted:
             if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.device != self.values.device):
                 continue
             host = self.host_state.get(k)
-            fresh = host is None or host.shape != v.shape or host.dtype != v.dtype
-            if host is None or fresh:
+            if host is None or host.shape != v.shape or host.dtype != v.dtype:  # nothing to fall back to
                 host = torch.empty(
                     v.shape, dtype=v.dtype, device=self.values.device, pin_memory=self.values.is_pinned()
                 )
-            if copy or fresh:  # a fresh host tensor has nothing to fall back to; the others keep theirs
+                host.copy_(v)
+            elif copy:  # after a failed step the others keep their values
                 host.copy_(v)
             self.state[k] = host
         self.host_state.clear()

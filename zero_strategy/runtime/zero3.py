@@ -39,7 +39,8 @@ from zero_strategy.comm import profiling as P
 from zero_strategy.reduction.grads import GradReducer
 from zero_strategy.sharding.cache import GatherCache
 from zero_strategy.sharding.experts.owners import OwnedExperts
-from zero_strategy.sharding.experts.selective import FULL_SHARE, ExpertRows, MoeStats
+from zero_strategy.sharding.experts.selective import ExpertRows, MoeStats
+from zero_strategy.sharding.gather_policy import GatherPolicy
 from zero_strategy.sharding.partition import UnitPlan
 from zero_strategy.sharding.states import ShardedState
 from zero_strategy.sharding.unit import ShardedParams, UnitStorage
@@ -51,18 +52,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Zero3Settings:
-    """The config values the scheduler reads (pushed down by the engine)."""
+    """What the scheduler reads: the gather policy (``sharding/gather_policy.py``: prefetch,
+    the live and reuse caps, the unit-order check, the MoE switches) and two values the engine
+    resolves for this engine: whether gather checks are read once per step (deferred, on its
+    device), and the cache cap in bytes (memory budget; None or 0: free each unit after use)."""
 
-    prefetch: int
-    prefetch_bucket_size: int  # elements gathered ahead of use beyond the first unit, at most (0: no prefetch)
-    max_live_parameters: int
-    max_reuse_distance: int
-    check_unit_order: bool
-    defer_checks: bool = False  # gather checks read once per step once the unit order is known
-    cache: int | None = None  # the cache cap in bytes (memory budget); None or 0: free each unit after use
-    moe_full_share: float = FULL_SHARE  # experts units: gather whole above this share of a whole gather
-    moe_expert_cache: int = 0  # experts units: bytes of kept expert rows per unit (sharding/experts/cache.py)
-    moe_compact: bool = True  # experts units: selected rows placed as [U, ...] (sharding/experts/compact.py)
+    gather: GatherPolicy
+    defer_checks: bool = False
+    cache: int | None = None
 
 
 class UnitScheduler:
@@ -122,10 +119,15 @@ class UnitScheduler:
             if eu is None:
                 continue
             x = (
-                OwnedExperts(found, eu, self.moe, settings.moe_full_share)
+                OwnedExperts(found, eu, self.moe, settings.gather.moe_full_share)
                 if eu.layout.cuts is not None  # moe_expert_layout: owners (sharding/experts/owners.py)
                 else ExpertRows(
-                    found, eu, self.moe, settings.moe_full_share, settings.moe_expert_cache, settings.moe_compact
+                    found,
+                    eu,
+                    self.moe,
+                    settings.gather.moe_full_share,
+                    settings.gather.moe_expert_cache,
+                    settings.gather.moe_compact,
                 )
             )
             self.experts[id(found.module)] = x
@@ -166,7 +168,7 @@ class UnitScheduler:
             u.release()
 
     def _prefetch(self, position: int, direction: int) -> None:
-        depth = self.settings.prefetch
+        depth = self.settings.gather.prefetch
         if not depth or self.order is None or not self._on_path:
             return
         tags = self.order
@@ -178,7 +180,7 @@ class UnitScheduler:
         beyond = position + direction * (depth + 1)  # rows on disk: read in the background ahead of the gathers
         if 0 <= beyond < len(tags) and (far := self.all_units[tags[beyond] - 1].disk) is not None:
             far.read_ahead()
-        cap, budget = self.settings.max_live_parameters, self.settings.prefetch_bucket_size
+        cap, budget = self.settings.gather.max_live_parameters, self.settings.gather.prefetch_bucket_size
         if budget <= 0:
             return  # stage3_prefetch_bucket_size 0: no prefetch
         ahead = 0  # elements this prefetch gathers
@@ -203,7 +205,7 @@ class UnitScheduler:
         backward) with at most ``stage3_max_reuse_distance`` elements of other units between?"""
         if self.order is None or not self._on_path or pos is None:
             return False
-        limit, dist = self.settings.max_reuse_distance, 0
+        limit, dist = self.settings.gather.max_reuse_distance, 0
         for j in range(pos + 1, len(self.order)) if direction > 0 else range(pos - 1, -1, -1):
             tag = self.order[j]
             if tag == u.tag:
@@ -570,7 +572,7 @@ class UnitScheduler:
         every rank (a collective every rank reaches at its first backward); later changes are
         adopted locally, since every gather checks which unit each rank is gathering."""
         self.cache.policy.set_order(seq + seq[::-1])  # the uses: forward, then backward
-        if self.order is not None or not self.settings.check_unit_order:
+        if self.order is not None or not self.settings.gather.check_unit_order:
             self.order = list(seq)  # check_unit_order=False: trust the order, no collective
             return
         digest = torch.tensor([len(seq), hash(tuple(seq)) % (2**31 - 1)], dtype=torch.int64, device=self.ctx.device)

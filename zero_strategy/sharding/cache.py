@@ -34,8 +34,9 @@ from typing import Generic, TypeVar
 
 from zero_strategy.comm import collectives as C
 from zero_strategy.comm import profiling as P
+from zero_strategy.sharding.gather_meter import GatherMeter
 from zero_strategy.sharding.states import ShardedState
-from zero_strategy.sharding.unit import GatherMeter, UnitStorage
+from zero_strategy.sharding.unit import UnitStorage
 
 __all__ = ["CacheStats", "EvictionPolicy", "GatherCache"]
 
@@ -120,7 +121,7 @@ class GatherCache:
     """The ZeRO-3 cache tier of one engine: ``cap`` bytes of gathered parameters (None: no
     cache, each unit freed after use as without a budget)."""
 
-    def __init__(self, meter: GatherMeter, cap: int | None) -> None:
+    def __init__(self, meter: GatherMeter[UnitStorage], cap: int | None) -> None:
         self.meter = meter
         self.cap = cap
         self.policy: EvictionPolicy[int] = EvictionPolicy()

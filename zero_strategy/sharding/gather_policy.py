@@ -25,13 +25,15 @@ from typing import Protocol
 
 import torch
 
-from zero_strategy.sharding.gather_codec import EXACT, GatherCodec, gather_codec
+from zero_strategy.sharding.experts.selective import FULL_SHARE
+from zero_strategy.sharding.gather_codec import EXACT, CodecSettings, GatherCodec, gather_codec
 
 __all__ = ["GatherPolicy", "GatherSettings", "gather_policy"]
 
 
-class GatherSettings(Protocol):
-    """What :func:`gather_policy` reads of a config (``ZeroConfig`` has these)."""
+class GatherSettings(CodecSettings, Protocol):
+    """What :func:`gather_policy` reads of a config (``ZeroConfig`` has these), the codec's
+    fields included."""
 
     @property
     def prefetch(self) -> int: ...
@@ -49,10 +51,6 @@ class GatherSettings(Protocol):
     def gather_checks(self) -> str: ...
     @property
     def zero_hpz_partition_size(self) -> int: ...
-    @property
-    def zero_quantized_weights(self) -> bool: ...
-    @property
-    def gather_dtype(self) -> torch.dtype | None: ...
     @property
     def moe_full_gather_share(self) -> float: ...
     @property
@@ -74,7 +72,7 @@ class GatherPolicy:
     checks: str = "auto"  # "auto" | "deferred" | "immediate"
     hpz_size: int = 1
     codec: GatherCodec = EXACT
-    moe_full_share: float = 0.2
+    moe_full_share: float = FULL_SHARE
     moe_expert_cache: int = 0
     moe_compact: bool = True
     moe_expert_layout: str = "sharded"

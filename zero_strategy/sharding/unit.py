@@ -35,6 +35,7 @@ from zero_strategy.sharding.gather_checks import (
     check_unit_count,
 )
 from zero_strategy.sharding.gather_codec import EXACT, GatherCodec
+from zero_strategy.sharding.gather_meter import GatherMeter
 from zero_strategy.sharding.group import HostMasters, ShardGroup
 from zero_strategy.sharding.layout import ShardLayout
 from zero_strategy.sharding.pieces import (
@@ -110,47 +111,6 @@ class ParamStorage:
         return contextlib.nullcontext()
 
 
-class GatherMeter:
-    """Bytes of full parameters gathered right now, the peak since the last reset, the gathers
-    issued with their full bytes (ever), and the gathered units that are not persistent (the
-    cache tier's contents, ``cache.py``) with their bytes and peak."""
-
-    def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
-        self.gathers = 0
-        self.gathered_bytes = 0
-        self.cached: dict[int, UnitStorage] = {}  # tag -> a gathered unit that is not persistent
-        self.cached_bytes = 0
-        self.cached_peak = 0
-        # a CUDA device whose allocator is read at each gather and free (the memory budget sets
-        # it), and the most it held there: this engine's peak where an earlier one hides it
-        self.device: torch.device | None = None
-        self.device_peak = 0
-
-    def add(self, nbytes: int) -> None:
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        if self.device is not None:  # the caching allocator's counter: a host read, no device wait
-            self.device_peak = max(self.device_peak, int(torch.cuda.memory_allocated(self.device)))
-
-    def gathered(self, u: UnitStorage) -> None:
-        """``u``'s gather buffer exists from now on."""
-        self.add(u.full_bytes)
-        self.gathers += 1
-        self.gathered_bytes += u.full_bytes
-        if not u.persistent:
-            self.cached[u.tag] = u
-            self.cached_bytes += u.full_bytes
-            self.cached_peak = max(self.cached_peak, self.cached_bytes)
-
-    def freed(self, u: UnitStorage) -> None:
-        """``u``'s full parameters are gone."""
-        self.add(-u.full_bytes)
-        if self.cached.pop(u.tag, None) is not None:
-            self.cached_bytes -= u.full_bytes
-
-
 class UnitStorage:
     """One ZeRO-3 unit: this rank's persistent pieces of the unit's parameters, and the full
     parameters while the unit is gathered.
@@ -183,7 +143,7 @@ class UnitStorage:
         frozen: Sequence[tuple[str, nn.Parameter]],
         ctx: C.CommContext,
         precision: Precision,
-        meter: GatherMeter,
+        meter: GatherMeter[UnitStorage],
         persistence_threshold: int,
         group_index: int,
         row_policy: OffloadPolicy | None = None,
@@ -557,7 +517,7 @@ class ShardedParams(ParamStorage):
         offload_optimizer = offload_optimizer or OnDevice()
         self.ctx = ctx
         feed = choose_feed(ctx.device)  # for the units whose rows are offloaded
-        self.meter = GatherMeter()
+        self.meter: GatherMeter[UnitStorage] = GatherMeter()
         self.skip_pull: set[int] = set()  # units whose row upload the host step issued (host_step.py)
         self.units: list[UnitStorage] = []
         self.groups: list[ShardGroup] = []
