@@ -64,8 +64,10 @@ def import_checkpoint(src: str, dst: str) -> dict[str, Any]:
     state = report["optimizer_state"]
     print(f"read {report['path']} ({report['layout']} layout)")
     if "deepspeed_stage" in report:
-        print(f"  DeepSpeed ZeRO-{report['deepspeed_stage']} at {report['deepspeed_world_size']} ranks, "
-              f"{report['tag']}, DeepSpeed {report['ds_version']}")  # fmt: skip
+        print(f"  DeepSpeed ZeRO-{report['deepspeed_stage']} ({report['deepspeed_optimizer']}) at "
+              f"{report['deepspeed_world_size']} ranks, {report['tag']}, DeepSpeed {report['ds_version']}")  # fmt: skip
+        if report["frozen"]:
+            print(f"  frozen parameters (values, no optimizer state): {', '.join(report['frozen'])}")
     print(f"  model: {report['model_tensors']} tensors, {report['model_elements']} elements")
     print(f"  optimizer state: {state['parameters']} parameters, keys {', '.join(state['keys']) or 'none'}; "
           f"{report['param_groups']} param group(s)")  # fmt: skip

@@ -1,17 +1,28 @@
 """DeepSpeed ZeRO-1/2/3 checkpoints, read from their ``global_step*/`` partitions.
 
 ``engine.save_checkpoint(dir)`` writes ``dir/latest`` (the tag) and ``dir/<tag>/``: per data-parallel
-rank ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` with that rank's partition of the fp32 masters
-and of the optimizer's moments, and the module's file(s) (``mp_rank_00_model_states.pt`` at stages
-1/2, one ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` per rank at stage 3) with the parameter
-names and shapes in order (``param_shapes``), the buffers, the step and the LR scheduler's state.
-The partitions are laid out as DeepSpeed's own ``zero_to_fp32.py`` reads them:
+rank ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` (``bf16_zero_pp_rank_...`` with bf16 on) with
+that rank's partition of the fp32 masters and of the optimizer's moments, and the module's file(s)
+(``mp_rank_00_model_states.pt`` at stages 1/2, one ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``
+per rank at stage 3) with the names and shapes of the parameters the optimizer owns, in order
+(``param_shapes``), the buffers, the step and the LR scheduler's state. The partitions are laid out
+as DeepSpeed's own ``zero_to_fp32.py`` reads them:
 
-- stages 1 and 2: per param group, the group's parameters flattened one after the other (padding at
-  the end only), cut into equal partitions (``single_partition_of_fp32_groups``); the moments
-  (``base_optimizer_state``) are cut the same way;
+- stages 1 and 2: per param group, the group's parameters flattened one after the other, each
+  followed by ``param_alignment_paddings`` elements (0 unless ``parameter_alignment`` is on), padded
+  at the end and cut into equal partitions (``single_partition_of_fp32_groups``); the moments
+  (``base_optimizer_state``) are cut the same way. bf16 runs write the same layout: stages 1 and 2
+  through the ZeRO optimizer, and stage 1 with fp32 gradient accumulation
+  (``data_types.grad_accum_dtype``) through ``BF16_Optimizer``, whose files have no ``zero_stage``;
 - stage 3: each parameter cut into ``ceil(numel / world)`` pieces, rank ``r`` holding piece ``r``
   of every parameter one after the other (``fp32_flat_groups``, and the moments likewise).
+
+Parameters the optimizer does not own (frozen ones, as in a LoRA run, and those without elements)
+have no master and no moments; their value is kept in the parameters' own dtype (bf16 in a bf16
+run): whole in the model-states file's ``frozen_param_fragments`` at stage 2, as rank ``r``'s piece
+(cut as at stage 3) in rank ``r``'s model-states file at stage 3, and only among the module's
+entries at stage 1 (DeepSpeed saves the fragments only when gradients are partitioned). They come
+out as ``model.<name>`` values alone.
 
 These files are read directly rather than through DeepSpeed's universal checkpoint
 (``ds_to_universal.py``): they are what every DeepSpeed run already has, reading them needs no
@@ -34,6 +45,7 @@ import torch
 __all__ = ["is_deepspeed_checkpoint", "read_deepspeed"]
 
 _OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_MODEL_PARALLEL = re.compile(r"^(?:bf16_)?zero_pp_rank_\d+_mp_rank_(?!00_)\d+_optim_states\.pt$")
 # DeepSpeed classes pickled into its files; loaded as stubs that keep their arguments
 _DEEPSPEED_GLOBALS = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -89,17 +101,22 @@ def is_deepspeed_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 
 def _walk(
-    shapes: Sequence[tuple[str, torch.Size]], ranks: list[torch.Tensor], stage: int, world: int
+    shapes: Sequence[tuple[str, torch.Size]],
+    ranks: list[torch.Tensor],
+    stage: int,
+    world: int,
+    paddings: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The full tensors of ``shapes`` (in order) from every rank's flat partition."""
+    """The full tensors of ``shapes`` (in order) from every rank's flat partition; ``paddings``:
+    the elements after each parameter at stages 1/2 (``param_alignment_paddings``), else none."""
     out: dict[str, torch.Tensor] = {}
     if stage <= 2:
         flat = torch.cat(ranks)
         offset = 0
-        for name, shape in shapes:
+        for i, (name, shape) in enumerate(shapes):
             n = shape.numel()
             out[name] = flat[offset : offset + n].clone().view(shape)
-            offset += n
+            offset += n + (paddings[i] if paddings else 0)
         if offset > flat.numel():
             raise ValueError(f"import-checkpoint: the partitions hold {flat.numel()} elements, the shapes {offset}")
         return out
@@ -112,10 +129,76 @@ def _walk(
     return out
 
 
+def _kind(optim: dict[str, Any], tag: str) -> tuple[int, str]:
+    """(ZeRO stage, DeepSpeed optimizer class) of a rank's ``optimizer_state_dict``."""
+    enum = optim.get("zero_stage")
+    named = int(enum.args[0]) if isinstance(enum, _Inert) and enum.args and isinstance(enum.args[0], int) else None
+    if "fp32_flat_groups" in optim:
+        return 3, "DeepSpeedZeroOptimizer_Stage3"
+    if "single_partition_of_fp32_groups" in optim and "base_optimizer_state" in optim:
+        if enum is None:  # ZeRO-1 with bf16 parameters and fp32 gradient accumulation: the same flat layout
+            return 1, "BF16_Optimizer"
+        return named or 2, "DeepSpeedZeroOptimizer"
+    raise ValueError(
+        f"import-checkpoint: {tag}: the optimizer files hold neither ZeRO-1/2's single_partition_of_fp32_groups nor "
+        f"ZeRO-3's fp32_flat_groups (keys {sorted(optim)[:8]}): not a ZeRO optimizer partition; convert the weights "
+        "with DeepSpeed's zero_to_fp32.py and load them with zs.load_full_state_dict"
+    )
+
+
+def _frozen(tag: str, model: dict[str, Any], stage: int, world: int, trained: set[str]) -> dict[str, torch.Tensor]:
+    """The values of the parameters the optimizer does not own (frozen, or without elements), as
+    saved: stage 2 keeps each whole in ``frozen_param_fragments``, stage 3 rank ``r``'s piece of
+    each in its own model-states file (``ceil(numel / world)`` elements, padded at the end), and
+    stage 1 (and BF16_Optimizer) keeps none: they are the module's entries that are neither in
+    ``param_shapes``, nor buffers, nor tied names (``shared_params``)."""
+    shapes = model.get("frozen_param_shapes")
+    if not shapes:
+        skip = trained | set(model.get("buffer_names") or []) | set(model.get("shared_params") or {})
+        module = model.get("module") or {}
+        return {n: t.clone() for n, t in module.items() if n not in skip and isinstance(t, torch.Tensor)}
+    if stage <= 2:
+        frags = [model["frozen_param_fragments"]]
+    else:
+        names = [os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(world)]
+        missing = [os.path.basename(n) for n in names if not os.path.isfile(n)]
+        if missing:
+            raise ValueError(
+                f"import-checkpoint: {tag}: ZeRO-3 keeps each rank's piece of the frozen parameters in its own "
+                f"model states file; {', '.join(missing)} missing: copy every rank's file"
+            )
+        frags = [model["frozen_param_fragments"]] + [_load(n)["frozen_param_fragments"] for n in names[1:]]
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        n = torch.Size(shape).numel()
+        flat = torch.cat([f[name].reshape(-1) for f in frags])
+        if flat.numel() < n:
+            raise ValueError(f"import-checkpoint: {tag}: the frozen {name} has {flat.numel()} elements of {n}")
+        out[name] = flat[:n].clone().view(shape)
+    return out
+
+
+def _refuse_model_parallel(tag: str, model: dict[str, Any]) -> None:
+    """A run with tensor or pipeline parallelism keeps a slice of each parameter per model-parallel
+    rank (``mp_rank_01``...), which this reader does not join: refuse it, naming what says so."""
+    dims = model.get("checkpoint_parallel_dimensions") or {}
+    said = [f"mp_world_size {model['mp_world_size']}"] if (model.get("mp_world_size") or 1) > 1 else []
+    said += [f"{key} {dims[key]}" for key in ("tp_degree", "pp_degree") if (dims.get(key) or 1) > 1]
+    files = sorted(n for n in os.listdir(tag) if _MODEL_PARALLEL.match(n))
+    said += [f"{len(files)} files such as {files[0]}"] if files else []
+    if said:
+        raise ValueError(
+            f"import-checkpoint: {tag} is a tensor- or pipeline-parallel run ({', '.join(said)}): each "
+            "model-parallel rank holds a slice of the parameters, which this reader does not join; convert it with "
+            "DeepSpeed's ds_to_universal.py, or take the weights with zero_to_fp32.py and zs.load_full_state_dict "
+            "(the optimizer state then starts fresh)"
+        )
+
+
 def read_deepspeed(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A DeepSpeed checkpoint as a flat state dict in FSDP2's layout (``model.<name>`` full fp32
-    masters and buffers, ``optim.state.<name>.<key>``, ``optim.param_groups.<i>.<setting>``,
-    ``lr_scheduler.<key>``) and a report of what was read."""
+    masters, frozen parameters as saved and buffers, ``optim.state.<name>.<key>``,
+    ``optim.param_groups.<i>.<setting>``, ``lr_scheduler.<key>``) and a report of what was read."""
     tag = _tag_dir(os.fspath(path))
     if tag is None:
         raise ValueError(f"import-checkpoint: {os.fspath(path)!r} holds no DeepSpeed *_optim_states.pt files")
@@ -130,26 +213,22 @@ def read_deepspeed(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
     if model_file is None:
         raise ValueError(f"import-checkpoint: {tag} has no mp_rank_00_model_states.pt (nor stage 3's per-rank one)")
     model = _load(model_file)
-    if model.get("frozen_param_shapes"):
-        raise ValueError(
-            f"import-checkpoint: {tag} has frozen parameters ({', '.join(list(model['frozen_param_shapes'][0])[:3])} "
-            "...), which this reader does not read yet; convert with DeepSpeed's zero_to_fp32.py"
-        )
+    _refuse_model_parallel(tag, model)
     optims = [_load(os.path.join(tag, n))["optimizer_state_dict"] for _, n in optim_files]
-    stage = 3 if "fp32_flat_groups" in optims[0] else 2 if "single_partition_of_fp32_groups" in optims[0] else 0
-    if stage == 0:
-        raise ValueError(f"import-checkpoint: {tag}: not a ZeRO-1/2/3 optimizer partition (bf16 or other optimizer)")
+    stage, optimizer = _kind(optims[0], tag)
     groups = [list(g.items()) for g in model["param_shapes"]]
     sd: dict[str, Any] = {}
     masters: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}
     base = [o["base_optimizer_state"] if stage <= 2 else o["optimizer_state_dict"] for o in optims]
     if stage <= 2:
+        paddings = optims[0].get("param_alignment_paddings") or [None] * len(groups)
         for g, shapes in enumerate(groups):
-            masters.update(_walk(shapes, [o["single_partition_of_fp32_groups"][g] for o in optims], stage, world))
+            flat = [o["single_partition_of_fp32_groups"][g] for o in optims]
+            masters.update(_walk(shapes, flat, stage, world, paddings[g]))
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in base[0]["state"].get(g, {}):
-                    for name, t in _walk(shapes, [b["state"][g][key] for b in base], stage, world).items():
+                    for name, t in _walk(shapes, [b["state"][g][key] for b in base], stage, world, paddings[g]).items():
                         moments.setdefault(name, {})[key] = t
     else:
         shapes = [s for g in groups for s in g]
@@ -159,6 +238,7 @@ def read_deepspeed(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
                 flat = [torch.cat([b["state"][i][key] for i in sorted(b["state"])]) for b in base]
                 for name, t in _walk(shapes, flat, stage, world).items():
                     moments.setdefault(name, {})[key] = t
+    frozen = _frozen(tag, model, stage, world, set(masters))
     steps = [s["step"] for s in base[0]["state"].values() if isinstance(s.get("step"), torch.Tensor)]
     for name, t in masters.items():
         sd[f"model.{name}"] = t
@@ -166,6 +246,8 @@ def read_deepspeed(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
             sd[f"optim.state.{name}.{key}"] = value
         if steps and name in moments:
             sd[f"optim.state.{name}.step"] = steps[0].clone()
+    for name, t in frozen.items():
+        sd[f"model.{name}"] = t
     for name in model.get("buffer_names") or []:
         sd[f"model.{name}"] = model["module"][name]
     for i, group in enumerate(base[0]["param_groups"]):
@@ -174,8 +256,7 @@ def read_deepspeed(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
                 sd[f"optim.param_groups.{i}.{key}"] = value
     for key, value in (model.get("lr_scheduler") or {}).items():
         sd[f"lr_scheduler.{key}"] = value
-    enum = optims[0].get("zero_stage")
-    stage = int(enum.args[0]) if isinstance(enum, _Inert) and enum.args and isinstance(enum.args[0], int) else stage
-    report = {"deepspeed_stage": stage, "deepspeed_world_size": world, "global_steps": model.get("global_steps"),
-              "tag": os.path.basename(tag), "ds_version": model.get("ds_version")}  # fmt: skip
+    report = {"deepspeed_stage": stage, "deepspeed_optimizer": optimizer, "deepspeed_world_size": world,
+              "frozen": sorted(frozen), "global_steps": model.get("global_steps"), "tag": os.path.basename(tag),
+              "ds_version": model.get("ds_version")}  # fmt: skip
     return sd, report
