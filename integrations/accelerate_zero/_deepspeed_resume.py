@@ -94,9 +94,12 @@ def deepspeed_scheduler_state(shards: str, call: str) -> dict[str, Any]:
 def continue_scheduler(scheduler: Any, saved: dict[str, Any], step: int, call: str) -> str | None:
     """Restore the ``Trainer``'s LR ``scheduler`` from the state DeepSpeed's engine kept (``saved``),
     at optimizer step ``step``. The same kind of scheduler (a client scheduler DeepSpeed stepped)
-    loads as it is; DeepSpeed's own (the config's ``scheduler`` block, which the ZeRO engine does
-    not run: the ``Trainer`` builds its own from ``--lr_scheduler_type``) cannot, so the
-    ``Trainer``'s schedule continues at ``step``. Returns a line to log for the latter."""
+    loads as it is. DeepSpeed's own (the config's ``scheduler`` block, which the ZeRO engine does
+    not run: the ``Trainer`` builds its own from ``--lr_scheduler_type``) cannot; the ``Trainer``'s
+    schedule continues at DeepSpeed's counter instead (``last_batch_iteration``: it starts at -1,
+    so after N steps it is N - 1 and the next learning rate is the schedule's at N - 1; the
+    ``Trainer``'s "auto" ``WarmupDecayLR`` and ``linear`` are the same function of it). Returns a
+    line to log for the latter."""
     if not saved or scheduler is None:
         return None
     scheduler = getattr(scheduler, "scheduler", scheduler)  # Accelerate's AcceleratedScheduler wraps it
@@ -110,14 +113,17 @@ def continue_scheduler(scheduler: Any, saved: dict[str, Any], step: int, call: s
             f"{type(scheduler).__name__} (state {sorted(own)}) cannot continue from; resume under DeepSpeed, or load "
             "the weights alone (from_pretrained on the checkpoint) and start a new schedule"
         )
-    own.update(last_epoch=step, _step_count=step + 1)
+    counter = saved.get("last_batch_iteration")
+    at = counter if isinstance(counter, int) and not isinstance(counter, bool) else step
+    deepspeeds = [group["lr"] for group in scheduler.optimizer.param_groups]  # restored from its checkpoint
+    own.update(last_epoch=at, _step_count=at + 1)
     scheduler.load_state_dict(own)
-    lrs = [base * f(step) for f, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
+    lrs = [base * f(at) for f, base in zip(scheduler.lr_lambdas, scheduler.base_lrs, strict=True)]
     for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     scheduler._last_lr = list(lrs)
     return (
         f"zero-strategy: {call}: DeepSpeed ran its own LR scheduler (the config's scheduler block; state "
-        f"{sorted(saved)}), which the ZeRO engine leaves to the Trainer: its {type(scheduler).__name__} "
-        f"(--lr_scheduler_type) continues at step {step}, lr {lrs}"
+        f"{saved}), which the ZeRO engine leaves to the Trainer: its {type(scheduler).__name__} "
+        f"(--lr_scheduler_type) continues at {at}, next lr {lrs} (DeepSpeed's next: {deepspeeds})"
     )

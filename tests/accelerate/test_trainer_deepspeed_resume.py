@@ -7,9 +7,10 @@ A team moves an unmodified ``HfArgumentParser`` script from ``--deepspeed ds_con
 stages 1/2 only; the LR scheduler's state inside DeepSpeed's files, no ``scheduler.pt``).
 
 Launch 1 (DeepSpeed 0.19.8 on 2 CPU processes, ``DS_ACCELERATOR=cpu``, gloo) trains
-``_trainer_ds_jobs.py`` with ``--deepspeed`` at stages 2 and 3, saving at step K and continuing to
-the end. Launch 2 (zero_strategy, 2 processes) resumes each from checkpoint-K with the same file
-as ``ZERO_STRATEGY_CONFIG`` (stage 2 at stage 2, stage 3 at stage 3, and stage 2's at stage 3),
+``_trainer_ds_jobs.py`` with ``--deepspeed`` at stages 2 and 3 (and stage 2 with Hugging Face's
+``WarmupDecayLR`` block, DeepSpeed running the schedule), saving at step K and continuing to the
+end. Launch 2 (zero_strategy, 2 processes) resumes each from checkpoint-K with the same file
+as ``ZERO_STRATEGY_CONFIG`` (stage 2 at stage 2, stage 3 at stage 3, stage 2's at stage 3, the scheduler block's at stage 2),
 and once from a copy of stage 2's checkpoint-K without ``global_stepK/`` (the weights only: a
 fresh Adam and scheduler), which must miss DeepSpeed's continuation: the comparison catches a
 resume that drops the optimizer state. A last job resumes a copy of stage 3's checkpoint where
@@ -41,9 +42,15 @@ ARGS = ("--output_dir {out} --max_steps 6 --per_device_train_batch_size 4 --grad
 REL = 1e-6
 
 
-def _config(stage: int) -> dict[str, Any]:
+# Hugging Face's documented WarmupDecayLR block: DeepSpeed runs the schedule, no scheduler.pt
+SCHEDULER = {"type": "WarmupDecayLR", "params": {k: "auto" for k in ("warmup_min_lr", "warmup_max_lr",
+                                                                   "warmup_num_steps", "total_num_steps")}}  # fmt: skip
+RUNS = {"2": 2, "3": 3, "2s": 2}  # DeepSpeed run -> stage; "s": with SCHEDULER
+
+
+def _config(stage: int, **extra: Any) -> dict[str, Any]:
     """A Hugging Face DeepSpeed config file as users write it ("auto": the Trainer fills it in)."""
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    return {**extra, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
             "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}  # fmt: skip
 
@@ -68,22 +75,22 @@ def _launch(tmp: Path, name: str, jobs: dict[str, str], extra: dict[str, str], *
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("trainer_ds")
     cfg = {}
-    for stage in (2, 3):
-        cfg[stage] = tmp / f"ds_config_{stage}.json"
-        cfg[stage].write_text(json.dumps(_config(stage)))
-    ds = _launch(tmp, "ds", {"ds2": "ddp", "ds3": "ddp"}, {f"ds{s}": f"--deepspeed {cfg[s]}" for s in (2, 3)},
+    for run, stage in RUNS.items():
+        cfg[run] = tmp / f"ds_config_{run}.json"
+        cfg[run].write_text(json.dumps(_config(stage, **({"scheduler": SCHEDULER} if "s" in run else {}))))
+    ds = _launch(tmp, "ds", {f"ds{r}": "ddp" for r in RUNS}, {f"ds{r}": f"--deepspeed {cfg[r]}" for r in RUNS},
                  DS_ACCELERATOR="cpu", ACCELERATE_USE_CPU="false")  # fmt: skip
-    ckpt = {s: tmp / "ds" / f"ds{s}" / f"checkpoint-{K}" for s in (2, 3)}
+    ckpt = {r: tmp / "ds" / f"ds{r}" / f"checkpoint-{K}" for r in RUNS}
     weights_only, blocked = tmp / "weights-only", tmp / "blocked"
-    shutil.copytree(ckpt[2], weights_only, ignore=shutil.ignore_patterns("global_step*", "latest"))
-    shutil.copytree(ckpt[3], blocked)
+    shutil.copytree(ckpt["2"], weights_only, ignore=shutil.ignore_patterns("global_step*", "latest"))
+    shutil.copytree(ckpt["3"], blocked)
     (blocked / "zero_strategy").write_text("")  # where the conversion goes cannot be made a directory
-    jobs = {"zs2": str(cfg[2]), "zs3": str(cfg[3]), "zs3-from-ds2": str(cfg[3]), "fresh-adam": str(cfg[2]),
-            "refused-blocked": str(cfg[3])}  # fmt: skip
-    src = {"zs2": ckpt[2], "zs3": ckpt[3], "zs3-from-ds2": ckpt[2], "fresh-adam": weights_only,
-           "refused-blocked": blocked}  # fmt: skip
-    zs = _launch(tmp, "zs", jobs, {k: f"--use_cpu --resume_from_checkpoint {src[k]}" for k in jobs},
-                 ZERO_STRATEGY_CONFIG=str(cfg[2]))  # fmt: skip
+    jobs = {"zs2": cfg["2"], "zs3": cfg["3"], "zs3-from-ds2": cfg["3"], "zs2s": cfg["2s"], "fresh-adam": cfg["2"],
+            "refused-blocked": cfg["3"]}  # fmt: skip
+    src = {"zs2": ckpt["2"], "zs3": ckpt["3"], "zs3-from-ds2": ckpt["2"], "zs2s": ckpt["2s"],
+           "fresh-adam": weights_only, "refused-blocked": blocked}  # fmt: skip
+    zs = _launch(tmp, "zs", {k: str(v) for k, v in jobs.items()},
+                 {k: f"--use_cpu --resume_from_checkpoint {src[k]}" for k in jobs}, ZERO_STRATEGY_CONFIG=str(cfg["2"]))  # fmt: skip
     return {"tmp": tmp, "ds": ds, "zs": zs, "ckpt": ckpt, "blocked": blocked}
 
 
@@ -114,25 +121,39 @@ def _deepspeed_moments(ckpt: Path) -> list[float]:
 
 
 def test_deepspeed_trained_the_reference(runs: dict[str, Any]) -> None:
-    for s in (2, 3):
-        assert runs["ds"][f"ds{s}"]["deepspeed"] and runs["ds"][f"ds{s}"]["engine"] == "NoneType"
-        names = {p.name for p in runs["ckpt"][s].iterdir()}
-        # scheduler.pt: the Trainer's own LR scheduler, which DeepSpeed stepped (no scheduler block in the config)
-        assert {f"global_step{K}", "latest", "trainer_state.json", "scheduler.pt"} <= names, names
-        assert "optimizer.pt" not in names and ("model.safetensors" in names) == (s == 2), names
+    for run, stage in RUNS.items():
+        assert runs["ds"][f"ds{run}"]["deepspeed"] and runs["ds"][f"ds{run}"]["engine"] == "NoneType"
+        names = {p.name for p in runs["ckpt"][run].iterdir()}
+        assert {f"global_step{K}", "latest", "trainer_state.json"} <= names, names
+        # scheduler.pt: the Trainer's own LR scheduler, which DeepSpeed stepped; none with a scheduler block
+        assert ("scheduler.pt" in names) == ("s" not in run), names
+        assert "optimizer.pt" not in names and ("model.safetensors" in names) == (stage == 2), names
 
 
-@pytest.mark.parametrize(("job", "src", "stage"), [("zs2", 2, 2), ("zs3", 3, 3), ("zs3-from-ds2", 2, 3)])
+@pytest.mark.parametrize(
+    ("job", "src", "stage"), [("zs2", "2", 2), ("zs3", "3", 3), ("zs3-from-ds2", "2", 3), ("zs2s", "2s", 2)]
+)
 def test_the_engine_continues_a_deepspeed_checkpoint_as_deepspeed_does(
-    runs: dict[str, Any], job: str, src: int, stage: int
+    runs: dict[str, Any], job: str, src: str, stage: int
 ) -> None:
+    """``zs2s``: DeepSpeed ran the config's WarmupDecayLR; the ``Trainer``'s linear schedule, the
+    same function, continues at DeepSpeed's counter (one behind the step). The ``Trainer`` logs
+    DeepSpeed's scheduler after it stepped (the next step's rate) and its own before: the logged
+    rates are one step apart while the losses, which follow the applied rates, are equal."""
     info = runs["zs"][job]
     assert info["engine"] == "ZeroEngine" and info["stage"] == stage and info["world"] == 2 and not info["deepspeed"]
     resumed = info["resumed"]
-    assert resumed["global_step"] == K and resumed["step"] == K and resumed["last_epoch"] == K, resumed
+    counter = K - 1 if "s" in src else K
+    assert resumed["global_step"] == K and resumed["step"] == K and resumed["last_epoch"] == counter, resumed
     assert_close([resumed["exp_avg"], resumed["exp_avg_sq"]], _deepspeed_moments(runs["ckpt"][src]), rtol=1e-6,
                  what=f"{job}: Adam moments' norms after the resume, against DeepSpeed's saved ones")  # fmt: skip
-    gaps = _gaps(runs["tmp"] / "zs" / job, runs["tmp"] / "ds" / f"ds{src}")
+    ours, ref = runs["tmp"] / "zs" / job, runs["tmp"] / "ds" / f"ds{src}"
+    gaps = _gaps(ours, ref)
+    if "s" in src:
+        got, want = _after_k(ours)["learning_rate"], _after_k(ref)["learning_rate"]
+        gaps["learning_rate"] = rel_diff(
+            [got[k + 1] for k in range(K + 1, STEPS)], [want[k] for k in range(K + 1, STEPS)]
+        )
     assert max(gaps.values()) < REL, gaps
 
 
@@ -141,7 +162,7 @@ def test_a_fresh_adam_misses_deepspeeds_continuation(runs: dict[str, Any]) -> No
     dropped the optimizer and scheduler state."""
     resumed = runs["zs"]["fresh-adam"]["resumed"]
     assert resumed["step"] == 0 and resumed["last_epoch"] == 0 and resumed["exp_avg"] == 0, resumed
-    gaps = _gaps(runs["tmp"] / "zs" / "fresh-adam", runs["tmp"] / "ds" / "ds2")
+    gaps = _gaps(runs["tmp"] / "zs" / "fresh-adam", runs["tmp"] / "ds" / "ds2")  # measured: 1.8e-2, 2.6e-2, 3.0
     assert gaps["loss"] > 100 * REL and gaps["grad_norm"] > 100 * REL and gaps["learning_rate"] > 0.5, gaps
 
 
@@ -176,8 +197,8 @@ def test_the_trainers_scheduler_continues_from_deepspeeds_state() -> None:
     assert continue_scheduler(same, ref.state_dict(), K, "call") is None
     assert same.state_dict()["last_epoch"] == K and same.get_last_lr() == ref.get_last_lr()  # the lr: the optimizer's
     own = linear()
-    line = continue_scheduler(own, {"last_batch_iteration": K - 1}, K, "call")
-    assert line is not None and "continues at step 3" in line, line
+    line = continue_scheduler(own, {"last_batch_iteration": K}, K + 1, "call")  # DeepSpeed's counter lags by one
+    assert line is not None and "continues at 3" in line, line
     assert own.get_last_lr() == ref.get_last_lr() and own.optimizer.param_groups[0]["lr"] == ref.get_last_lr()[0]
     own.optimizer.step()
     own.step()
