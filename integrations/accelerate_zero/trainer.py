@@ -22,9 +22,12 @@ engine prepared and calls the ``Trainer``'s own method otherwise::
     _save_optimizer_and_scheduler        checkpoint-N/zero_strategy/: the sharded fp32 masters and
                                          optimizer state (zero_strategy.save_checkpoint, every rank),
                                          loadable at any number of processes; scheduler.pt as before
-    _load_from_checkpoint                a checkpoint with zero_strategy/: nothing before prepare
-                                         (the shards are loaded once the model is on the engine)
-    _load_optimizer_and_scheduler        the shards (masters, optimizer state, lr) and scheduler.pt
+    _load_from_checkpoint                a checkpoint with zero_strategy/ or DeepSpeed's global_step*/:
+                                         nothing before prepare (the shards are loaded once the
+                                         model is on the engine)
+    _load_optimizer_and_scheduler        the shards (masters, optimizer state, lr) and scheduler.pt;
+                                         a checkpoint DeepSpeed wrote is converted into zero_strategy/
+                                         first, once (``_deepspeed_resume.py``)
     _load_best_model                     the best checkpoint's shards (masters only)
 
 Checkpoints keep the ``Trainer``'s layout (``config.json``, ``model.safetensors`` with the full
@@ -48,6 +51,13 @@ import torch
 from torch import nn
 
 import zero_strategy as zs
+from accelerate_zero._deepspeed_resume import (
+    continue_scheduler,
+    deepspeed_scheduler_state,
+    describe,
+    import_deepspeed,
+    is_deepspeed_checkpoint,
+)
 from accelerate_zero._routing import TRAINER_ATTR
 from accelerate_zero.plugin import CONFIG_ENV
 from zero_strategy.runtime.module import get_engine
@@ -95,6 +105,18 @@ def _ours(trainer: Any) -> tuple[nn.Module, torch.optim.Optimizer | None] | None
 
 def _sharded_parameters(model: nn.Module) -> bool:
     return int(get_engine(model).config.stage) == 3
+
+
+def _shards(checkpoint: str, model: nn.Module, call: str, logger: Any) -> tuple[str, dict[str, Any] | None]:
+    """``checkpoint/zero_strategy``, converted from DeepSpeed's files first if the ``Trainer`` wrote
+    ``checkpoint`` under DeepSpeed (collective then), and the conversion's report (None: not DeepSpeed's)."""
+    shards = os.path.join(checkpoint, ZERO_DIR)
+    if not is_deepspeed_checkpoint(checkpoint):
+        return shards, None
+    report = import_deepspeed(checkpoint, shards, model, call)
+    if report is not None and get_engine(model).world.rank == 0:
+        logger.warning(describe(report, checkpoint, shards))
+    return shards, report
 
 
 @contextlib.contextmanager
@@ -178,10 +200,12 @@ def wrap_trainer(module: ModuleType) -> None:
     @wrap("_load_from_checkpoint")
     def _load_weights(self: Any, original: Callable[..., Any], resume_from_checkpoint: str,
                       model: nn.Module | None = None) -> None:  # fmt: skip
-        if _requested() and os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_DIR)):
+        if _requested() and (os.path.isdir(os.path.join(resume_from_checkpoint, ZERO_DIR))
+                             or is_deepspeed_checkpoint(resume_from_checkpoint)):  # fmt: skip
             target = self.model if model is None else model
             if getattr(target, "_zero_engine", None) is not None:
-                zs.load_checkpoint(os.path.join(resume_from_checkpoint, ZERO_DIR), target, None)
+                call = f"Trainer._load_from_checkpoint({resume_from_checkpoint!r})"
+                zs.load_checkpoint(_shards(resume_from_checkpoint, target, call, logger)[0], target, None)
             # else: before prepare; the shards are loaded with the optimizer's once the model is on the engine
             return None
         return original(self, resume_from_checkpoint, model)
@@ -193,13 +217,16 @@ def wrap_trainer(module: ModuleType) -> None:
         ours = _ours(self)
         shards = os.path.join(checkpoint, ZERO_DIR)
         if ours is None:
-            if os.path.isdir(shards):
+            if os.path.isdir(shards) and not is_deepspeed_checkpoint(checkpoint):  # DeepSpeed's own resume
                 raise ValueError(
                     f"Trainer.train(resume_from_checkpoint={checkpoint!r}): the checkpoint holds zero_strategy shards "
                     f"({ZERO_DIR}/) and no optimizer.pt, but this run's model is not on the ZeRO engine; resume it "
                     f"with {CONFIG_ENV} set (zero-strategy launch --zero-config FILE)"
                 )
             return original(self, checkpoint)
+        model, optimizer = ours
+        call = f"Trainer.train(resume_from_checkpoint={checkpoint!r})"
+        shards, imported = _shards(checkpoint, model, call, logger)
         if not os.path.isdir(shards):
             if os.path.isfile(os.path.join(checkpoint, names["optimizer"])):
                 raise ValueError(
@@ -208,13 +235,20 @@ def wrap_trainer(module: ModuleType) -> None:
                     f"Resume it without {CONFIG_ENV}, or start from its weights (from_pretrained) with a fresh optimizer"
                 )
             return original(self, checkpoint)  # a model-only checkpoint: nothing to load, as the Trainer does
-        model, optimizer = ours
-        zs.load_checkpoint(shards, model, optimizer)  # masters, optimizer state and lr, at any number of processes
+        with warnings.catch_warnings():
+            if imported is not None:  # its LR scheduler's state, if any, is restored below
+                warnings.filterwarnings("ignore", message=".*is another engine's checkpoint")
+            zs.load_checkpoint(shards, model, optimizer)  # masters, optimizer state and lr, at any number of processes
         scheduler_file = os.path.join(checkpoint, names["scheduler"])
         if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
             with warnings.catch_warnings(record=True) as caught:
                 self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
             reissue(caught)
+        elif imported is not None:  # DeepSpeed kept it (no scheduler.pt)
+            saved = deepspeed_scheduler_state(shards, call)
+            line = continue_scheduler(self.lr_scheduler, saved, int(imported.get("step") or 0), call)
+            if line is not None and self.args.process_index == 0:
+                logger.warning(line)
         return None
 
     @wrap("_load_best_model")
@@ -224,9 +258,10 @@ def wrap_trainer(module: ModuleType) -> None:
         if ours is None:
             return original(self)
         model = ours[0]
-        if os.path.isdir(os.path.join(best, ZERO_DIR)):
+        shards, _ = _shards(best, model, f"Trainer._load_best_model({best!r})", logger)
+        if os.path.isdir(shards):
             logger.info(f"Loading best model from {best} (score: {self.state.best_metric}), zero_strategy shards.")
-            zs.load_checkpoint(os.path.join(best, ZERO_DIR), model, None)  # the masters; the optimizer is kept
+            zs.load_checkpoint(shards, model, None)  # the masters; the optimizer is kept
             return None
         for name in _SAFE_WEIGHTS:  # a model-only checkpoint (save_only_model=True): its full weights
             if os.path.isfile(os.path.join(best, name)):

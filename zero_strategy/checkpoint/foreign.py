@@ -390,7 +390,8 @@ def import_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]) 
     :func:`load_foreign` at any world size and stage), zero_strategy's metadata (each file's size
     and CRC32; what was read) and the ``latest`` pointer. ``src``: a DCP directory (FSDP2's,
     torchtitan's: every tensor and plain value is copied) or a DeepSpeed ZeRO-1/2/3 checkpoint
-    (``deepspeed_files.py``). One process; it holds the whole checkpoint in host memory. Entries
+    (``deepspeed_files.py``). One process, also when a process group exists (no collective); it
+    holds the whole checkpoint in host memory. Entries
     whose values cannot be read without running code (a data loader's pickled state) are left
     out and named. Returns the report."""
     src, dst = os.fspath(src), os.fspath(dst)
@@ -412,8 +413,8 @@ def import_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]) 
     name = _create_version_dir(dst, f"step-{step if step is not None else 0}", False)
     path = os.path.join(dst, name)
     writer, sums, _ = checksumming_writer(path)
-    with single_process_quiet():
-        dcp.save(sd, storage_writer=writer)
+    with single_process_quiet():  # no_dist: one process writes, also beside a process group (the Trainer's resume)
+        dcp.save(sd, storage_writer=writer, no_dist=True)
     written = read_foreign(path)
     report = written.summary()
     report.update(
@@ -443,7 +444,7 @@ def _read_whole(src: str, left_out: list[str]) -> dict[str, Any]:
         if isinstance(md, TensorStorageMetadata)
     }
     with single_process_quiet():
-        dcp.load(sd, storage_reader=SafeFileSystemReader(src, bytes_entries=True))
+        dcp.load(sd, storage_reader=SafeFileSystemReader(src, bytes_entries=True), no_dist=True)
     reader = SafeFileSystemReader(src, bytes_entries=True)
     for key, md in entries.items():
         if not isinstance(md, TensorStorageMetadata):
