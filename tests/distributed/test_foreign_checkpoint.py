@@ -3,7 +3,8 @@
 FSDP2 trains on 2 ranks and
 saves through DCP as its docs do (and as torchtitan does); ``zs.load_checkpoint`` reads it at 2
 and 3 ranks and every stage (and ``import-checkpoint``'s copy of the torchtitan one at 3 ranks), and the next 10 steps equal FSDP2's own continuation in fp32
-(AdamW's moments and step carried over: a fresh optimizer fails the comparison).
+(AdamW's moments and step carried over). Param-group matching by membership and tied weights are
+unit-tested in one process: ``tests/unit/test_foreign_checkpoint.py``.
 
 DeepSpeed ZeRO-1/2/3 trains a model with a frozen layer on the same 2 ranks and saves, in fp32
 and with bf16 parameters (ZeRO-2 with ``parameter_alignment``, ZeRO-1 also through DeepSpeed's

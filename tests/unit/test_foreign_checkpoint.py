@@ -1,6 +1,9 @@
 """Another engine's DCP checkpoint in one process (``checkpoint/foreign.py``): the
 ``import-checkpoint`` command's copy and report, loading either directory exactly (masters,
 AdamW's moments and step, the param-group settings), and names that do not match the model.
+Param groups are matched by the parameters they hold (an optimizer built with its groups in
+another order gets each group's own settings; other groups are refused); a tied weight, saved
+under each of its names, loads from either.
 The continuation against FSDP2 at 2 and 3 ranks is ``tests/distributed/test_foreign_checkpoint.py``."""
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import zero_strategy as zs
 from zero_strategy.checkpoint.files import single_process_quiet
+from zero_strategy.checkpoint.foreign import import_checkpoint
 from zero_strategy.cli import main
 
 
@@ -108,7 +112,119 @@ def test_a_deepspeed_directory_names_the_conversion(tmp_path) -> None:
     with pytest.raises(
         ValueError, match=r"could not be read with torch.load\(weights_only=True\) \(EOFError"
     ):  # an empty file is no checkpoint
-        from zero_strategy.checkpoint.foreign import import_checkpoint
-
         (tag / "mp_rank_00_model_states.pt").write_bytes(b"")
         import_checkpoint(str(tmp_path), str(tmp_path / "out"))
+
+
+def _grouped(model: nn.Module, order: tuple[str, ...]) -> list[dict]:
+    """Weights and biases in their own groups (different lr and weight decay), in ``order``."""
+    named = list(model.named_parameters())
+    groups = {
+        "decay": {"params": [p for n, p in named if n.endswith("weight")], "lr": 1e-3, "weight_decay": 0.1},
+        "plain": {"params": [p for n, p in named if n.endswith("bias")], "lr": 5e-3, "weight_decay": 0.0},
+    }
+    return [groups[k] for k in order]
+
+
+def test_param_groups_are_matched_by_their_parameters(tmp_path) -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(Block(), Block())
+    ref_opt = torch.optim.AdamW(_grouped(ref, ("decay", "plain")))
+    for step in range(2):
+        ref(torch.randn(5, 4, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    src, dst = str(tmp_path / "fsdp2"), str(tmp_path / "zs")
+    _save(src, ref, ref_opt)
+    import_checkpoint(src, dst)  # the copy keeps each group's names
+    for path in (src, dst):
+        torch.manual_seed(1)
+        other = nn.Sequential(Block(), Block())
+        model, opt = zs.initialize(
+            other, torch.optim.AdamW(_grouped(other, ("plain", "decay"))), config=zs.ZeroConfig(stage=2)
+        )
+        zs.load_checkpoint(path, model, opt)
+        names = model.zero_engine.param_names()
+        of_master = {id(model.zero_engine.master_of(p)): names[id(p)] for p in model.parameters()}
+        refs = dict(ref.named_parameters())
+        for group in opt.param_groups:
+            for m in group["params"]:
+                name = of_master[id(m)]
+                want = (1e-3, 0.1) if name.endswith("weight") else (5e-3, 0.0)
+                assert (group["lr"], group["weight_decay"]) == want, (path, name)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(opt.state[m][key], ref_opt.state[refs[name]][key].reshape(-1)), (name, key)
+        model.zero_engine.close()
+
+
+def test_param_groups_that_differ_are_refused(tmp_path) -> None:
+    ref, ref_opt = _trained(1)  # one group
+    src = str(tmp_path / "fsdp2")
+    _save(src, ref, ref_opt)
+    other = nn.Sequential(Block(), Block())
+    other[0].up.bias.requires_grad_(False)
+    params = [p for p in other.parameters() if p.requires_grad]
+    model, opt = zs.initialize(
+        other, torch.optim.AdamW([{"params": params[:3]}, {"params": params[3:]}]), config=zs.ZeroConfig(stage=1)
+    )
+    with pytest.raises(
+        ValueError, match=r"parameter groups.*'0\.up\.weight'.*also holds \[1\.up\.weight.*same parameter groups"
+    ):
+        zs.load_checkpoint(src, model, opt)
+    model.zero_engine.close()
+
+
+class Tied(nn.Module):
+    """A language model's shape: the head's weight is the embedding's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.embed(x))))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tied_weights_load_under_either_name(tmp_path, stage: int) -> None:
+    torch.manual_seed(0)
+    ref = Tied()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    for _ in range(2):
+        ref(torch.arange(5)).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    src = str(tmp_path / "fsdp2")
+    _save(src, ref, ref_opt)  # holds both embed.weight and head.weight
+    torch.manual_seed(1)
+    other = Tied()
+    model, opt = zs.initialize(other, torch.optim.AdamW(other.parameters(), lr=1.0), config=zs.ZeroConfig(stage=stage))
+    got = zs.load_checkpoint(src, model, opt)
+    assert got["step"] == 2
+    with zs.gathered_parameters(model):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.detach(), q.detach()), name
+    assert model.head.weight is model.embed.weight
+    m = model.zero_engine.master_of(model.embed.weight)
+    assert torch.equal(opt.state[m]["exp_avg"], ref_opt.state[ref.embed.weight]["exp_avg"].reshape(-1))
+    model.zero_engine.close()
+
+
+def test_tied_names_saved_with_different_values_warn(tmp_path) -> None:
+    torch.manual_seed(0)
+    ref = Tied()
+    sd = get_model_state_dict(ref)
+    sd["head.weight"] = sd["head.weight"] + 1  # not what a tied model saves
+    src = str(tmp_path / "fsdp2")
+    with single_process_quiet():
+        dcp.save({"model": sd}, checkpoint_id=src)
+    other = Tied()
+    model, opt = zs.initialize(other, torch.optim.AdamW(other.parameters()), config=zs.ZeroConfig(stage=2))
+    with pytest.warns(UserWarning, match=r"tied weights .* head\.weight \(loaded from embed\.weight\)"):
+        zs.load_checkpoint(src, model, opt)
+    with zs.gathered_parameters(model):
+        assert torch.equal(model.head.weight.detach(), ref.embed.weight.detach())
+    model.zero_engine.close()

@@ -20,6 +20,15 @@ world size), and cuts them to the piece: the fp32 masters, and every optimizer s
 checkpoint holds for the parameter (per element, or a scalar such as ``step``). The engine's step
 counter is the optimizer's ``step`` (or ``train_state.step``). Non-tensor entries are read
 without running code (``torch.load(weights_only=True)`` of their bytes), never through DCP.
+
+Names: a tied weight (an embedding shared with the head) is one parameter, named by
+``named_parameters()`` with its first name, but ``get_model_state_dict`` saves it under every
+name; it loads from whichever the checkpoint holds (its first name if there), and the other saved
+names are read to compare (a warning names any that differ). Param groups: FSDP2 saves each
+group's parameter names (``optim.param_groups.<i>.params``), and each of the optimizer's groups
+takes the settings of the saved group holding the same parameters, in whatever order the groups
+were built; groups holding other parameters are refused before anything loads. Only a checkpoint
+that names no parameters is matched by group index.
 """
 
 from __future__ import annotations
@@ -78,7 +87,8 @@ def is_foreign_dcp(path: str | os.PathLike[str]) -> bool:
 class ForeignCheckpoint:
     """What a foreign DCP checkpoint holds, by kind. ``model``: fqn -> DCP metadata;
     ``optim``: fqn -> state key -> metadata; ``optim_prefix``: where the optimizer is
-    (``optim.state.``); ``groups``: the optimizer's param-group settings, by group index (or
+    (``optim.state.``); ``groups``: the optimizer's param-group settings (``params``: the group's
+    parameter names, where saved), by group index (or
     ``{fqn: settings}`` per parameter, torchtitan's flattened form); ``objects``: the other top-level
     entries (``train_state``, ``lr_scheduler``, ...) as key -> value read without code, or the
     metadata where that fails."""
@@ -158,9 +168,8 @@ def read_foreign(path: str | os.PathLike[str], names: Sequence[str] | None = Non
             if isinstance(md, TensorStorageMetadata):
                 out.optim.setdefault(fqn, {})[what] = md
         elif top in _OPTIM_TOPS and key.startswith(f"{top}.param_groups."):
-            where, _, setting = key[len(top) + 14 :].rpartition(".")
-            if setting != "params":
-                out.groups.setdefault(where, {})[setting] = read_bytes_entry(reader, metadata, key)
+            where, _, setting = key[len(top) + 14 :].rpartition(".")  # setting "params": the group's names
+            out.groups.setdefault(where, {})[setting] = read_bytes_entry(reader, metadata, key)
         elif has_model_top and top == "model":
             if isinstance(md, TensorStorageMetadata):
                 out.model[key[len("model.") :]] = md
@@ -195,16 +204,20 @@ def load_foreign(
     the step}``. Collective: every rank checks first, and all raise the same error if one refuses."""
     names = engine.param_names()
     params = dict(engine.module.named_parameters())
+    aliases = _aliases(engine.module, params)
     buffers = persistent_buffers(engine.module)
     failure: Exception | None = None
     ckpt: ForeignCheckpoint | None = None
+    source: dict[str, str] = {}  # a parameter's name -> the checkpoint's name it loads from (a tied alias)
+    settings: list[dict[str, Any]] | None = None  # the saved settings for each optimizer group, in order
     try:
         if not is_foreign_dcp(path):  # written by import_checkpoint: follow `latest`, check the files
             path, meta = read_meta(path, caller, pointer)
             files = _file_records(meta.get("files", {}))
             verify_checksums(path, files, sorted(files)[engine.world.rank :: engine.world.world_size])
-        ckpt = read_foreign(path, list(params) + list(buffers))
-        _check_names(ckpt, params, buffers, bool(optimizers))
+        ckpt = read_foreign(path, list(params) + list(aliases) + list(buffers))
+        source = _check_names(ckpt, params, buffers, bool(optimizers), aliases)
+        settings = _match_groups(ckpt, engine, optimizers, caller, aliases)
     except Exception as exc:
         failure = exc
     errors = C.all_gather_objects(
@@ -224,6 +237,11 @@ def load_foreign(
     opt_of = {id(m): opt for opt in optimizers for group in opt.param_groups for m in group["params"]}
     optim_steps: list[torch.Tensor] = []
     setters: list[tuple[dict[Any, Any], str, torch.Tensor]] = []
+    tied: dict[str, list[str]] = {}  # a parameter's name -> its other names the checkpoint holds
+    for alias, fqn in aliases.items():
+        if alias in ckpt.model and alias != source[fqn]:
+            tied.setdefault(fqn, []).append(alias)
+    differing: list[tuple[torch.Tensor, torch.Tensor, str]] = []  # (loaded, an alias's saved value, the alias)
 
     def request(key: str, md: TensorStorageMetadata, target: torch.Tensor, lo: int) -> None:
         hi = lo + target.numel()
@@ -233,6 +251,15 @@ def load_foreign(
         sd[key] = RowsPiece(md.size, first, last, md.properties.dtype)
         copies.append((target, key, skip, target.numel()))
 
+    def request_param(fqn: str, target: torch.Tensor, lo: int) -> None:
+        """A parameter from the name it was saved under; a tied weight's other saved names are
+        read too, to compare (the same tensor, saved twice by ``get_model_state_dict``)."""
+        request(f"{ckpt.model_prefix}{source[fqn]}", ckpt.model[source[fqn]], target, lo)
+        for alias in tied.get(fqn, []):
+            scratch = torch.empty_like(target)
+            request(f"{ckpt.model_prefix}{alias}", ckpt.model[alias], scratch, lo)
+            differing.append((target, scratch, alias))
+
     with engine.swapped_state(writable=True) as swapped:
         for g in engine.groups:
             for i, (p, m) in enumerate(zip(g.params, g.masters)):
@@ -240,13 +267,14 @@ def load_foreign(
                 lo, hi = g.layout.local_range(i)
                 if hi - lo != m.numel():
                     raise RuntimeError(f"{caller}: {fqn}: piece of {m.numel()} elements for range {lo}:{hi}")
-                request(f"{ckpt.model_prefix}{fqn}", ckpt.model[fqn], m.data.view(-1), lo)
+                request_param(fqn, m.data.view(-1), lo)
                 optimizer = opt_of.get(id(m), optimizers[0] if len(optimizers) == 1 else None)
                 if optimizer is None:
                     continue
                 state = optimizer.state[m]
                 on_disk = swapped.get(id(m), {})
-                for key, md in ckpt.optim.get(fqn, {}).items():
+                saved = next((n for n in [fqn, *_names_of(fqn, aliases)] if n in ckpt.optim), fqn)
+                for key, md in ckpt.optim.get(saved, {}).items():
                     full = key != "step" and list(md.size) == list(p.shape)
                     if full:
                         if key in on_disk:
@@ -255,10 +283,10 @@ def load_foreign(
                             if key not in state:
                                 state[key] = torch.zeros_like(m.data)
                             target = state[key]
-                        request(f"{ckpt.optim_prefix}{fqn}.{key}", md, target.view(-1), lo)
+                        request(f"{ckpt.optim_prefix}{saved}.{key}", md, target.view(-1), lo)
                     else:  # a scalar (step), or state in its own shape: loaded whole
                         value = fresh_state(key, m, md, group_of.get(id(m), {}), -1)
-                        sd[f"{ckpt.optim_prefix}{fqn}.{key}"] = value
+                        sd[f"{ckpt.optim_prefix}{saved}.{key}"] = value
                         setters.append((state, key, value))
                         if key == "step":
                             optim_steps.append(value)
@@ -271,14 +299,9 @@ def load_foreign(
                 if offset is None:
                     chunk = -(-p.numel() // engine.ctx.world_size)
                     offset = min(chunk * engine.ctx.rank, p.numel())
-                request(
-                    f"{ckpt.model_prefix}{fqn}",
-                    ckpt.model[fqn],
-                    flat[: max(0, min(flat.numel(), p.numel() - offset))],
-                    offset,
-                )
+                request_param(fqn, flat[: max(0, min(flat.numel(), p.numel() - offset))], offset)
             else:
-                request(f"{ckpt.model_prefix}{fqn}", ckpt.model[fqn], flat, 0)
+                request_param(fqn, flat, 0)
         for fqn, b in buffers.items():
             sd[f"{ckpt.model_prefix}{fqn}"] = b
         reader = SafeFileSystemReader(path, bytes_entries=True)
@@ -288,6 +311,15 @@ def load_foreign(
             for target, key, skip, count in copies:
                 rows = sd[key].as_subclass(torch.Tensor).reshape(-1)
                 target.copy_(rows[skip : skip + count])
+    unequal = sorted({alias for loaded, value, alias in differing if not torch.equal(loaded, value)})
+    if unequal:
+        warnings.warn(
+            f"{caller}: {path!r} holds tied weights under several names with different values: "
+            f"{_short([f'{a} (loaded from {source[aliases[a]]})' for a in unequal])}; the model holds one tensor for "
+            "all its names, loaded from the first name (save the checkpoint from a model whose weights are tied)",
+            UserWarning,
+            stacklevel=3,
+        )
     for state, key, value in setters:
         state[key] = value
     step = max((int(s.item()) for s in optim_steps), default=None)
@@ -296,7 +328,7 @@ def load_foreign(
     engine.load_progress(
         {"engine.step_count": torch.tensor(step or 0), "engine.loss_scale": torch.tensor(engine.scaler.scale)}
     )
-    _restore_groups(ckpt, engine, optimizers, caller)
+    _restore_groups(settings, optimizers)
     if engine.world.rank == 0:
         skipped = sorted(k for k in ckpt.objects if not k.startswith("train_state.step"))
         if skipped:
@@ -314,14 +346,36 @@ def _short(keys: Sequence[str], n: int = 6) -> str:
     return ", ".join(keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
 
 
+def _aliases(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """A tied parameter's other names (``head.weight`` for an embedding the head shares) -> the
+    name ``named_parameters()`` gives it (the first), which the engine uses."""
+    first = {id(p): n for n, p in params.items()}
+    return {
+        n: first[id(p)]
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if id(p) in first and first[id(p)] != n
+    }
+
+
+def _names_of(fqn: str, aliases: Mapping[str, str]) -> list[str]:
+    return [a for a, primary in aliases.items() if primary == fqn]
+
+
 def _check_names(
-    ckpt: ForeignCheckpoint, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], optim: bool
-) -> None:
+    ckpt: ForeignCheckpoint,
+    params: Mapping[str, torch.Tensor],
+    buffers: Mapping[str, torch.Tensor],
+    optim: bool,
+    aliases: Mapping[str, str],
+) -> dict[str, str]:
     """Every parameter and persistent buffer of the model has a tensor of its shape in the
-    checkpoint, and nothing in the checkpoint's model is left over; else a ValueError naming both."""
+    checkpoint, and nothing in the checkpoint's model is left over; else a ValueError naming both.
+    A tied parameter is found under any of its names (``get_model_state_dict`` saves each name).
+    Returns each parameter's name -> the checkpoint's name to load it from (its own first)."""
     wanted = {**{n: p.shape for n, p in params.items()}, **{n: b.shape for n, b in buffers.items()}}
-    missing = sorted(n for n in wanted if n not in ckpt.model)
-    extra = sorted(n for n in ckpt.model if n not in wanted)
+    source = {n: next((a for a in [n, *_names_of(n, aliases)] if a in ckpt.model), n) for n in params}
+    missing = sorted(n for n in wanted if source.get(n, n) not in ckpt.model)
+    extra = sorted(n for n in ckpt.model if n not in wanted and n not in aliases)
     if missing or extra:
         hint = ""
         for prefix in ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module."):
@@ -336,7 +390,10 @@ def _check_names(
             f"checkpoint: [{_short(missing)}]; in the checkpoint but not the model: [{_short(extra)}]. Build the same "
             f"model as the saved run (same module names), or rename the keys before saving.{hint}"
         )
-    for name, shape in wanted.items():
+    saved_shapes = {**{n: wanted[aliases[n]] for n in ckpt.model if n in aliases}, **wanted}
+    for name, shape in saved_shapes.items():
+        if name not in ckpt.model and name in params:
+            continue  # a tied parameter saved under another of its names
         saved = list(ckpt.model[name].size)
         if saved != list(shape):
             raise ValueError(
@@ -345,42 +402,96 @@ def _check_names(
             )
     if optim:
         for fqn in ckpt.optim:
-            if fqn not in params:
+            if fqn not in params and fqn not in aliases:
                 raise ValueError(
                     f"load_checkpoint(): the checkpoint {ckpt.path!r} has optimizer state for '{fqn}', which is not a "
                     "parameter of the model; build the same model as the saved run"
                 )
+    return source
 
 
-def _restore_groups(
-    ckpt: ForeignCheckpoint, engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], caller: str
-) -> None:
-    """The saved param-group settings (lr, betas, weight decay, ...) over the optimizers' own:
-    by group index (FSDP2's docs), or by a group's first parameter (torchtitan's per-parameter form)."""
+def _match_groups(
+    ckpt: ForeignCheckpoint,
+    engine: ZeroEngine,
+    optimizers: list[torch.optim.Optimizer],
+    caller: str,
+    aliases: Mapping[str, str],
+) -> list[dict[str, Any]] | None:
+    """The saved param-group settings (lr, betas, weight decay, ...) for each of the optimizers'
+    groups, in order: the saved group holding the same parameters (FSDP2's ``param_groups.<i>.params``
+    names them; any order of groups), by group index where the checkpoint names none, or by a
+    group's first parameter (torchtitan's per-parameter form). A ValueError when the groups hold
+    other parameters than the saved ones; None (the optimizer keeps its own) without settings."""
     if not optimizers or not ckpt.groups:
-        return
+        return None
     names = engine.param_names()
     of_master = {id(m): names[id(p)] for g in engine.groups for p, m in zip(g.params, g.masters)}
     groups = [group for opt in optimizers for group in opt.param_groups]
-    if all(k.isdigit() for k in ckpt.groups):
-        saved = [ckpt.groups[k] for k in sorted(ckpt.groups, key=int)]
-        if len(saved) != len(groups):
+    if not all(k.isdigit() for k in ckpt.groups):
+        out = []
+        for group in groups:
+            first = next((of_master[id(m)] for m in group["params"] if id(m) in of_master), None)
+            out.append(ckpt.groups.get(first or "", {}))
+        return out
+    saved = [ckpt.groups[k] for k in sorted(ckpt.groups, key=int)]
+    members = [s.get("params") for s in saved]
+    if not all(isinstance(m, (list, tuple)) and all(isinstance(n, str) for n in m) for m in members):
+        if len(saved) != len(groups):  # no membership saved: by index, when the counts agree
             warnings.warn(
                 f"{caller}: the checkpoint has {len(saved)} optimizer parameter groups and the optimizer(s) "
                 f"{len(groups)}; the settings (lr, ...) were not restored: the optimizer keeps its own",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-            return
-    else:
-        saved = []
-        for group in groups:
-            first = next((of_master[id(m)] for m in group["params"] if id(m) in of_master), None)
-            saved.append(ckpt.groups.get(first or "", {}))
+            return None
+        return saved
+    saved_names = [[aliases.get(n, n) for n in m or ()] for m in members]  # a tied weight's first name
+    index = {frozenset(m): i for i, m in enumerate(saved_names)}
+    holder = {n: i for i, m in enumerate(saved_names) for n in m}
+    out, used = [], set()
+    for j, group in enumerate(groups):
+        own = [of_master[id(m)] for m in group["params"] if id(m) in of_master]
+        i = index.get(frozenset(own))
+        if i is None:
+            k = holder.get(own[0]) if own else None
+            theirs = "no saved group holds its first parameter"
+            if k is not None:
+                more = [n for n in saved_names[k] if n not in set(own)]
+                fewer = [n for n in own if n not in set(saved_names[k])]
+                theirs = (
+                    f"the checkpoint's group {k} (first '{saved_names[k][0]}', {len(saved_names[k])} parameters)"
+                    + (f" also holds [{_short(more)}]" if more else "")
+                    + (f" lacks [{_short(fewer)}]" if fewer else "")
+                )
+            raise ValueError(
+                f"{caller}: the optimizer's parameter groups differ from the checkpoint's {ckpt.path!r}: group {j} "
+                f"(first '{own[0] if own else ''}', {len(own)} parameters) is none of the saved groups; {theirs}. "
+                "Build the optimizer with the same parameter groups as the saved run (the same parameters in each, "
+                "in any order), or load the model alone (load_checkpoint(path, model)) and keep the optimizer fresh"
+            )
+        out.append(saved[i])
+        used.add(i)
+    unused = [i for i in range(len(saved)) if i not in used]
+    if unused:
+        i = unused[0]
+        raise ValueError(
+            f"{caller}: the optimizer's parameter groups differ from the checkpoint's {ckpt.path!r}: its group {i} "
+            f"(first '{saved_names[i][0] if saved_names[i] else ''}', {len(saved_names[i])} parameters) is none of "
+            "the optimizer's groups. Build the optimizer with the same parameter groups as the saved run, or load "
+            "the model alone (load_checkpoint(path, model)) and keep the optimizer fresh"
+        )
+    return out
+
+
+def _restore_groups(settings: list[dict[str, Any]] | None, optimizers: list[torch.optim.Optimizer]) -> None:
+    """``settings`` (from :func:`_match_groups`) over the optimizers' groups, in order."""
+    if settings is None:
+        return
     k = 0
     for optimizer in optimizers:
         n = len(optimizer.param_groups)
-        restore_group_settings(optimizer, [{a: b for a, b in s.items() if b is not None} for s in saved[k : k + n]])
+        chosen = [{a: b for a, b in s.items() if b is not None and a != "params"} for s in settings[k : k + n]]
+        restore_group_settings(optimizer, chosen)
         k += n
 
 
