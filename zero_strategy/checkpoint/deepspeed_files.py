@@ -24,6 +24,17 @@ run): whole in the model-states file's ``frozen_param_fragments`` at stage 2, as
 entries at stage 1 (DeepSpeed saves the fragments only when gradients are partitioned). They come
 out as ``model.<name>`` values alone.
 
+The optimizer state is read as torch's Adam and AdamW keep it, whichever Adam DeepSpeed ran: a
+client ``torch.optim.AdamW``, or its own ``FusedAdam`` (the default with a config ``optimizer``
+block) and ``DeepSpeedCPUAdam`` (``offload_optimizer``), which keep each state's ``step`` as a
+Python int (read as a float32 0-d tensor) and group keys torch's optimizers lack (FusedAdam's
+group ``step``, ``bias_correction``: not carried). Whether that Adam decoupled its weight decay
+(``adam_w_mode``) is not in the groups but in the config saved beside them (``ds_config``):
+``false`` is L2-regularised Adam, ``torch.optim.Adam``'s update, and is warned about when a weight
+decay makes the two differ. ``elastic_checkpoint`` saves the state as a list of group states, read
+the same way. Each group's parameter names come from ``param_shapes`` (at stage 3 one entry per
+sub-group, joined through the group's sub-group indices) as ``optim.param_groups.<i>.params``.
+
 These files are read directly rather than through DeepSpeed's universal checkpoint
 (``ds_to_universal.py``): they are what every DeepSpeed run already has, reading them needs no
 DeepSpeed install and no conversion step, and the result is resharded by zero_strategy's own
@@ -37,6 +48,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -195,6 +207,93 @@ def _refuse_model_parallel(tag: str, model: dict[str, Any]) -> None:
         )
 
 
+# Param-group keys of DeepSpeed's own Adams (FusedAdam, DeepSpeedCPUAdam) that torch's Adam and
+# AdamW do not have: FusedAdam's group counter (never advanced; the step is each state's ``step``),
+# the bias-correction switch (torch's always corrects) and the L2/decoupled switch, which DeepSpeed
+# keeps on the optimizer object and only a hand-made group could hold.
+_DEEPSPEED_GROUP_KEYS = ("step", "bias_correction", "adam_w_mode")
+
+
+def _base_state(optim: dict[str, Any], stage: int, tag: str) -> dict[str, Any]:
+    """The wrapped optimizer's ``{"state", "param_groups"}``. ZeRO-1/2 with ``elastic_checkpoint``
+    saves a list instead, one state per param group (no group settings), cut like the masters."""
+    state = optim["base_optimizer_state"] if stage <= 2 else optim["optimizer_state_dict"]
+    if isinstance(state, list) and stage <= 2:
+        return {"state": dict(enumerate(state)), "param_groups": []}
+    if isinstance(state, dict) and isinstance(state.get("state"), dict):
+        return {"state": state["state"], "param_groups": list(state.get("param_groups") or [])}
+    field = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
+    raise ValueError(
+        f"import-checkpoint: {tag}: the optimizer files' {field} is a {type(state).__name__}, neither a torch "
+        "optimizer state_dict nor elastic_checkpoint's list of group states; save the run again with "
+        'DeepSpeed\'s default "elastic_checkpoint": false, or convert it with ds_to_universal.py'
+    )
+
+
+def _moments_of_every_sub_group(state: dict[Any, Any], count: int, tag: str) -> list[str]:
+    """The Adam moments ZeRO-3 saved for all ``count`` sub-groups; one saved for some sub-groups
+    only is refused (a fresh Adam for some parameters would not continue the run)."""
+    keys = []
+    for key in ("exp_avg", "exp_avg_sq"):
+        missing = [i for i in range(count) if key not in (state.get(i) or {})]
+        if len(missing) == count:
+            continue
+        if missing:
+            raise ValueError(
+                f"import-checkpoint: {tag}: ZeRO-3 saved {key} for {count - len(missing)} of the {count} sub-groups "
+                f"(optimizer_state_dict.state; missing for sub-groups {missing[:8]}): the checkpoint was saved before "
+                "every sub-group had stepped, or is damaged; save it again after a full step, or load the weights "
+                "alone (zero_to_fp32.py and zs.load_full_state_dict)"
+            )
+        keys.append(key)
+    return keys
+
+
+def _step(value: Any) -> torch.Tensor | None:
+    """An Adam state's ``step`` as torch's Adam and AdamW keep it (a float32 0-d tensor): torch's
+    optimizers save a tensor, FusedAdam and DeepSpeedCPUAdam a Python int."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.detach().reshape(()).to(torch.float32).clone()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return torch.tensor(float(value), dtype=torch.float32)
+    return None
+
+
+def _adam_w_mode(config: Any, groups: list[dict[str, Any]]) -> bool | None:
+    """Whether DeepSpeed's Adam decayed the weights AdamW's way (None: not an Adam it built, or not
+    said). Its config's ``optimizer`` block (saved as ``ds_config``) decides: type ``AdamW``, or
+    ``Adam`` with ``params.adam_w_mode`` (default true); false is Adam with L2 regularisation."""
+    for group in groups:
+        if "adam_w_mode" in group:
+            return bool(group["adam_w_mode"])
+    block = config.get("optimizer") if isinstance(config, dict) else None
+    kind = str(block.get("type", "")).lower() if isinstance(block, dict) else ""
+    if kind not in ("adam", "adamw") or not isinstance(block, dict):
+        return None
+    return kind == "adamw" or bool((block.get("params") or {}).get("adam_w_mode", True))
+
+
+def _warn_about_adam_semantics(tag: str, groups: list[dict[str, Any]], adam_w_mode: bool | None) -> None:
+    """Warn where torch's AdamW would not continue the same updates: L2-regularised Adam with a
+    weight decay (``adam_w_mode`` false), or Adam without bias correction."""
+    decays = sorted({float(g.get("weight_decay") or 0.0) for g in groups} - {0.0})
+    if adam_w_mode is False and decays:
+        warnings.warn(
+            f"import-checkpoint: {tag}: the DeepSpeed run's Adam had adam_w_mode false (weight_decay {decays[0]:g} "
+            "added to the gradient, L2 regularisation), torch.optim.AdamW decays the weights apart from it: to "
+            "continue the same updates load into torch.optim.Adam with the same weight_decay, not AdamW",
+            UserWarning,
+            stacklevel=3,
+        )
+    if any(g.get("bias_correction") is False for g in groups):
+        warnings.warn(
+            f"import-checkpoint: {tag}: the DeepSpeed run's Adam had bias_correction false; torch's Adam and AdamW "
+            "always correct the bias, so the updates differ slightly (most in the first steps)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def read_deepspeed(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A DeepSpeed checkpoint as a flat state dict in FSDP2's layout (``model.<name>`` full fp32
     masters, frozen parameters as saved and buffers, ``optim.state.<name>.<key>``,
@@ -214,13 +313,14 @@ def read_deepspeed(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
         raise ValueError(f"import-checkpoint: {tag} has no mp_rank_00_model_states.pt (nor stage 3's per-rank one)")
     model = _load(model_file)
     _refuse_model_parallel(tag, model)
-    optims = [_load(os.path.join(tag, n))["optimizer_state_dict"] for _, n in optim_files]
+    files = [_load(os.path.join(tag, n)) for _, n in optim_files]
+    optims = [f["optimizer_state_dict"] for f in files]
     stage, optimizer = _kind(optims[0], tag)
     groups = [list(g.items()) for g in model["param_shapes"]]
     sd: dict[str, Any] = {}
     masters: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}
-    base = [o["base_optimizer_state"] if stage <= 2 else o["optimizer_state_dict"] for o in optims]
+    base = [_base_state(o, stage, tag) for o in optims]
     if stage <= 2:
         paddings = optims[0].get("param_alignment_paddings") or [None] * len(groups)
         for g, shapes in enumerate(groups):
@@ -233,13 +333,12 @@ def read_deepspeed(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
     else:
         shapes = [s for g in groups for s in g]
         masters = _walk(shapes, [torch.cat(list(o["fp32_flat_groups"])) for o in optims], stage, world)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if all(key in s for s in base[0]["state"].values()):
-                flat = [torch.cat([b["state"][i][key] for i in sorted(b["state"])]) for b in base]
-                for name, t in _walk(shapes, flat, stage, world).items():
-                    moments.setdefault(name, {})[key] = t
+        for key in _moments_of_every_sub_group(base[0]["state"], len(groups), tag):
+            flat = [torch.cat([b["state"][i][key] for i in range(len(groups))]) for b in base]
+            for name, t in _walk(shapes, flat, stage, world).items():
+                moments.setdefault(name, {})[key] = t
     frozen = _frozen(tag, model, stage, world, set(masters))
-    steps = [s["step"] for s in base[0]["state"].values() if isinstance(s.get("step"), torch.Tensor)]
+    steps = [st for s in base[0]["state"].values() if (st := _step(s.get("step"))) is not None]
     for name, t in masters.items():
         sd[f"model.{name}"] = t
         for key, value in moments.get(name, {}).items():
@@ -250,13 +349,18 @@ def read_deepspeed(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
         sd[f"model.{name}"] = t
     for name in model.get("buffer_names") or []:
         sd[f"model.{name}"] = model["module"][name]
-    for i, group in enumerate(base[0]["param_groups"]):
+    saved_groups = base[0]["param_groups"] or [{"params": [g]} for g in range(len(groups))]  # elastic: none saved
+    adam_w_mode = _adam_w_mode(files[0].get("ds_config"), saved_groups)
+    for i, group in enumerate(saved_groups):
+        members = group.get("params") or []
+        sd[f"optim.param_groups.{i}.params"] = [n for m in members if m < len(groups) for n, _ in groups[m]]
         for key, value in group.items():
-            if key != "params":
+            if key not in ("params", *_DEEPSPEED_GROUP_KEYS):
                 sd[f"optim.param_groups.{i}.{key}"] = value
+    _warn_about_adam_semantics(tag, saved_groups, adam_w_mode)
     for key, value in (model.get("lr_scheduler") or {}).items():
         sd[f"lr_scheduler.{key}"] = value
     report = {"deepspeed_stage": stage, "deepspeed_optimizer": optimizer, "deepspeed_world_size": world,
               "frozen": sorted(frozen), "global_steps": model.get("global_steps"), "tag": os.path.basename(tag),
-              "ds_version": model.get("ds_version")}  # fmt: skip
+              "ds_version": model.get("ds_version"), "deepspeed_adam_w_mode": adam_w_mode}  # fmt: skip
     return sd, report

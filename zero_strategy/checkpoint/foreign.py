@@ -518,7 +518,10 @@ def import_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str]) 
             f"{META}) nor a DeepSpeed one (latest and global_step*/ with *_optim_states.pt); pass the directory the "
             "other engine saved (a zero_strategy checkpoint loads as it is)"
         )
-    steps = [int(v.item()) for k, v in sd.items() if k.split(".")[0] in _OPTIM_TOPS and k.endswith(".step")]
+    # the Adam states' step (optim.state.<name>.step), not a param group's (FusedAdam keeps an int 0 there)
+    steps = [int(v.item()) if isinstance(v, torch.Tensor) else int(v) for k, v in sd.items()
+             if k.split(".")[0] in _OPTIM_TOPS and k.split(".")[1:2] == ["state"] and k.endswith(".step")
+             and isinstance(v, (torch.Tensor, int, float))]  # fmt: skip
     train = sd.get("train_state.step", origin.get("global_steps"))
     step = max(steps) if steps else (int(train) if isinstance(train, (int, torch.Tensor)) else None)
     name = _create_version_dir(dst, f"step-{step if step is not None else 0}", False)
