@@ -77,6 +77,16 @@ def import_deepspeed(checkpoint: str, shards: str, model: nn.Module, call: str) 
             )
         except ValueError as exc:  # what deepspeed_files.py cannot read, named there
             error = ValueError(f"{call}: {exc}")
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # DCP's CheckpointException (a BaseException), a file laid out otherwise
+            first = (str(exc).splitlines() or [""])[0][:300]
+            error = RuntimeError(
+                f"{call}: converting the DeepSpeed checkpoint {checkpoint!r} into {shards!r} failed "
+                f"({type(exc).__name__}: {first}). Run the conversion alone before relaunching, to see the whole "
+                f"error: `{_IMPORT} {checkpoint} {shards}`"
+            )
+            error.__cause__ = exc
     C.agree_on_failure(world, error, what="converting the DeepSpeed checkpoint", call=call)
     if not report:
         report = read_meta(shards, call)[1].get("import_report") or {}

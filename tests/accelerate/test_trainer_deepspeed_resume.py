@@ -45,7 +45,10 @@ REL = 1e-6
 # Hugging Face's documented WarmupDecayLR block: DeepSpeed runs the schedule, no scheduler.pt
 SCHEDULER = {"type": "WarmupDecayLR", "params": {k: "auto" for k in ("warmup_min_lr", "warmup_max_lr",
                                                                    "warmup_num_steps", "total_num_steps")}}  # fmt: skip
-RUNS = {"2": 2, "3": 3, "2s": 2}  # DeepSpeed run -> stage; "s": with SCHEDULER
+# Hugging Face's documented optimizer block: DeepSpeed builds it over one param group (the Trainer's
+# decay/no-decay split is not made), so every parameter decays; torch's AdamW (FusedAdam needs a build)
+OPTIMIZER = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}, "torch_adam": True}
+RUNS = {"2": 2, "3": 3, "2s": 2, "2o": 2}  # DeepSpeed run -> stage; "s": with SCHEDULER, "o": with OPTIMIZER
 
 
 def _config(stage: int, **extra: Any) -> dict[str, Any]:
@@ -77,7 +80,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cfg = {}
     for run, stage in RUNS.items():
         cfg[run] = tmp / f"ds_config_{run}.json"
-        cfg[run].write_text(json.dumps(_config(stage, **({"scheduler": SCHEDULER} if "s" in run else {}))))
+        extra = {"scheduler": SCHEDULER} if "s" in run else {"optimizer": OPTIMIZER} if "o" in run else {}
+        cfg[run].write_text(json.dumps(_config(stage, **extra)))
     ds = _launch(tmp, "ds", {f"ds{r}": "ddp" for r in RUNS}, {f"ds{r}": f"--deepspeed {cfg[r]}" for r in RUNS},
                  DS_ACCELERATOR="cpu", ACCELERATE_USE_CPU="false")  # fmt: skip
     ckpt = {r: tmp / "ds" / f"ds{r}" / f"checkpoint-{K}" for r in RUNS}
@@ -85,9 +89,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     shutil.copytree(ckpt["2"], weights_only, ignore=shutil.ignore_patterns("global_step*", "latest"))
     shutil.copytree(ckpt["3"], blocked)
     (blocked / "zero_strategy").write_text("")  # where the conversion goes cannot be made a directory
-    jobs = {"zs2": cfg["2"], "zs3": cfg["3"], "zs3-from-ds2": cfg["3"], "zs2s": cfg["2s"], "fresh-adam": cfg["2"],
-            "refused-blocked": cfg["3"]}  # fmt: skip
-    src = {"zs2": ckpt["2"], "zs3": ckpt["3"], "zs3-from-ds2": ckpt["2"], "zs2s": ckpt["2s"],
+    jobs = {"zs2": cfg["2"], "zs3": cfg["3"], "zs3-from-ds2": cfg["3"], "zs2s": cfg["2s"], "zs2o": cfg["2o"],
+            "fresh-adam": cfg["2"], "refused-blocked": cfg["3"]}  # fmt: skip
+    src = {"zs2": ckpt["2"], "zs3": ckpt["3"], "zs3-from-ds2": ckpt["2"], "zs2s": ckpt["2s"], "zs2o": ckpt["2o"],
            "fresh-adam": weights_only, "refused-blocked": blocked}  # fmt: skip
     zs = _launch(tmp, "zs", {k: str(v) for k, v in jobs.items()},
                  {k: f"--use_cpu --resume_from_checkpoint {src[k]}" for k in jobs}, ZERO_STRATEGY_CONFIG=str(cfg["2"]))  # fmt: skip
@@ -125,13 +129,15 @@ def test_deepspeed_trained_the_reference(runs: dict[str, Any]) -> None:
         assert runs["ds"][f"ds{run}"]["deepspeed"] and runs["ds"][f"ds{run}"]["engine"] == "NoneType"
         names = {p.name for p in runs["ckpt"][run].iterdir()}
         assert {f"global_step{K}", "latest", "trainer_state.json"} <= names, names
-        # scheduler.pt: the Trainer's own LR scheduler, which DeepSpeed stepped; none with a scheduler block
-        assert ("scheduler.pt" in names) == ("s" not in run), names
+        # scheduler.pt: the Trainer's own LR scheduler, which DeepSpeed stepped; none with a scheduler block, and
+        # none with an optimizer block (DeepSpeed's engine then holds the Trainer's scheduler and saves it itself)
+        assert ("scheduler.pt" in names) == (run in ("2", "3")), names
         assert "optimizer.pt" not in names and ("model.safetensors" in names) == (stage == 2), names
 
 
 @pytest.mark.parametrize(
-    ("job", "src", "stage"), [("zs2", "2", 2), ("zs3", "3", 3), ("zs3-from-ds2", "2", 3), ("zs2s", "2s", 2)]
+    ("job", "src", "stage"),
+    [("zs2", "2", 2), ("zs3", "3", 3), ("zs3-from-ds2", "2", 3), ("zs2s", "2s", 2), ("zs2o", "2o", 2)],
 )
 def test_the_engine_continues_a_deepspeed_checkpoint_as_deepspeed_does(
     runs: dict[str, Any], job: str, src: str, stage: int
@@ -139,7 +145,11 @@ def test_the_engine_continues_a_deepspeed_checkpoint_as_deepspeed_does(
     """``zs2s``: DeepSpeed ran the config's WarmupDecayLR; the ``Trainer``'s linear schedule, the
     same function, continues at DeepSpeed's counter (one behind the step). The ``Trainer`` logs
     DeepSpeed's scheduler after it stepped (the next step's rate) and its own before: the logged
-    rates are one step apart while the losses, which follow the applied rates, are equal."""
+    rates are one step apart while the losses, which follow the applied rates, are equal. ``zs2o``:
+    DeepSpeed built the config's optimizer over one group; the ``Trainer``'s decay and no-decay
+    groups on the engine each lie within it and take its settings (the biases decay, as under
+    DeepSpeed), and the Trainer's own scheduler, which DeepSpeed's engine held and saved, loads
+    as it was (logged as in ``zs2s``)."""
     info = runs["zs"][job]
     assert info["engine"] == "ZeroEngine" and info["stage"] == stage and info["world"] == 2 and not info["deepspeed"]
     resumed = info["resumed"]
@@ -149,7 +159,7 @@ def test_the_engine_continues_a_deepspeed_checkpoint_as_deepspeed_does(
                  what=f"{job}: Adam moments' norms after the resume, against DeepSpeed's saved ones")  # fmt: skip
     ours, ref = runs["tmp"] / "zs" / job, runs["tmp"] / "ds" / f"ds{src}"
     gaps = _gaps(ours, ref)
-    if "s" in src:
+    if "s" in src or "o" in src:  # DeepSpeed's engine stepped the scheduler: logged after its step
         got, want = _after_k(ours)["learning_rate"], _after_k(ref)["learning_rate"]
         gaps["learning_rate"] = rel_diff(
             [got[k + 1] for k in range(K + 1, STEPS)], [want[k] for k in range(K + 1, STEPS)]
@@ -208,3 +218,28 @@ def test_the_trainers_scheduler_continues_from_deepspeeds_state() -> None:
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(linear().optimizer)
     with pytest.raises(ValueError, match=r"call: DeepSpeed's checkpoint holds its LR scheduler's state"):
         continue_scheduler(plateau, {"last_batch_iteration": 2}, K, "call")
+
+
+def test_a_conversion_failing_with_a_base_exception_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP wraps a write failure in ``CheckpointException``, a ``BaseException``: it still goes
+    through the agreement (every rank raises) and names the command (review finding: it skipped
+    the agreement, leaving the other ranks in the collective)."""
+    import accelerate_zero._deepspeed_resume as resume
+    import zero_strategy as zs
+
+    class Wrapped(BaseException):
+        pass
+
+    def fail(src: str, dst: str) -> dict[str, Any]:
+        raise Wrapped("CheckpointException ranks:dict_keys([0])")
+
+    monkeypatch.setattr(resume, "import_checkpoint", fail)
+    model = torch.nn.Linear(3, 3)
+    model, _ = zs.initialize(model, torch.optim.AdamW(model.parameters()), config=zs.ZeroConfig(stage=2))
+    ckpt = str(tmp_path / "checkpoint-3")
+    with pytest.raises(
+        RuntimeError,
+        match=r"call: converting the DeepSpeed checkpoint .*\(Wrapped: CheckpointException.*zero-strategy import-checkpoint",
+    ):
+        resume.import_deepspeed(ckpt, ckpt + "/zero_strategy", model, "call")
+    model.zero_engine.close()

@@ -130,7 +130,11 @@ def _walk(
             out[name] = flat[offset : offset + n].clone().view(shape)
             offset += n + (paddings[i] if paddings else 0)
         if offset > flat.numel():
-            raise ValueError(f"import-checkpoint: the partitions hold {flat.numel()} elements, the shapes {offset}")
+            raise ValueError(
+                f"import-checkpoint: the partitions hold {flat.numel()} elements, the parameter shapes (param_shapes) "
+                f"{offset}: the rank files are from different saves or runs; copy every zero_pp_rank_*_optim_states.pt "
+                "and the model states file of one tag (global_step*/) again"
+            )
         return out
     offset = 0
     for name, shape in shapes:

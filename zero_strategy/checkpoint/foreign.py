@@ -420,15 +420,19 @@ def _match_groups(
     """The saved param-group settings (lr, betas, weight decay, ...) for each of the optimizers'
     groups, in order: the saved group holding the same parameters (FSDP2's ``param_groups.<i>.params``
     names them; any order of groups), by group index where the checkpoint names none, or by a
-    group's first parameter (torchtitan's per-parameter form). A ValueError when the groups hold
-    other parameters than the saved ones; None (the optimizer keeps its own) without settings."""
+    group's first parameter (torchtitan's per-parameter form). Only the parameters the engine owns
+    count (a frozen one has no settings to take). A group that is no saved group but lies within
+    one (the ``Trainer``'s decay and no-decay groups, saved as DeepSpeed's one group) takes that
+    group's settings, as the saved run applied them, with a warning (rank 0); one spread over
+    saved groups whose settings differ keeps its own. ``{}``: a group keeps its own settings;
+    None: the checkpoint saved none."""
     if not optimizers or not ckpt.groups:
         return None
     names = engine.param_names()
     of_master = {id(m): names[id(p)] for g in engine.groups for p, m in zip(g.params, g.masters)}
     groups = [group for opt in optimizers for group in opt.param_groups]
     if not all(k.isdigit() for k in ckpt.groups):
-        out = []
+        out: list[dict[str, Any]] = []
         for group in groups:
             first = next((of_master[id(m)] for m in group["params"] if id(m) in of_master), None)
             out.append(ckpt.groups.get(first or "", {}))
@@ -445,40 +449,39 @@ def _match_groups(
             )
             return None
         return saved
-    saved_names = [[aliases.get(n, n) for n in m or ()] for m in members]  # a tied weight's first name
-    index = {frozenset(m): i for i, m in enumerate(saved_names)}
+    owned = set(of_master.values())  # a frozen parameter has no master: FSDP2 lists it in its group
+    saved_names = [[n for n in (aliases.get(n, n) for n in m or ()) if n in owned] for m in members]
+    index = {frozenset(m): i for i, m in enumerate(saved_names) if m}
     holder = {n: i for i, m in enumerate(saved_names) for n in m}
-    out, used = [], set()
+    empty = [i for i, m in enumerate(saved_names) if not m]  # matched by their order among the empty ones
+    out = []
+    regrouped: list[str] = []
     for j, group in enumerate(groups):
         own = [of_master[id(m)] for m in group["params"] if id(m) in of_master]
-        i = index.get(frozenset(own))
-        if i is None:
-            k = holder.get(own[0]) if own else None
-            theirs = "no saved group holds its first parameter"
-            if k is not None:
-                more = [n for n in saved_names[k] if n not in set(own)]
-                fewer = [n for n in own if n not in set(saved_names[k])]
-                theirs = (
-                    f"the checkpoint's group {k} (first '{saved_names[k][0]}', {len(saved_names[k])} parameters)"
-                    + (f" also holds [{_short(more)}]" if more else "")
-                    + (f" lacks [{_short(fewer)}]" if fewer else "")
-                )
-            raise ValueError(
-                f"{caller}: the optimizer's parameter groups differ from the checkpoint's {ckpt.path!r}: group {j} "
-                f"(first '{own[0] if own else ''}', {len(own)} parameters) is none of the saved groups; {theirs}. "
-                "Build the optimizer with the same parameter groups as the saved run (the same parameters in each, "
-                "in any order), or load the model alone (load_checkpoint(path, model)) and keep the optimizer fresh"
-            )
-        out.append(saved[i])
-        used.add(i)
-    unused = [i for i in range(len(saved)) if i not in used]
-    if unused:
-        i = unused[0]
-        raise ValueError(
-            f"{caller}: the optimizer's parameter groups differ from the checkpoint's {ckpt.path!r}: its group {i} "
-            f"(first '{saved_names[i][0] if saved_names[i] else ''}', {len(saved_names[i])} parameters) is none of "
-            "the optimizer's groups. Build the optimizer with the same parameter groups as the saved run, or load "
-            "the model alone (load_checkpoint(path, model)) and keep the optimizer fresh"
+        i = index.get(frozenset(own)) if own else (empty.pop(0) if empty else None)
+        if i is not None or not own:
+            out.append(saved[i] if i is not None else {})
+            continue
+        covering = sorted({holder[n] for n in own if n in holder})
+        unsaved = [n for n in own if n not in holder]
+        settings = [{k: v for k, v in saved[k].items() if k != "params"} for k in covering]
+        same = bool(settings) and not unsaved and all(s == settings[0] for s in settings)
+        out.append(saved[covering[0]] if same else {})
+        where = ", ".join(f"saved group {k} (first '{saved_names[k][0]}')" for k in covering) or "no saved group"
+        regrouped.append(
+            f"group {j} (first '{own[0]}', {len(own)} parameters) is within {where}"
+            + (f", [{_short(unsaved)}] in none" if unsaved else "")
+            + (": it takes that group's settings" if same else ": it keeps its own settings")
+        )
+    if regrouped and engine.world.rank == 0:
+        warnings.warn(
+            f"{caller}: the optimizer's parameter groups differ from the checkpoint's {ckpt.path!r} "
+            f"({len(groups)} groups, {len(saved)} saved; e.g. DeepSpeed with a config optimizer block saves one group, "
+            f"the Trainer builds decay and no-decay ones): {'; '.join(regrouped)}. Each parameter's optimizer state "
+            "(moments, step) is loaded as saved; a group within one saved group takes its settings (lr, weight "
+            "decay, ...) as the saved run used them. Set a group's settings after the load to change them",
+            UserWarning,
+            stacklevel=4,
         )
     return out
 
