@@ -182,6 +182,21 @@ def test_an_optimizer_file_of_no_zero_layout_is_refused(tmp_path) -> None:
         read_deepspeed(root)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_partitions_shorter_than_the_shapes_are_named(tmp_path, stage: int) -> None:
+    """Rank files from another save (fewer elements than ``param_shapes`` needs): named with the
+    fix, not a ``view`` error (review finding)."""
+    root = _zero1(str(tmp_path), [0, 0, 0, 0]) if stage == 1 else os.path.dirname(_zero3(str(tmp_path)))
+    if stage == 3:
+        with open(os.path.join(root, "latest"), "w") as f:
+            f.write("global_step3")
+    key = "single_partition_of_fp32_groups" if stage == 1 else "fp32_flat_groups"
+    _edit(os.path.join(root, "global_step3"), lambda saved, _: saved["optimizer_state_dict"].update(
+        {key: [t[: t.numel() // 2] for t in saved["optimizer_state_dict"][key]]}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"partitions hold \d+ elements, the parameter shapes .*need \d+.*of one tag"):
+        read_deepspeed(root)
+
+
 class _Model(nn.Module):
     """The parameters of PARAMS (b.weight frozen) and the buffer ``scale``."""
 

@@ -112,6 +112,14 @@ def is_deepspeed_checkpoint(path: str | os.PathLike[str]) -> bool:
     return _tag_dir(os.fspath(path)) is not None
 
 
+def _mismatch(held: int, wanted: int) -> None:
+    raise ValueError(
+        f"import-checkpoint: the partitions hold {held} elements, the parameter shapes (param_shapes) need {wanted}: "
+        "the rank files are from different saves or runs; copy every zero_pp_rank_*_optim_states.pt and the model "
+        "states file(s) of one tag (global_step*/) again"
+    )
+
+
 def _walk(
     shapes: Sequence[tuple[str, torch.Size]],
     ranks: list[torch.Tensor],
@@ -127,20 +135,21 @@ def _walk(
         offset = 0
         for i, (name, shape) in enumerate(shapes):
             n = shape.numel()
+            if offset + n > flat.numel():
+                break  # named below
             out[name] = flat[offset : offset + n].clone().view(shape)
             offset += n + (paddings[i] if paddings else 0)
-        if offset > flat.numel():
-            raise ValueError(
-                f"import-checkpoint: the partitions hold {flat.numel()} elements, the parameter shapes (param_shapes) "
-                f"{offset}: the rank files are from different saves or runs; copy every zero_pp_rank_*_optim_states.pt "
-                "and the model states file of one tag (global_step*/) again"
-            )
+        if offset > flat.numel() or len(out) < len(shapes):
+            _mismatch(flat.numel(), sum(s.numel() for _, s in shapes) + sum(paddings or ()))
         return out
     offset = 0
     for name, shape in shapes:
         n = shape.numel()
         piece = -(-n // world)
-        out[name] = torch.cat([r[offset : offset + piece] for r in ranks])[:n].clone().view(shape)
+        whole = torch.cat([r[offset : offset + piece] for r in ranks])
+        if whole.numel() < n:
+            _mismatch(sum(r.numel() for r in ranks), sum(-(-s.numel() // world) * world for _, s in shapes))
+        out[name] = whole[:n].clone().view(shape)
         offset += piece
     return out
 

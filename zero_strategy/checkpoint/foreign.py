@@ -27,8 +27,10 @@ name; it loads from whichever the checkpoint holds (its first name if there), an
 names are read to compare (a warning names any that differ). Param groups: FSDP2 saves each
 group's parameter names (``optim.param_groups.<i>.params``), and each of the optimizer's groups
 takes the settings of the saved group holding the same parameters, in whatever order the groups
-were built; groups holding other parameters are refused before anything loads. Only a checkpoint
-that names no parameters is matched by group index.
+were built (only parameters the engine owns count: a frozen one has no state); a group within one
+saved group takes its settings, with a warning. Only a checkpoint that names no parameters is
+matched by group index. Optimizers that step whole parameters (Muon) are refused: their state
+lives on the owner rank's whole matrix, which this loader does not place.
 """
 
 from __future__ import annotations
@@ -215,6 +217,12 @@ def load_foreign(
             path, meta = read_meta(path, caller, pointer)
             files = _file_records(meta.get("files", {}))
             verify_checksums(path, files, sorted(files)[engine.world.rank :: engine.world.world_size])
+        if optimizers and engine.whole.entries:
+            raise ValueError(
+                f"{caller}: {path!r} is another engine's checkpoint, and the optimizer steps whole parameters "
+                f"({len(engine.whole.entries)} matrices, e.g. Muon), whose state this loader does not place on "
+                "their owner ranks; load the model alone (load_checkpoint(path, model)) and keep the optimizer fresh"
+            )
         ckpt = read_foreign(path, list(params) + list(aliases) + list(buffers))
         source = _check_names(ckpt, params, buffers, bool(optimizers), aliases)
         settings = _match_groups(ckpt, engine, optimizers, caller, aliases)
@@ -441,6 +449,8 @@ def _match_groups(
     members = [s.get("params") for s in saved]
     if not all(isinstance(m, (list, tuple)) and all(isinstance(n, str) for n in m) for m in members):
         if len(saved) != len(groups):  # no membership saved: by index, when the counts agree
+            if engine.world.rank != 0:
+                return None
             warnings.warn(
                 f"{caller}: the checkpoint has {len(saved)} optimizer parameter groups and the optimizer(s) "
                 f"{len(groups)}; the settings (lr, ...) were not restored: the optimizer keeps its own",
