@@ -294,6 +294,12 @@ def job_sync(out: dict[str, Any]) -> None:
     from accelerate.state import GradientState
     from accelerate.test_utils.scripts import test_sync
 
+    # test_sync's RegressionDataset(length=80) draws its data from fresh OS entropy (numpy's
+    # default_rng(None)); on some draws a rank's half-batch gradient lies within allclose's 1e-5 of
+    # the full batch's, and its "not in sync" check fails under DDP as well (seen once in CI). A
+    # fixed seed makes the same checks deterministic.
+    dataset = test_sync.RegressionDataset
+    test_sync.RegressionDataset = lambda *args, **kwargs: dataset(*args, **{"seed": 7, **kwargs})  # type: ignore[misc]
     ran: list[str] = []
     for stage in (1, 2):
         original = _route_prepare_through(lambda stage=stage: ZeroPlugin(stage=stage))
