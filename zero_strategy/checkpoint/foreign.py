@@ -281,7 +281,7 @@ def load_foreign(
                     continue
                 state = optimizer.state[m]
                 on_disk = swapped.get(id(m), {})
-                saved = next((n for n in [fqn, *_names_of(fqn, aliases)] if n in ckpt.optim), fqn)
+                saved = _saved_name(fqn, aliases, ckpt.optim)
                 for key, md in ckpt.optim.get(saved, {}).items():
                     full = key != "step" and list(md.size) == list(p.shape)
                     if full:
@@ -365,8 +365,10 @@ def _aliases(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> dic
     }
 
 
-def _names_of(fqn: str, aliases: Mapping[str, str]) -> list[str]:
-    return [a for a, primary in aliases.items() if primary == fqn]
+def _saved_name(fqn: str, aliases: Mapping[str, str], held: Mapping[str, Any]) -> str:
+    """The name ``held`` (the checkpoint's model or optimizer entries) keeps parameter ``fqn``
+    under: its own, else one of a tied weight's other names; ``fqn`` when none is held."""
+    return next((n for n in [fqn, *(a for a, primary in aliases.items() if primary == fqn)] if n in held), fqn)
 
 
 def _check_names(
@@ -381,7 +383,7 @@ def _check_names(
     A tied parameter is found under any of its names (``get_model_state_dict`` saves each name).
     Returns each parameter's name -> the checkpoint's name to load it from (its own first)."""
     wanted = {**{n: p.shape for n, p in params.items()}, **{n: b.shape for n, b in buffers.items()}}
-    source = {n: next((a for a in [n, *_names_of(n, aliases)] if a in ckpt.model), n) for n in params}
+    source = {n: _saved_name(n, aliases, ckpt.model) for n in params}
     missing = sorted(n for n in wanted if source.get(n, n) not in ckpt.model)
     extra = sorted(n for n in ckpt.model if n not in wanted and n not in aliases)
     if missing or extra:
